@@ -1,0 +1,43 @@
+"""Snapshot backends: ``criu`` (process checkpoints) and ``pickle`` (in-process cloudpickle)."""
+
+from __future__ import annotations
+
+import logging
+
+from gym_fork.backends.base import Backend
+from gym_fork.criu_support import criu_status
+
+log = logging.getLogger("gym_fork")
+_announced: set[str] = set()
+
+BACKENDS = ("auto", "criu", "pickle")
+
+
+def _announce(key: str, level: int, msg: str) -> None:
+    if key not in _announced:  # one line per process, not one per env
+        _announced.add(key)
+        log.log(level, msg)
+
+
+def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_log: str | None = None) -> Backend:
+    """Resolve a backend name to a backend object (``auto``: criu when usable, else pickle)."""
+    if isinstance(name, Backend):
+        return name
+    if name == "criu":
+        from gym_fork.backends.criu import CriuBackend
+
+        return CriuBackend(verify=verify, worker_log=worker_log)
+    if name == "pickle":
+        from gym_fork.backends.pickle import PickleBackend
+
+        return PickleBackend()
+    if name == "auto":
+        st = criu_status()
+        if st.usable:
+            _announce("auto-criu", logging.INFO, f"gym_fork: backend 'criu' ({st.binary}, CRIU {st.version})")
+            return get_backend("criu", verify=verify, worker_log=worker_log)
+        _announce("auto-pickle", logging.WARNING,
+                  "gym_fork: CRIU is not usable (" + "; ".join(st.reasons) + "); using backend 'pickle', "
+                  "which refuses envs it cannot copy exactly. Run `gym-fork doctor` for details.")
+        return get_backend("pickle")
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

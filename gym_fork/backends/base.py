@@ -1,0 +1,182 @@
+"""What every backend provides, and the two kinds of worker handle.
+
+A *handle* is how a ForkableEnv talks to the process (or object) that runs its env:
+``request(cmd, *args)`` sends one protocol command and returns its result.
+A *backend* starts handles, snapshots them and restores snapshots into new handles.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import signal
+import subprocess
+from typing import Any
+
+from gym_fork.errors import WorkerDiedError, WorkerError, remote_exception
+from gym_fork.protocol import OK, Channel, ChannelClosed
+from gym_fork.server import EnvServer, EnvSource
+
+
+class Handle(abc.ABC):
+    pid: int | None = None
+    closed: bool = False
+
+    @abc.abstractmethod
+    def request(self, cmd: str, *args: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Stop the env's process (or drop the in-process env) without asking it."""
+
+    def close(self) -> None:
+        """Close the env politely (``env.close()``), then stop the process."""
+        if self.closed:
+            return
+        try:
+            self.request("close")
+        except Exception:  # noqa: BLE001 - closing a dead worker is not an error
+            pass
+        self.kill()
+
+
+class LocalHandle(Handle):
+    """The env lives in this process (pickle backend)."""
+
+    def __init__(self, server: EnvServer):
+        self.server = server
+
+    def request(self, cmd: str, *args: Any) -> Any:
+        if self.closed:
+            raise WorkerDiedError("the in-process env was closed")
+        return self.server.dispatch(cmd, args)
+
+    def kill(self) -> None:
+        self.closed = True
+
+
+class RemoteHandle(Handle):
+    """The env runs in a worker process at the other end of ``chan``.
+
+    ``ino`` is the inode of the *worker's* end of the channel: CRIU names that socket
+    ``unix[ino]`` when it dumps the worker, and re-attaches a fresh socket in its place on restore.
+    """
+
+    def __init__(self, chan: Channel, pid: int, ino: int, *, popen: subprocess.Popen | None = None,
+                 child: bool = False):
+        self.chan = chan
+        self.pid = pid
+        self.ino = ino
+        self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
+        self._child = child  # set when the worker itself is our child (restored with rst_sibling)
+        self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
+        self._status: str | None = None
+
+    def request(self, cmd: str, *args: Any) -> Any:
+        if self.closed:
+            raise WorkerDiedError(f"worker {self.pid} was already stopped")
+        chan = self.chan
+        try:
+            if self._pending:  # drain the reply of an interrupted request first
+                chan.recv()
+                self._pending = False
+            chan.send((cmd, args))
+            self._pending = True
+            reply = chan.recv()
+            self._pending = False
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise WorkerDiedError(
+                f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}"
+            ) from e
+        if reply[0] == OK:
+            return reply[1]
+        _, type_name, message, tb = reply
+        raise remote_exception(type_name, message, tb)
+
+    def exit_status(self) -> str:
+        """How the worker ended, as words (waits up to 2 s for it to be reaped)."""
+        if self._status is not None:
+            return self._status
+        status = "it is still running but closed its channel"
+        try:
+            if self._popen is not None:
+                rc = self._popen.wait(timeout=2)
+                status = _describe_returncode(rc)
+            elif self._child:
+                import time
+
+                deadline = time.monotonic() + 2
+                while True:
+                    wpid, st = os.waitpid(self.pid, os.WNOHANG)
+                    if wpid:
+                        status = _describe_returncode(os.waitstatus_to_exitcode(st))
+                        break
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+        except (subprocess.TimeoutExpired, ChildProcessError):
+            pass
+        self._status = status
+        return status
+
+    def kill(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.chan.close()
+        try:
+            # SIGKILL: a PID-namespace init ignores SIGTERM, and killing it ends its namespace.
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            if self._popen is not None:
+                self._popen.wait(timeout=5)
+            elif self._child:
+                os.waitpid(self.pid, 0)
+        except (ChildProcessError, subprocess.TimeoutExpired):
+            pass
+
+
+def _describe_returncode(rc: int) -> str:
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"killed by {name}"
+    if rc > 128 and rc - 128 < 65:  # `unshare --fork` reports a killed child as 128+sig on some versions
+        try:
+            return f"exit code {rc} (killed by {signal.Signals(rc - 128).name}?)"
+        except ValueError:
+            pass
+    return f"exited with code {rc}"
+
+
+class Backend(abc.ABC):
+    """Starts env workers, snapshots them and restores snapshots."""
+
+    name: str
+
+    @abc.abstractmethod
+    def start(self, source: EnvSource) -> tuple[Handle, dict]:
+        """Start the env; returns its handle and its metadata (spaces, spec, ...)."""
+
+    @abc.abstractmethod
+    def snapshot(self, handle: Handle, snap_id: str) -> tuple[Any, int]:
+        """Capture the env's whole state; returns (payload, size in bytes)."""
+
+    @abc.abstractmethod
+    def restore(self, payload: Any) -> Handle:
+        """Start a new env from a snapshot payload; the caller retires the old handle."""
+
+    def restore_many(self, payload: Any, n: int) -> list[Handle]:
+        """``n`` independent restores (backends may run them concurrently)."""
+        return [self.restore(payload) for _ in range(n)]
+
+    @abc.abstractmethod
+    def release(self, payload: Any) -> None:
+        """Free what a snapshot holds (files, processes). Idempotent."""
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,118 @@
+"""Finding CRIU, checking it works here, and driving it through pycriu's RPC.
+
+``criu_status()`` answers "can gym_fork use CRIU here, and if not, why not?" once per process;
+``backend="auto"`` and ``gym-fork doctor`` both ask it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+MIN_MAJOR = 4
+_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/local/bin/criu", "/usr/bin/criu")
+
+
+@dataclass
+class CriuStatus:
+    usable: bool
+    binary: str | None = None
+    version: str | None = None
+    check_output: str = ""
+    pycriu: str | None = None  # pycriu version, or None when it does not import
+    is_root: bool = False
+    reasons: list[str] = field(default_factory=list)  # why it is not usable
+    advice: list[str] = field(default_factory=list)  # what to do about it
+
+
+def binary_version(path: str) -> str | None:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Version:\s*([0-9][0-9.]*)", out)
+    return m.group(1) if m else None
+
+
+def find_criu() -> tuple[str | None, str | None, list[str]]:
+    """The first criu >= 4 found: ``$GYM_FORK_CRIU``, then PATH, then the usual places.
+
+    Returns (path, version, notes about rejected candidates).
+    """
+    notes: list[str] = []
+    seen: set[str] = set()
+    cands = [os.environ.get("GYM_FORK_CRIU"), shutil.which("criu"), *_CANDIDATES]
+    for c in cands:
+        if not c or c in seen or not os.path.isfile(c):
+            continue
+        seen.add(c)
+        real = os.path.realpath(c)
+        ver = binary_version(real)
+        if ver is None:
+            notes.append(f"{c}: does not run")
+            continue
+        if int(ver.split(".")[0]) < MIN_MAJOR:
+            notes.append(f"{c}: version {ver} is too old (need >= {MIN_MAJOR}.0; 3.x fails on recent kernels)")
+            continue
+        return os.path.abspath(c), ver, notes
+    return None, None, notes
+
+
+@functools.lru_cache(maxsize=1)
+def criu_status() -> CriuStatus:
+    st = CriuStatus(usable=False, is_root=os.geteuid() == 0)
+    st.binary, st.version, notes = find_criu()
+    st.reasons.extend(notes)
+    try:
+        import pycriu  # noqa: F401
+        from pycriu import rpc_pb2  # noqa: F401
+
+        st.pycriu = getattr(getattr(pycriu, "version", None), "__version__", None) or "installed"
+    except Exception as e:  # noqa: BLE001
+        st.reasons.append(f"pycriu does not import ({type(e).__name__}: {e})")
+        st.advice.append("run scripts/install_criu.sh (it installs pycriu into the current venv)")
+    if st.binary is None:
+        st.reasons.append("no criu >= 4.0 found (looked at $GYM_FORK_CRIU, PATH, /usr/local/sbin, /usr/sbin)")
+        st.advice.append("run `sudo PYTHON=$(which python) scripts/install_criu.sh` to build CRIU 4.1.1")
+    if not st.is_root:
+        st.reasons.append("not running as root: CRIU needs CAP_SYS_ADMIN/CAP_CHECKPOINT_RESTORE here")
+        st.advice.append("run as root, or use backend='pickle' for pure-Python envs")
+    if st.binary and st.is_root:
+        try:
+            p = subprocess.run([st.binary, "check"], capture_output=True, text=True, timeout=60)
+            st.check_output = (p.stdout + p.stderr).strip()
+            if p.returncode != 0:
+                st.reasons.append(f"`criu check` failed: {st.check_output.splitlines()[-1:]}")
+                st.advice.append("see `criu check` output; a too-old kernel or missing features cannot be fixed here")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            st.reasons.append(f"`criu check` did not run: {e}")
+    if shutil.which("unshare") is None:
+        st.reasons.append("the `unshare` tool (util-linux) is missing")
+        st.advice.append("apt-get install util-linux")
+    st.usable = not st.reasons
+    return st
+
+
+def new_client(binary: str):
+    """A pycriu client bound to ``binary`` (absolute: pycriu execs it without a PATH lookup)."""
+    import pycriu
+
+    c = pycriu.criu()
+    c.use_binary(binary)
+    return c
+
+
+def log_tail(path: str, lines: int = 8) -> str:
+    """The last error-ish lines of a CRIU log, for exception messages."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    noise = "RLIMIT_NOFILE"  # harmless in sandboxes without CAP_SYS_RESOURCE
+    errs = [ln for ln in text if ("Error" in ln or "rror (" in ln) and noise not in ln]
+    return "\n".join((errs or text)[-lines:])

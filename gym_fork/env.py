@@ -1,0 +1,336 @@
+"""``ForkableEnv``: a Gymnasium wrapper whose env can be snapshotted, restored and forked."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from typing import Any, Callable, Literal, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+from gym_fork.backends import Backend, get_backend
+from gym_fork.backends.base import Handle
+from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
+from gym_fork.server import make_source
+from gym_fork.snapshot import Snapshot
+
+log = logging.getLogger("gym_fork")
+
+
+class _WorkerEnv(gym.Env):
+    """Local stand-in for the env that lives in the worker (what ``ForkableEnv.unwrapped`` is).
+
+    Spaces, metadata and spec are copied at start-up; any other attribute is fetched from the
+    worker's ``env.unwrapped`` on access (its value must pickle).
+    """
+
+    def __init__(self, owner: "ForkableEnv", meta: dict):
+        self._owner = owner
+        self.observation_space = meta["observation_space"]
+        self.action_space = meta["action_space"]
+        self.metadata = meta["metadata"]
+        self.render_mode = meta["render_mode"]
+        self.spec = meta["spec"]
+        self._type_name = meta["unwrapped_type"]
+
+    def step(self, action):
+        return self._owner.step(action)
+
+    def reset(self, *, seed=None, options=None):
+        return self._owner.reset(seed=seed, options=options)
+
+    def render(self):
+        return self._owner.render()
+
+    def close(self):
+        self._owner.close()
+
+    def _remote(self, *args: Any) -> Any:
+        return self._owner._request(*args)
+
+    @property
+    def np_random(self) -> np.random.Generator:  # type: ignore[override]
+        return self._remote("getattr", "np_random", "unwrapped")
+
+    @np_random.setter
+    def np_random(self, value: np.random.Generator) -> None:
+        self._remote("setattr", "np_random", value, "unwrapped")
+
+    @property
+    def _np_random(self):  # read by gymnasium's env checker
+        return self._remote("getattr", "_np_random", "unwrapped")
+
+    @property
+    def np_random_seed(self) -> int:  # type: ignore[override]
+        return self._remote("getattr", "np_random_seed", "unwrapped")
+
+    def get_wrapper_attr(self, name: str) -> Any:
+        return self._remote("getattr", name, "wrapper")
+
+    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
+        self._remote("setattr", name, value, "wrapper")
+        return True
+
+    def has_wrapper_attr(self, name: str) -> bool:
+        try:
+            self._remote("getattr", name, "wrapper")
+            return True
+        except AttributeError:
+            return False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_owner", "_type_name"):
+            raise AttributeError(name)
+        return self._remote("getattr", name, "unwrapped")
+
+    def __str__(self) -> str:
+        return f"<{self._type_name} in a gym_fork worker>"
+
+
+class ForkableEnv(gym.Wrapper):
+    """A Gymnasium env that runs in a worker process and can be snapshotted and restored.
+
+    ``env`` is an env id (like :func:`gymnasium.make`), a zero-argument factory returning a
+    ``gymnasium.Env``, or an env instance (then it is pickled to the worker; envs that cannot be
+    pickled must be passed as an id or factory).  The whole wrapper stack that the id or factory
+    builds (``TimeLimit``, ``OrderEnforcing``, ...) lives in the worker, so it is captured too.
+
+    Example:
+        >>> import gym_fork
+        >>> env = gym_fork.ForkableEnv("CartPole-v1", backend="pickle")
+        >>> obs, info = env.reset(seed=0)
+        >>> for _ in range(10):
+        ...     _ = env.step(1)
+        >>> snap = env.snapshot()
+        >>> a = [env.step(0)[0] for _ in range(5)]
+        >>> obs_then, _ = env.restore(snap)
+        >>> b = [env.step(0)[0] for _ in range(5)]
+        >>> all((x == y).all() for x, y in zip(a, b))
+        True
+        >>> snap.steps, env.steps
+        (10, 15)
+        >>> env.close()
+
+    Args:
+        env: env id, factory or instance.
+        backend: ``"auto"`` (CRIU when usable here, else pickle), ``"criu"`` or ``"pickle"``.
+        env_kwargs: keyword arguments for ``gymnasium.make`` when ``env`` is an id.
+        verify: ``"full"`` checks every image's sha256 before a CRIU restore; ``"size"`` only
+            checks that the files are present with the right sizes.
+        record_actions: keep the actions since the last snapshot, so every snapshot knows its
+            action path from its parent (``Snapshot.actions``).
+        worker_log: append the worker's stdout/stderr to this file (default: discarded).
+    """
+
+    def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
+                 env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
+                 record_actions: bool = True, worker_log: str | None = None):
+        source = make_source(env, env_kwargs)
+        be = get_backend(backend, verify=verify, worker_log=worker_log)
+        handle, meta = be.start(source)
+        self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
+
+    # --- construction shared with fork() -------------------------------------------------------
+    def _setup(self, be: Backend, handle: Handle, meta: dict, *, lineage: str, record_actions: bool) -> None:
+        self._backend = be
+        self._handle = handle
+        self._meta = meta
+        self._lineage = lineage
+        self._record_actions = record_actions
+        self._closed = False
+        self._steps = 0
+        self._parent_id: str | None = None
+        self._actions: list | None = [] if record_actions else None
+        self._snapshots: weakref.WeakValueDictionary[str, Snapshot] = weakref.WeakValueDictionary()
+        # Stop the worker even if the user forgets close(): the finalizer sees the current handle.
+        self._box = [handle]
+        self._finalizer = weakref.finalize(self, _kill_boxed, self._box)
+        super().__init__(_WorkerEnv(self, meta))
+
+    @classmethod
+    def _adopt(cls, parent: "ForkableEnv", handle: Handle) -> "ForkableEnv":
+        child = cls.__new__(cls)
+        child._setup(parent._backend, handle, parent._meta, lineage=parent._lineage,
+                     record_actions=parent._record_actions)
+        return child
+
+    # --- Gymnasium API ---------------------------------------------------------------------------
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        if self._closed:
+            raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
+        out = self._handle.request("step", action)
+        self._steps += 1
+        if self._actions is not None:
+            self._actions.append(action)
+        return out
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        obs_info = self._request("reset", seed, options)
+        self._steps = 0
+        self._parent_id = None
+        if self._actions is not None:
+            self._actions = []
+        return obs_info
+
+    def render(self) -> Any:
+        return self._request("render")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for snap in list(self._snapshots.values()):
+            snap.release()
+        self._handle.close()
+        self._finalizer.detach()
+
+    @property
+    def spec(self) -> gym.envs.registration.EnvSpec | None:  # type: ignore[override]
+        return self._meta["spec"]
+
+    # --- snapshots -----------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """Name of the backend in use (``"criu"`` or ``"pickle"``)."""
+        return self._backend.name
+
+    @property
+    def steps(self) -> int:
+        """Steps since the last ``reset()`` (restores set it to the snapshot's)."""
+        return self._steps
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def worker_pid(self) -> int | None:
+        """Host pid of the worker process (``None`` for the in-process pickle backend)."""
+        return self._handle.pid
+
+    def snapshot(self) -> Snapshot:
+        """Capture the env's whole state now. The env keeps running.
+
+        Raises:
+            SnapshotError: the backend failed; the env is unchanged and usable.
+            UnsupportedEnvError: the backend cannot capture this env exactly.
+        """
+        self._check_open()
+        from gym_fork.snapshot import new_id
+
+        sid = new_id()
+        payload, size = self._backend.snapshot(self._handle, sid)
+        snap = Snapshot(backend=self._backend, payload=payload, size_bytes=size, steps=self._steps,
+                        parent_id=self._parent_id, lineage=self._lineage,
+                        actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
+        self._snapshots[snap.id] = snap
+        self._parent_id = snap.id
+        if self._actions is not None:
+            self._actions = []
+        return snap
+
+    def restore(self, snapshot: Snapshot) -> tuple[Any, dict]:
+        """Bring the env back to ``snapshot``; returns the ``(obs, info)`` of that moment.
+
+        On any failure the env keeps running exactly as before the call.
+        """
+        self._check_open()
+        payload = self._check_snapshot(snapshot)
+        new = self._backend.restore(payload)
+        self._switch_to(new, snapshot)
+        obs, info, _steps = self._handle.request("last")
+        return obs, info
+
+    def fork(self, snapshot: Snapshot | None = None, n: int = 1, *, rng: Literal["same", "reseed"] = "same",
+             seeds: Sequence[int] | None = None) -> list["ForkableEnv"]:
+        """``n`` new, independent envs that each start exactly at ``snapshot``.
+
+        With ``snapshot=None`` a snapshot of the current state is taken (and released after).
+        ``rng="same"`` keeps every copy's randomness identical to the snapshot's (same actions give
+        the same trajectories); ``rng="reseed"`` reseeds each copy's ``np_random`` (and ALE's RNG)
+        from ``seeds[i]`` or fresh entropy, leaving the simulated state untouched.
+        This env is not changed. Close the returned envs when done.
+        """
+        self._check_open()
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if rng not in ("same", "reseed"):
+            raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
+        if seeds is not None and (rng != "reseed" or len(seeds) != n):
+            raise ValueError("seeds needs rng='reseed' and exactly n entries")
+        own = snapshot is None
+        snap = self.snapshot() if own else snapshot
+        try:
+            handles = self._backend.restore_many(self._check_snapshot(snap), n)
+        finally:
+            if own:
+                snap.release()
+        children = []
+        for i, h in enumerate(handles):
+            child = ForkableEnv._adopt(self, h)
+            child._steps = snap.steps
+            child._parent_id = None if own else snap.id
+            children.append(child)
+            if rng == "reseed":
+                seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
+                child._request("reseed", seed)
+        return children
+
+    # --- internals -----------------------------------------------------------------------------
+    def _request(self, *args: Any) -> Any:
+        if self._closed:
+            raise EnvClosedError(f"{args[0]}() on a closed ForkableEnv; create a new one")
+        try:
+            return self._handle.request(*args)
+        except WorkerError as e:
+            if e.remote_type == "AttributeError" and args[0] == "getattr":
+                raise AttributeError(str(e)) from None
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EnvClosedError("this ForkableEnv was closed; create a new one")
+
+    def _check_snapshot(self, snapshot: Snapshot) -> Any:
+        if not isinstance(snapshot, Snapshot):
+            raise TypeError(f"expected a gym_fork.Snapshot, got {type(snapshot).__name__}")
+        if snapshot.lineage != self._lineage:
+            raise ForeignSnapshotError(
+                f"snapshot {snapshot.id} was taken from another env; restore it into that env or one "
+                "of its forks"
+            )
+        if snapshot.backend != self._backend.name:
+            raise ForeignSnapshotError(
+                f"snapshot {snapshot.id} was taken by backend {snapshot.backend!r}, this env uses "
+                f"{self._backend.name!r}"
+            )
+        return snapshot.payload()  # raises SnapshotReleasedError
+
+    def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
+        old, self._handle = self._handle, new
+        self._box[0] = new
+        old.kill()
+        self._steps = snapshot.steps
+        self._parent_id = snapshot.id
+        if self._actions is not None:
+            self._actions = []
+
+    def __repr__(self) -> str:
+        env_id = self._meta["spec"].id if self._meta.get("spec") else self._meta["unwrapped_type"]
+        return f"<ForkableEnv {env_id} backend={self.backend} pid={self.worker_pid}>"
+
+
+def _kill_boxed(box: list) -> None:
+    box[0].kill()
+
+
+def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "size"] = "full",
+         record_actions: bool = True, worker_log: str | None = None, **kwargs: Any) -> ForkableEnv:
+    """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
+
+    Keyword arguments other than gym_fork's own go to ``gymnasium.make`` in the worker.
+    """
+    return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
+                       record_actions=record_actions, worker_log=worker_log)

@@ -1,0 +1,90 @@
+"""Every exception gym_fork raises on purpose.
+
+All derive from :class:`GymForkError`, so ``except gym_fork.GymForkError`` catches them all.
+Each message says what went wrong *and* what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class GymForkError(Exception):
+    """Base class of all gym_fork errors."""
+
+
+class BackendUnavailableError(GymForkError):
+    """The requested snapshot backend cannot run here (no CRIU, no privileges, ...)."""
+
+
+class EnvNotShippableError(GymForkError):
+    """An env instance could not be sent to the worker process."""
+
+
+class UnsupportedEnvError(GymForkError):
+    """The chosen backend cannot capture this env's state exactly (e.g. pickle on Box2D)."""
+
+
+class SnapshotError(GymForkError):
+    """Taking a snapshot failed. The running env is unchanged and no snapshot was created."""
+
+
+class RestoreError(GymForkError):
+    """Restoring a snapshot failed. The running env is unchanged."""
+
+
+class SnapshotReleasedError(RestoreError):
+    """The snapshot was released (explicitly, or because its env was closed)."""
+
+
+class ForeignSnapshotError(RestoreError):
+    """The snapshot belongs to another env (another lineage or another backend)."""
+
+
+class SnapshotCorruptedError(RestoreError):
+    """The snapshot's images are missing or fail their integrity check."""
+
+
+class EnvClosedError(GymForkError):
+    """The ForkableEnv was closed; create a new one."""
+
+
+class WorkerDiedError(GymForkError):
+    """The worker process running the env died; the message says how (exit code or signal)."""
+
+
+class WorkerError(GymForkError):
+    """The env raised inside the worker. ``remote_type`` and ``remote_traceback`` say what."""
+
+    def __init__(self, message: str, remote_type: str = "", remote_traceback: str = ""):
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+class CriuError(GymForkError):
+    """CRIU itself failed; the message quotes the end of its log."""
+
+
+_remote_classes: dict[str, type] = {}
+
+
+def remote_exception(type_name: str, message: str, traceback_text: str) -> WorkerError:
+    """A WorkerError that is *also* an instance of the env's own exception type when that type
+    is a builtin or a ``gymnasium.error`` class, so ``except AssertionError`` keeps working."""
+    cls = _remote_classes.get(type_name)
+    if cls is None:
+        import builtins
+
+        import gymnasium.error
+
+        base = getattr(builtins, type_name, None) or getattr(gymnasium.error, type_name, None)
+        if isinstance(base, type) and issubclass(base, Exception) and not issubclass(base, OSError):
+            try:
+                cls = type(f"WorkerError[{type_name}]", (WorkerError, base), {})
+            except TypeError:  # incompatible layouts: fall back to the plain class
+                cls = WorkerError
+        else:
+            cls = WorkerError
+        _remote_classes[type_name] = cls
+    err = cls.__new__(cls)
+    WorkerError.__init__(err, f"{type_name} in the env worker: {message}", type_name, traceback_text)
+    return err

@@ -1,0 +1,183 @@
+"""The env side of the protocol: what a worker does with each command.
+
+:class:`EnvServer` owns one ``gymnasium.Env`` (the whole wrapper stack that ``gymnasium.make``
+built) and answers commands on it.  The worker process (:mod:`gym_fork.worker`) feeds it
+commands from its channel; the in-process pickle backend calls it directly.  Keeping both on one
+class means every backend steps the env through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+
+from gym_fork.errors import EnvNotShippableError
+
+# ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
+EnvSource = tuple
+
+
+def build_env(source: EnvSource) -> gym.Env:
+    """Create the env a source describes (runs inside the worker)."""
+    kind = source[0]
+    if kind == "id":
+        _, env_id, kwargs = source
+        if env_id.startswith("ALE/"):
+            import ale_py  # registers the ALE/ namespace
+
+            gym.register_envs(ale_py)
+        return gym.make(env_id, **kwargs)
+    obj = cloudpickle.loads(source[1])
+    env = obj() if kind == "factory" else obj
+    if not isinstance(env, gym.Env):
+        raise TypeError(f"the env factory returned {type(env).__name__}, not a gymnasium.Env")
+    return env
+
+
+def make_source(env: Any, env_kwargs: dict | None = None) -> EnvSource:
+    """Describe ``env`` (an id, a zero-argument factory, or an instance) so a worker can build it."""
+    if isinstance(env, str):
+        return ("id", env, dict(env_kwargs or {}))
+    if env_kwargs:
+        raise TypeError("env_kwargs is only accepted together with an env id string")
+    if isinstance(env, gym.Env):
+        try:
+            return ("instance", cloudpickle.dumps(env))
+        except Exception as e:  # noqa: BLE001 - any pickling failure means the same thing here
+            raise EnvNotShippableError(
+                f"cannot send the env instance {env!r} to the worker process ({type(e).__name__}: {e}). "
+                "Pass an env id (ForkableEnv('CartPole-v1')) or a zero-argument factory "
+                "(ForkableEnv(lambda: MyEnv(...))) instead, so the worker builds the env itself."
+            ) from e
+    if callable(env):
+        try:
+            return ("factory", cloudpickle.dumps(env))
+        except Exception as e:  # noqa: BLE001
+            raise EnvNotShippableError(
+                f"cannot send the env factory {env!r} to the worker process ({type(e).__name__}: {e}). "
+                "Use a module-level function or a lambda that closes over picklable values only."
+            ) from e
+    raise TypeError(
+        f"env must be an env id (str), a zero-argument factory or a gymnasium.Env, not {type(env).__name__}"
+    )
+
+
+class EnvServer:
+    """Executes protocol commands on one env and remembers the latest (obs, info)."""
+
+    def __init__(self, env: gym.Env):
+        self.env = env
+        self.last_obs: Any = None
+        self.last_info: dict = {}
+        self.steps = 0  # steps since the last reset
+
+    def dispatch(self, cmd: str, args: tuple) -> Any:
+        method: Callable | None = getattr(self, "cmd_" + cmd, None)
+        if method is None:
+            raise ValueError(f"unknown worker command {cmd!r}")
+        return method(*args)
+
+    # --- the Gymnasium API -------------------------------------------------------------------
+    def cmd_step(self, action: Any) -> tuple:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.last_obs, self.last_info = obs, info
+        self.steps += 1
+        return obs, reward, terminated, truncated, info
+
+    def cmd_reset(self, seed: int | None, options: dict | None) -> tuple:
+        obs, info = self.env.reset(seed=seed, options=options)
+        self.last_obs, self.last_info, self.steps = obs, info, 0
+        return obs, info
+
+    def cmd_render(self) -> Any:
+        return self.env.render()
+
+    def cmd_close(self) -> None:
+        self.env.close()
+
+    # --- introspection -----------------------------------------------------------------------
+    def cmd_meta(self) -> dict:
+        env = self.env
+        return {
+            "observation_space": env.observation_space,
+            "action_space": env.action_space,
+            "metadata": env.metadata,
+            "render_mode": env.render_mode,
+            "spec": env.spec,
+            "env_repr": repr(env),
+            "unwrapped_type": type(env.unwrapped).__module__ + "." + type(env.unwrapped).__qualname__,
+            "ezpickle": isinstance(env.unwrapped, gym.utils.EzPickle),
+            "pid": host_pid(),
+        }
+
+    def cmd_getattr(self, name: str, where: str) -> Any:
+        if where == "wrapper":
+            return self.env.get_wrapper_attr(name)
+        return getattr(self.env.unwrapped, name)
+
+    def cmd_setattr(self, name: str, value: Any, where: str) -> None:
+        if where == "wrapper":
+            self.env.set_wrapper_attr(name, value)
+        else:
+            setattr(self.env.unwrapped, name, value)
+
+    def cmd_call(self, name: str, args: tuple, kwargs: dict, where: str) -> Any:
+        target = self.env if where == "wrapper" else self.env.unwrapped
+        return getattr(target, name)(*args, **kwargs)
+
+    def cmd_last(self) -> tuple:
+        """(obs, info, steps) of the latest reset/step: what restore() hands back."""
+        return self.last_obs, self.last_info, self.steps
+
+    def cmd_ping(self) -> int:
+        return host_pid()
+
+    def cmd_reseed(self, seed: int) -> None:
+        reseed_env(self.env, seed)
+
+
+def reseed_env(env: gym.Env, seed: int) -> None:
+    """Give a branch its own randomness: the env's ``np_random`` and, for ALE, its RNG.
+
+    The physics/game state is untouched; only future random draws change.  Wrappers that keep
+    their own generators are reseeded where they expose ``np_random`` through ``_np_random``.
+    """
+    ss = np.random.SeedSequence(seed)
+    env.unwrapped.np_random = np.random.Generator(np.random.PCG64(ss.spawn(1)[0]))
+    ale = getattr(env.unwrapped, "ale", None)
+    if ale is not None and hasattr(ale, "cloneState"):
+        _reseed_ale(ale, int(ss.generate_state(1)[0]))
+    layer = env
+    while isinstance(layer, gym.Wrapper):
+        if getattr(layer, "_np_random", None) is not None:
+            layer._np_random = np.random.Generator(np.random.PCG64(ss.spawn(1)[0]))
+        layer = layer.env
+
+
+def _reseed_ale(ale: Any, seed: int) -> None:
+    """Reseed ALE's sticky-action RNG without touching the emulator state.
+
+    ALE keeps its RNG inside the serialized system state; setting ``random_seed`` only takes
+    effect on ``loadROM``.  So: clone the game state *with* RNG from a freshly seeded copy is not
+    possible; instead we restore the game state without RNG after reseeding the RNG through
+    ``setInt`` + ``loadROM``'s RNG init is avoided.  What works on ale-py >= 0.9: clone the state
+    without the RNG, reseed via setInt and a ROM reload, then restore the game state.
+    """
+    state = ale.cloneState(include_rng=False)
+    ale.setInt("random_seed", seed % (2**31 - 1))
+    rom = getattr(ale, "_gym_fork_rom", None)
+    if rom is not None:
+        ale.loadROM(rom)
+    ale.restoreState(state)
+
+
+def host_pid() -> int:
+    """This process's pid as the host sees it (``os.getpid()`` is 1 inside a fresh pid namespace)."""
+    try:
+        return int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return os.getpid()

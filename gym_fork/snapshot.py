@@ -1,0 +1,68 @@
+"""The :class:`Snapshot` handle: one saved moment of one env."""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from typing import Any
+
+from gym_fork.errors import SnapshotReleasedError
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Snapshot:
+    """A saved state of a :class:`~gym_fork.ForkableEnv`, restorable any number of times.
+
+    Attributes:
+        id: unique id (16 hex digits).
+        backend: name of the backend that took it (``"criu"``, ``"pickle"``, ...).
+        steps: steps since the last ``reset()`` at the moment it was taken (its depth).
+        size_bytes: what it occupies (image files or pickle bytes).
+        created: ``time.time()`` when it was taken.
+        parent_id: id of the snapshot this state descends from (the previous snapshot taken or
+            restored on the same timeline since the last reset), or ``None``.
+        actions: the actions taken from ``parent_id`` (or from reset) to this state, when the env
+            records them (``record_actions=True``), else ``None``.
+
+    Resources (processes, image files) are freed by :meth:`release`, when the env that took the
+    snapshot is closed, or when the last reference to the snapshot goes away.
+    """
+
+    def __init__(self, *, backend: Any, payload: Any, size_bytes: int, steps: int,
+                 parent_id: str | None, lineage: str, actions: list | None, snap_id: str | None = None):
+        self.id = snap_id or new_id()
+        self.backend: str = backend.name
+        self.size_bytes = size_bytes
+        self.steps = steps
+        self.created = time.time()
+        self.parent_id = parent_id
+        self.actions = actions
+        self.lineage = lineage
+        self._payload = payload
+        self._finalizer = weakref.finalize(self, backend.release, payload)
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        """Free the snapshot's resources now. Restoring it afterwards raises SnapshotReleasedError."""
+        self._finalizer()
+        self._payload = None
+
+    def payload(self) -> Any:
+        if self.released:
+            raise SnapshotReleasedError(
+                f"snapshot {self.id} was released (explicitly, or because the env that took it was "
+                "closed); take a new snapshot"
+            )
+        return self._payload
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.size_bytes / 1e6:.2f} MB"
+        return (f"Snapshot(id={self.id!r}, backend={self.backend!r}, steps={self.steps}, "
+                f"parent_id={self.parent_id!r}, {state})")

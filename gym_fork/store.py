@@ -1,0 +1,109 @@
+"""Where snapshot images live, and how they are made visible atomically and verified.
+
+Each controller process gets one private session directory (0700) under
+``$GYM_FORK_DIR`` or the temp dir; it is removed when the process exits.  A snapshot is written
+into ``.<id>.tmp``, checksummed into ``MANIFEST.json``, and only then renamed to ``snap-<id>``:
+a crash leaves either a complete snapshot or none.  Restores verify the manifest first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+
+from gym_fork.errors import SnapshotCorruptedError
+
+MANIFEST = "MANIFEST.json"
+_NOT_IMAGES = re.compile(r"(\.log|^stats-.*|^" + re.escape(MANIFEST) + r")$")
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+_lock = threading.Lock()
+_session: str | None = None
+
+
+def private_mkdir(path: str) -> str:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def session_dir() -> str:
+    """This process's private directory for images (created on first use, removed at exit)."""
+    global _session
+    with _lock:
+        if _session is None or not os.path.isdir(_session):
+            base = os.environ.get("GYM_FORK_DIR") or os.path.join(tempfile.gettempdir(), f"gym_fork-{os.geteuid()}")
+            private_mkdir(base)
+            _session = tempfile.mkdtemp(prefix=f"s{os.getpid()}-", dir=base)
+            os.chmod(_session, 0o700)
+            atexit.register(shutil.rmtree, _session, True)
+        return _session
+
+
+def check_id(snap_id: str) -> str:
+    if not _ID_RE.match(snap_id):
+        raise ValueError(f"invalid snapshot id {snap_id!r}: use letters, digits, '-' and '_' only")
+    return snap_id
+
+
+def file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(dirpath: str, meta: dict) -> int:
+    """Checksum every image file in ``dirpath``; returns their total size in bytes."""
+    files = {}
+    total = 0
+    for name in sorted(os.listdir(dirpath)):
+        p = os.path.join(dirpath, name)
+        if _NOT_IMAGES.search(name) or not os.path.isfile(p):
+            continue
+        size = os.path.getsize(p)
+        files[name] = {"size": size, "sha256": file_digest(p)}
+        total += size
+    with open(os.path.join(dirpath, MANIFEST), "w") as f:
+        json.dump({"files": files, "meta": meta}, f)
+    return total
+
+
+def read_manifest(dirpath: str) -> dict:
+    try:
+        with open(os.path.join(dirpath, MANIFEST)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise SnapshotCorruptedError(f"snapshot directory {dirpath} is missing or has no {MANIFEST}") from None
+    except (OSError, ValueError) as e:
+        raise SnapshotCorruptedError(f"cannot read {MANIFEST} in {dirpath}: {e}") from e
+
+
+def verify(dirpath: str, full: bool = True) -> dict:
+    """Raise SnapshotCorruptedError unless every image file is present and intact."""
+    man = read_manifest(dirpath)
+    for name, want in man["files"].items():
+        p = os.path.join(dirpath, name)
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            raise SnapshotCorruptedError(f"snapshot image {p} is missing") from None
+        if size != want["size"]:
+            raise SnapshotCorruptedError(f"snapshot image {p} has {size} bytes, expected {want['size']}")
+        if full and file_digest(p) != want["sha256"]:
+            raise SnapshotCorruptedError(f"snapshot image {p} fails its sha256 check (corrupted)")
+    return man
+
+
+def commit(tmp: str, final: str) -> None:
+    """Make a fully written snapshot directory visible in one step."""
+    dfd = os.open(tmp, os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    os.rename(tmp, final)

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Install CRIU 4.1.1 (built from Debian's verified source tarball) and its pycriu bindings.
+#
+# Idempotent: a working criu 4.x on PATH (or in $PREFIX/sbin) is kept; the build is cached in
+# $GYM_FORK_CACHE; pycriu is (re)installed into $PYTHON only when it does not import.
+#
+#   PYTHON=.venv/bin/python scripts/install_criu.sh
+#
+# Why from source: Debian bookworm's criu 3.17 fails on recent kernels
+# ("vdso: Unexpected rt vDSO area bounds"); 4.1.x works.  The orig tarball comes from Debian's
+# trixie *source* archive through apt, and its SHA256 is checked against apt's signed Sources index.
+set -euo pipefail
+
+CRIU_VERSION=4.1.1
+DEB_VERSION=4.1.1-1
+# Also verified against the signed index at run time; this pin guards against a changed index.
+ORIG_SHA256_PREFIX=f80a66cb
+PREFIX=${PREFIX:-/usr/local}
+PYTHON=${PYTHON:-python3}
+# make -C changes directory: a relative interpreter path must become absolute.
+case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON");; *) PYTHON=$(command -v "$PYTHON");; esac
+CACHE=${GYM_FORK_CACHE:-$HOME/.cache/gym_fork}
+SRC_DIR=$CACHE/criu-$CRIU_VERSION
+CRIU_BIN=$PREFIX/sbin/criu
+
+log() { echo "[install_criu] $*" >&2; }
+die() { echo "[install_criu] ERROR: $*" >&2; exit 1; }
+
+criu_ok() {  # $1 = binary; true when it is 4.x and `criu check` passes
+  local bin=$1 ver
+  [ -x "$bin" ] || return 1
+  ver=$("$bin" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\)\..*/\1/p')
+  [ "${ver:-0}" -ge 4 ] || return 1
+  [ "$(id -u)" != 0 ] && return 0          # `criu check` needs root; nonroot use is probed by doctor
+  "$bin" check >/dev/null 2>&1
+}
+
+pycriu_ok() { "$PYTHON" -c 'import pycriu, pycriu.rpc_pb2' >/dev/null 2>&1; }
+
+existing=""
+for cand in "$(command -v criu 2>/dev/null || true)" "$CRIU_BIN"; do
+  if [ -n "$cand" ] && criu_ok "$cand"; then existing=$cand; break; fi
+done
+
+if [ -n "$existing" ] && pycriu_ok; then
+  log "criu OK: $existing ($("$existing" --version | head -1)); pycriu imports"
+  exit 0
+fi
+
+if [ -z "$existing" ] || [ ! -d "$SRC_DIR/lib/pycriu" ] || [ ! -f "$SRC_DIR/lib/pycriu/rpc_pb2.py" ]; then
+  if [ "$(id -u)" != 0 ]; then
+    die "criu 4.x is not installed and building it needs root (apt build deps, $PREFIX/sbin).
+  Ask an administrator to run:  sudo PYTHON=$PYTHON $0
+  or put a working criu >= 4.0 on PATH and re-run this script."
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  src_list=/etc/apt/sources.list.d/gym-fork-criu-trixie-src.sources
+  if [ ! -f "$src_list" ]; then
+    # A *source-only* trixie entry, same mirror and keyring as the machine's bookworm entry.
+    # Never add a trixie binary line: apt would upgrade libc and friends.
+    uris=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    keyring=$(sed -n 's/^Signed-By: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    uris=${uris:-http://deb.debian.org/debian}
+    keyring=${keyring:-/usr/share/keyrings/debian-archive-keyring.gpg}
+    printf 'Types: deb-src\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: %s\n' \
+      "$uris" "$keyring" > "$src_list"
+    log "added $src_list"
+  fi
+  log "apt-get update"
+  apt-get update -qq
+  log "installing build dependencies (from bookworm)"
+  apt-get install -y -qq --no-install-recommends -t bookworm \
+    build-essential pkg-config xz-utils ca-certificates libprotobuf-c-dev protobuf-c-compiler \
+    libprotobuf-dev protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev \
+    libnftables-dev libgnutls28-dev iproute2 >/dev/null
+
+  mkdir -p "$CACHE/dl"
+  tarball=$CACHE/dl/criu_$CRIU_VERSION.orig.tar.xz
+  if [ ! -f "$tarball" ]; then
+    chown _apt "$CACHE/dl" 2>/dev/null || true
+    # The .dsc/.debian.tar.xz 404 on this mirror, so apt-get exits 100: only the tarball matters.
+    (cd "$CACHE/dl" && set +e && apt-get source -qq --download-only "criu=$DEB_VERSION" >/dev/null 2>&1; true)
+    [ -f "$tarball" ] || die "could not download criu_$CRIU_VERSION.orig.tar.xz via apt-get source"
+  fi
+  want=$(apt-cache showsrc criu | awk -v v="$DEB_VERSION" -v f="criu_$CRIU_VERSION.orig.tar.xz" '
+      /^Package:/ {inpar=0} $1=="Version:" {inpar=($2==v)} /^Checksums-Sha256:/ {insha=1; next}
+      /^[A-Z]/ {insha=0} inpar && insha && $3==f {print $1; exit}')
+  got=$(sha256sum "$tarball" | cut -d' ' -f1)
+  [ -n "$want" ] || die "no SHA256 for $DEB_VERSION in apt's Sources index"
+  [ "$got" = "$want" ] || { rm -f "$tarball"; die "checksum mismatch for $tarball: $got != $want"; }
+  case $got in $ORIG_SHA256_PREFIX*) ;; *) die "tarball checksum $got does not match the pinned $ORIG_SHA256_PREFIX…";; esac
+  log "source verified: sha256 $got"
+
+  if [ ! -x "$SRC_DIR/criu/criu" ] || [ ! -f "$SRC_DIR/lib/pycriu/rpc_pb2.py" ]; then
+    rm -rf "$SRC_DIR"; mkdir -p "$SRC_DIR"
+    tar -xf "$tarball" -C "$SRC_DIR" --strip-components=1
+    log "building criu $CRIU_VERSION (about 20 s)"
+    make -s -C "$SRC_DIR" -j"$(nproc)" PYTHON="$PYTHON" criu lib >"$CACHE/criu-build.log" 2>&1 \
+      || { tail -30 "$CACHE/criu-build.log" >&2; die "criu build failed; full log: $CACHE/criu-build.log"; }
+  fi
+  if [ -z "$existing" ]; then
+    install -D -m755 "$SRC_DIR/criu/criu" "$CRIU_BIN"
+    existing=$CRIU_BIN
+    log "installed $CRIU_BIN"
+  fi
+fi
+
+if ! pycriu_ok; then
+  [ -d "$SRC_DIR/lib/pycriu" ] || die "pycriu sources missing in $SRC_DIR (rerun as root to build them)"
+  log "installing pycriu into $PYTHON"
+  "$PYTHON" -m pip install -q 'protobuf>=3.20,<7' 'setuptools>=61' wheel
+  # --no-build-isolation: lib/pyproject.toml wants protobuf<4 at build time, which we do not need.
+  "$PYTHON" -m pip install -q --no-build-isolation "$SRC_DIR/lib"
+fi
+pycriu_ok || die "pycriu does not import in $PYTHON"
+if [ "$(id -u)" = 0 ]; then
+  "$existing" check >/dev/null 2>&1 || die "'$existing check' fails: $("$existing" check 2>&1 | tail -3)"
+fi
+log "criu OK: $existing ($("$existing" --version | head -1)); pycriu installed"
