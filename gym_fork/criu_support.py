@@ -27,6 +27,7 @@ class CriuStatus:
     is_root: bool = False
     reasons: list[str] = field(default_factory=list)  # why it is not usable
     advice: list[str] = field(default_factory=list)  # what to do about it
+    rejected: list[str] = field(default_factory=list)  # criu binaries passed over, and why
 
 
 def binary_version(path: str) -> str | None:
@@ -38,35 +39,57 @@ def binary_version(path: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _candidate_paths() -> list[str]:
+    """Existing criu files in search order: ``$GYM_FORK_CRIU``, PATH, then the usual places."""
+    out: list[str] = []
+    for c in (os.environ.get("GYM_FORK_CRIU"), shutil.which("criu"), *_CANDIDATES):
+        if c and c not in out and os.path.isfile(c):
+            out.append(c)
+    return out
+
+
+def _judge(path: str) -> tuple[str | None, str | None]:
+    """(version, why it is rejected or None when it is acceptable)."""
+    ver = binary_version(os.path.realpath(path))
+    if ver is None:
+        return None, "does not run"
+    if int(ver.split(".")[0]) < MIN_MAJOR:
+        return ver, f"version {ver} is too old (need >= {MIN_MAJOR}.0; 3.x fails on recent kernels)"
+    return ver, None
+
+
 def find_criu() -> tuple[str | None, str | None, list[str]]:
     """The first criu >= 4 found: ``$GYM_FORK_CRIU``, then PATH, then the usual places.
 
     Returns (path, version, notes about rejected candidates).
     """
     notes: list[str] = []
-    seen: set[str] = set()
-    cands = [os.environ.get("GYM_FORK_CRIU"), shutil.which("criu"), *_CANDIDATES]
-    for c in cands:
-        if not c or c in seen or not os.path.isfile(c):
-            continue
-        seen.add(c)
-        real = os.path.realpath(c)
-        ver = binary_version(real)
-        if ver is None:
-            notes.append(f"{c}: does not run")
-            continue
-        if int(ver.split(".")[0]) < MIN_MAJOR:
-            notes.append(f"{c}: version {ver} is too old (need >= {MIN_MAJOR}.0; 3.x fails on recent kernels)")
+    for c in _candidate_paths():
+        ver, why = _judge(c)
+        if why is not None:
+            notes.append(f"{c}: {why}")
             continue
         return os.path.abspath(c), ver, notes
     return None, None, notes
+
+
+def criu_candidates() -> list[dict]:
+    """Every criu binary in the search order, each ``{"path", "version", "rejected"}``.
+
+    Unlike :func:`find_criu` this does not stop at the first usable one, so ``gym-fork doctor``
+    can also mention binaries that are present but ignored (e.g. Debian's criu 3.17).
+    ``rejected`` is ``None`` for an acceptable binary, else why it is passed over.
+    """
+    return [dict(zip(("path", "version", "rejected"), (c, *_judge(c)))) for c in _candidate_paths()]
 
 
 @functools.lru_cache(maxsize=1)
 def criu_status() -> CriuStatus:
     st = CriuStatus(usable=False, is_root=os.geteuid() == 0)
     st.binary, st.version, notes = find_criu()
-    st.reasons.extend(notes)
+    st.rejected.extend(notes)
+    if st.binary is None:  # a rejected binary only matters when no acceptable one was found
+        st.reasons.extend(notes)
     try:
         import pycriu  # noqa: F401
         from pycriu import rpc_pb2  # noqa: F401

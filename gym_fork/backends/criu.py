@@ -195,9 +195,11 @@ class CriuBackend(Backend):
 
 def _worker_environ() -> dict[str, str]:
     env = dict(os.environ)
-    # The worker must import gym_fork exactly as we do, even when it is not installed.
+    # The worker must import modules exactly as we do (gym_fork even when not installed, and the
+    # modules that define user env classes, e.g. a test file): hand it our sys.path.
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    paths = [pkg_root] + [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
     return env

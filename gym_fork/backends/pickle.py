@@ -9,8 +9,11 @@ round-trip checked: the copy must pickle to the very same bytes as the original.
 
 from __future__ import annotations
 
+from typing import Any
+
 import cloudpickle
 import gymnasium as gym
+import numpy as np
 
 from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.errors import SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
@@ -31,6 +34,49 @@ def refuse_if_ezpickle(env: gym.Env) -> None:
         if not isinstance(layer, gym.Wrapper):
             return
         layer = layer.env
+
+
+def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: set | None = None) -> str | None:
+    """Where two object graphs differ (an attribute path), or None when they hold equal state.
+
+    Compares instance ``__dict__``s, containers, NumPy arrays (bytes) and generators (bit-generator
+    state) recursively; callables and modules are compared by identity of their qualified name only.
+    """
+    seen = set() if seen is None else seen
+    if depth > 12 or id(a) in seen:
+        return None
+    seen.add(id(a))
+    if type(a) is not type(b):
+        return f"{path} (type {type(a).__name__} vs {type(b).__name__})"
+    if isinstance(a, np.ndarray):
+        ok = a.dtype == b.dtype and a.shape == b.shape and (a.dtype == object or a.tobytes() == b.tobytes())
+        return None if ok else path
+    if isinstance(a, np.random.Generator):
+        return None if a.bit_generator.state == b.bit_generator.state else path
+    if isinstance(a, (int, float, complex, str, bytes, bool, type(None), np.generic)):
+        return None if (a == b or (a != a and b != b)) else path
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{path} (keys)"
+        for k in a:
+            d = state_difference(a[k], b[k], f"{path}[{k!r}]", depth + 1, seen)
+            if d:
+                return d
+        return None
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path} (length)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = state_difference(x, y, f"{path}[{i}]", depth + 1, seen)
+            if d:
+                return d
+        return None
+    if callable(a) and not hasattr(a, "__dict__") or isinstance(a, type):
+        return None
+    da, db = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
+    if isinstance(da, dict) and isinstance(db, dict):
+        return state_difference(da, db, path, depth + 1, seen)
+    return None
 
 
 class _PickleHandle(LocalHandle):
@@ -67,12 +113,12 @@ class PickleBackend(Backend):
                 f"cloudpickle cannot capture this env ({type(e).__name__}: {e}); use backend='criu'"
             ) from e
         if not handle.verified:
-            # A faithful copy pickles back to the same bytes; a copy that lost state does not.
-            again = cloudpickle.dumps(cloudpickle.loads(blob))
-            if again != blob:
+            # A faithful copy has the same state, attribute by attribute; a lossy one does not.
+            diff = state_difference(s.env, cloudpickle.loads(blob)[0])
+            if diff is not None:
                 raise UnsupportedEnvError(
-                    f"a pickled copy of {type(s.env.unwrapped).__name__} differs from the original "
-                    "(its state does not survive pickling); use backend='criu'"
+                    f"a pickled copy of {type(s.env.unwrapped).__name__} differs from the original at "
+                    f"{diff} (its state does not survive pickling); use backend='criu'"
                 )
             handle.verified = True
         return blob, len(blob)

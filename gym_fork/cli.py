@@ -1,0 +1,449 @@
+"""The ``gym-fork`` command line tool.
+
+    gym-fork doctor            can gym_fork use CRIU here? what is missing and how to fix it
+    gym-fork doctor --json     the same, as one JSON object (for scripts and CI)
+    gym-fork --version
+
+Also runnable as ``python -m gym_fork.cli``.  Subcommands are registered in ``COMMANDS``
+(name -> :class:`Command`); a new one needs only a ``configure(parser)`` and a ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from gym_fork import __version__
+from gym_fork.criu_support import criu_candidates, criu_status
+
+INSTALL_CMD = "sudo PYTHON=$(which python) scripts/install_criu.sh"
+PROBE_ENV = "CartPole-v1"
+PROBE_WARMUP, PROBE_STEPS = 20, 10
+
+# Linux capability bits (include/uapi/linux/capability.h).
+CAP_SYS_ADMIN = 21
+CAP_CHECKPOINT_RESTORE = 40  # Linux >= 5.9
+
+
+# --------------------------------------------------------------------------------------------
+# doctor: the checks
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Check:
+    """One line of the doctor's report. ``ok``: True (✔), False (✘) or None (information only)."""
+
+    key: str
+    label: str
+    ok: bool | None
+    value: str
+    fix: str | None = None
+    data: dict = field(default_factory=dict)
+
+
+def effective_caps() -> int | None:
+    """This process's effective capability mask (``CapEff`` in /proc/self/status), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cap_last() -> int | None:
+    """The highest capability number this kernel knows (``/proc/sys/kernel/cap_last_cap``)."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _module_version(name: str) -> tuple[str | None, str | None]:
+    """(version, error): the module's version when it imports, else the import error."""
+    try:
+        if name == "protobuf":
+            import google.protobuf as mod
+        elif name == "pycriu":
+            import pycriu as mod
+            from pycriu import rpc_pb2  # noqa: F401  (the part gym_fork needs; fails on protobuf clashes)
+        else:
+            mod = __import__(name)
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"
+    ver = getattr(mod, "__version__", None)
+    if ver is None:
+        ver = getattr(getattr(mod, "version", None), "__version__", None)
+    return str(ver or "installed"), None
+
+
+def system_checks() -> tuple[list[Check], Any]:
+    """Everything doctor reports without running an env. Returns (checks, CriuStatus)."""
+    st = criu_status()
+    checks: list[Check] = []
+
+    # criu binary, and the ones passed over
+    cands = criu_candidates()
+    if st.binary:
+        checks.append(Check("criu_binary", "criu binary", True, f"{st.binary} (CRIU {st.version})",
+                            data={"path": st.binary, "version": st.version}))
+    else:
+        checks.append(Check("criu_binary", "criu binary", False, "no criu >= 4.0 found",
+                            fix=f"run `{INSTALL_CMD}` to build and install CRIU 4.1.1 into /usr/local "
+                                "(or point $GYM_FORK_CRIU at a criu >= 4.0)",
+                            data={"path": None, "version": None}))
+    for c in cands:
+        if c["rejected"]:
+            checks.append(Check("criu_rejected", "ignored criu", None if st.binary else False,
+                                f"{c['path']}: {c['rejected']}", data=dict(c)))
+
+    # criu check
+    if st.binary and st.is_root:
+        good = not any("criu check" in r for r in st.reasons)
+        last = st.check_output.splitlines()[-1] if st.check_output else "(no output)"
+        checks.append(Check("criu_check", "criu check", good, last,
+                            fix=None if good else "read the full `criu check` output above (run it yourself as "
+                            "root for details); a kernel without the needed features cannot be fixed from here",
+                            data={"output": st.check_output}))
+    else:
+        why = "no criu binary" if not st.binary else "needs root"
+        checks.append(Check("criu_check", "criu check", False if st.binary else None, f"not run ({why})",
+                            data={"output": ""}))
+
+    # Python side
+    pv, perr = _module_version("pycriu")
+    checks.append(Check("pycriu", "pycriu", pv is not None, pv or f"does not import ({perr})",
+                        fix=None if pv else f"run `{INSTALL_CMD}` (it installs pycriu into that Python's "
+                        "environment); if it says protobuf, see the protobuf line",
+                        data={"version": pv, "error": perr}))
+    bv, berr = _module_version("protobuf")
+    checks.append(Check("protobuf", "protobuf", bv is not None, bv or f"does not import ({berr})",
+                        fix=None if bv else "pip install 'protobuf>=3.20,<7'",
+                        data={"version": bv, "error": berr}))
+
+    # privileges
+    euid = os.geteuid()
+    checks.append(Check("root", "root", euid == 0, "yes" if euid == 0 else f"no (euid {euid})",
+                        fix=None if euid == 0 else "run as root (sudo), or use backend='pickle' for "
+                        "pure-Python envs",
+                        data={"euid": euid}))
+    caps, last = effective_caps(), _cap_last()
+    docker_hint = ("in a container: run it with --privileged, or --cap-add SYS_ADMIN "
+                   "--cap-add CHECKPOINT_RESTORE --security-opt seccomp=unconfined")
+    has_admin = caps is not None and bool(caps >> CAP_SYS_ADMIN & 1)
+    checks.append(Check("cap_sys_admin", "CAP_SYS_ADMIN", has_admin if caps is not None else None,
+                        "unknown (no /proc/self/status)" if caps is None else ("yes" if has_admin else "no"),
+                        fix=None if has_admin or caps is None else docker_hint,
+                        data={"present": has_admin, "cap_eff": None if caps is None else f"{caps:016x}"}))
+    has_cr = caps is not None and bool(caps >> CAP_CHECKPOINT_RESTORE & 1)
+    if caps is None:
+        cr_ok, cr_val = None, "unknown"
+    elif has_cr:
+        cr_ok, cr_val = True, "yes"
+    elif last is not None and last < CAP_CHECKPOINT_RESTORE:
+        cr_ok, cr_val = (None if has_admin else False), "not known to this kernel (Linux < 5.9)"
+    else:
+        cr_ok, cr_val = (None if has_admin else False), "no"
+    if cr_ok is None and has_admin and not has_cr:
+        cr_val += "; not needed, CAP_SYS_ADMIN covers it"
+    checks.append(Check("cap_checkpoint_restore", "CAP_CHECKPOINT_RESTORE", cr_ok, cr_val,
+                        fix=docker_hint if cr_ok is False else None, data={"present": has_cr}))
+
+    # system
+    checks.append(Check("kernel", "kernel", None, f"{platform.system()} {platform.release()} ({platform.machine()})",
+                        data={"release": platform.release(), "machine": platform.machine()}))
+    unshare = shutil.which("unshare")
+    checks.append(Check("unshare", "unshare", unshare is not None, unshare or "not found",
+                        fix=None if unshare else "apt-get install util-linux (the criu backend starts every "
+                        "worker with `unshare --pid --fork`)",
+                        data={"path": unshare}))
+    checks.append(Check("criu_usable", "criu usable", st.usable,
+                        "yes" if st.usable else "no: " + "; ".join(st.reasons),
+                        fix=None if st.usable else "; ".join(dict.fromkeys(st.advice)) or None,
+                        data={"reasons": list(st.reasons), "advice": list(st.advice)}))
+    return checks, st
+
+
+# --------------------------------------------------------------------------------------------
+# doctor: the probe (a real snapshot / restore round trip)
+# --------------------------------------------------------------------------------------------
+def _same(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def probe(backend: str) -> dict:
+    """Run CartPole through snapshot -> 10 steps -> restore -> the same 10 steps, for real.
+
+    Returns ``{"backend", "ok", "error", "snapshot_ms", "restore_ms", "start_ms", "size_bytes"}``;
+    ``ok`` means the replayed steps gave bit-identical observations, rewards and flags.
+    """
+    import gym_fork
+
+    res: dict[str, Any] = {"backend": backend, "ok": False, "error": None, "env": PROBE_ENV,
+                           "start_ms": None, "snapshot_ms": None, "restore_ms": None, "size_bytes": None}
+    actions = [i % 2 for i in range(PROBE_STEPS)]  # alternating pushes keep the pole up
+    env = None
+    try:
+        t0 = time.perf_counter()
+        env = gym_fork.ForkableEnv(PROBE_ENV, backend=backend)
+        res["start_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        env.reset(seed=0)
+        for i in range(PROBE_WARMUP):
+            env.step(i % 2)
+        t0 = time.perf_counter()
+        snap = env.snapshot()
+        res["snapshot_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        res["size_bytes"] = snap.size_bytes
+        first = [env.step(a) for a in actions]
+        t0 = time.perf_counter()
+        env.restore(snap)
+        res["restore_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        again = [env.step(a) for a in actions]
+        for i, (x, y) in enumerate(zip(first, again)):
+            if not (_same(x[0], y[0]) and _same(x[1], y[1]) and x[2:4] == y[2:4]):
+                res["error"] = (f"step {i} after restore differs: obs {x[0]!r} then {y[0]!r} "
+                                f"(reward {x[1]}/{y[1]}, terminated {x[2]}/{y[2]})")
+                break
+        else:
+            res["ok"] = True
+        snap.release()
+    except Exception as e:  # noqa: BLE001 - the doctor reports every failure
+        msg = str(e).strip()
+        res["error"] = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    finally:
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001
+                pass
+    return res
+
+
+def _probe_check(res: dict | None, backend: str, skipped_why: str | None = None) -> Check:
+    label = f"probe {backend}"
+    if res is None:
+        return Check(f"probe_{backend}", label, None, f"not run ({skipped_why})", data={"ran": False})
+    data = {"ran": True, **res}
+    if res["ok"]:
+        size = res["size_bytes"]
+        size_s = f"{size / 1e6:.1f} MB" if size and size >= 1e6 else f"{size} B"
+        return Check(f"probe_{backend}", label, True,
+                     f"ok: snapshot {res['snapshot_ms']:.1f} ms, restore {res['restore_ms']:.1f} ms "
+                     f"({size_s}; {PROBE_STEPS} replayed {PROBE_ENV} steps bit-identical)", data=data)
+    fix = ("see the lines above; rerun with GYM_FORK debug logging: "
+           "python -c 'import logging; logging.basicConfig(level=logging.DEBUG); ...'")
+    if backend == "criu":
+        fix = ("check the ✘ lines above; if all look fine, the CRIU log named in the error says why "
+               f"(re-install with `{INSTALL_CMD}` if the binary or pycriu is broken)")
+    return Check(f"probe_{backend}", label, False, f"FAILED: {res['error']}", fix=fix, data=data)
+
+
+# --------------------------------------------------------------------------------------------
+# doctor: the command
+# --------------------------------------------------------------------------------------------
+def doctor_report(probe_mode: bool | None = None) -> dict:
+    """The doctor's findings as a JSON-able dict (what ``gym-fork doctor --json`` prints).
+
+    ``probe_mode``: True runs the real probes, False none, None (default) probes pickle always
+    and criu only when CRIU looks usable.
+    """
+    checks, st = system_checks()
+    pickle_res = None if probe_mode is False else probe("pickle")
+    if probe_mode is True or (probe_mode is None and st.usable):
+        criu_res: dict | None = probe("criu")
+        criu_skip = None
+    else:
+        criu_res = None
+        criu_skip = "--no-probe" if probe_mode is False else "CRIU is not usable here; --probe forces it"
+    checks.append(_probe_check(criu_res, "criu", criu_skip))
+    checks.append(_probe_check(pickle_res, "pickle", "--no-probe"))
+
+    # which backends work: the probe's verdict when it ran, else the static one
+    works = {
+        "criu": criu_res["ok"] if criu_res is not None else st.usable,
+        "pickle": pickle_res["ok"] if pickle_res is not None else _module_version("cloudpickle")[0] is not None,
+    }
+
+    # what backend="auto" does (the same rule as gym_fork.backends.get_backend)
+    if st.usable:
+        auto = "criu"
+        because = (f"CRIU {st.version} at {st.binary} is usable (criu check passed, running as root, "
+                   "pycriu imports, unshare present)")
+        if criu_res is not None and not criu_res["ok"]:
+            because += "; BUT the criu probe failed, so envs will fail to snapshot: fix that, or pass backend='pickle'"
+    else:
+        auto = "pickle"
+        because = ("CRIU is not usable: " + "; ".join(st.reasons)
+                   + ". The pickle backend copies only pure-Python/NumPy envs exactly and refuses the "
+                   "others (Box2D, MuJoCo, Atari)")
+    ok = any(works.values())
+    return {
+        "gym_fork": __version__,
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "checks": {c.key if c.key != "criu_rejected" else f"criu_rejected:{c.data['path']}": asdict(c)
+                   for c in checks},
+        "criu": {"usable": st.usable, "binary": st.binary, "version": st.version, "pycriu": st.pycriu,
+                 "is_root": st.is_root, "check_output": st.check_output, "reasons": list(st.reasons),
+                 "advice": list(st.advice), "rejected": list(st.rejected)},
+        "probes": {"criu": criu_res, "pickle": pickle_res},
+        "works": works,
+        "auto": {"backend": auto, "because": because},
+        "ok": ok,
+        "exit_code": 0 if ok else 1,
+    }
+
+
+def _markers() -> tuple[str, str, str]:
+    enc = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        "✔✘·".encode(enc)
+        return "✔", "✘", "·"
+    except (UnicodeEncodeError, LookupError):
+        return "OK", "XX", "--"
+
+
+def format_report(rep: dict) -> str:
+    yes, no, info = _markers()
+    checks = list(rep["checks"].values())
+    width = max(len(c["label"]) for c in checks)
+    lines = [f"gym-fork doctor: gym_fork {rep['gym_fork']}, Python {rep['python']} ({rep['executable']})", ""]
+    for c in checks:
+        mark = yes if c["ok"] is True else no if c["ok"] is False else info
+        lines.append(f"  {mark} {c['label']:<{width}} : {c['value']}")
+        if c["key"] == "criu_check" and c["ok"] is False and c["data"].get("output"):
+            lines += [f"      | {ln}" for ln in c["data"]["output"].splitlines()[-8:]]
+    fixes = [(c["label"], c["fix"]) for c in checks if c["ok"] is False and c["fix"]]
+    if fixes:
+        lines += ["", "To fix:"]
+        seen: set[str] = set()
+        for label, fix in fixes:
+            if fix not in seen:
+                seen.add(fix)
+                lines.append(f"  - {label}: {fix}")
+    works = [b for b, w in rep["works"].items() if w]
+    lines += ["", f"working backends: {', '.join(works) if works else 'none'}",
+              f"auto will use: {rep['auto']['backend']} because {rep['auto']['because']}"]
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    rep = doctor_report(args.probe)
+    if args.json:
+        print(json.dumps(rep, indent=2, default=str))
+    else:
+        print(format_report(rep))
+    return rep["exit_code"]
+
+
+def _configure_doctor(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (checks, probe timings, auto's choice) instead of text")
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a real snapshot/restore round trip with CartPole for each backend "
+                        "(default: pickle always, criu when CRIU looks usable; --probe forces the criu "
+                        "probe to see its actual error, --no-probe skips both)")
+
+
+# --------------------------------------------------------------------------------------------
+# the command table and main()
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Command:
+    help: str  # one line, shown in `gym-fork --help`
+    description: str  # shown in `gym-fork CMD --help`
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    epilog: str = ""
+
+
+COMMANDS: dict[str, Command] = {
+    "doctor": Command(
+        help="check whether gym_fork can use CRIU here, and what to fix if not",
+        description=(
+            "Check everything the 'criu' backend needs: the criu binary (>= 4.0; older ones such as "
+            "Debian's 3.17 are listed as ignored, with the reason), `criu check`, the pycriu and "
+            "protobuf Python packages, root / CAP_SYS_ADMIN / CAP_CHECKPOINT_RESTORE, the kernel and "
+            "the `unshare` tool. Then, for real, start CartPole-v1 in each backend, take a snapshot, "
+            "step, restore and replay the same actions, and check the observations are bit-identical "
+            "(with snapshot and restore timings). Finally say which backend backend='auto' will pick "
+            "and why, and for each problem what to do about it.\n\n"
+            "Exit status: 0 when at least one backend works, 1 when none does."
+        ),
+        epilog=(
+            "examples:\n"
+            "  gym-fork doctor                 human-readable report (with probes)\n"
+            "  gym-fork doctor --no-probe      only the static checks (no env is started)\n"
+            "  gym-fork doctor --probe         also probe criu when the checks say it cannot work\n"
+            "  gym-fork doctor --json | jq .auto\n\n"
+            "legend: ✔ ok   ✘ problem (a 'To fix' hint follows)   · information\n\n"
+            "CRIU missing or too old?\n"
+            f"  {INSTALL_CMD}"
+        ),
+        configure=_configure_doctor,
+        run=cmd_doctor,
+    ),
+    # future: "snapshots" (list / inspect / remove stored snapshots), "agent", ...
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gym-fork",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "gym_fork gives any Gymnasium env snapshot(), restore() and fork().  The 'criu' backend "
+            "checkpoints the env's whole worker process with CRIU (exact for every env, needs Linux, "
+            "root and CRIU >= 4); the 'pickle' backend copies pure-Python envs in-process and works "
+            "anywhere.  backend='auto' picks criu when it is usable here.\n\n"
+            "This tool checks your setup.  Start with `gym-fork doctor`."
+        ),
+        epilog=(
+            "examples:\n"
+            "  gym-fork doctor            is CRIU usable here? which backend will 'auto' pick?\n"
+            "  gym-fork doctor --json     the same, machine-readable\n"
+            "  gym-fork COMMAND --help    details and examples for one command\n\n"
+            "in Python:\n"
+            "  import gym_fork\n"
+            "  env = gym_fork.make('CartPole-v1')   # backend='auto'\n"
+            "  env.reset(seed=0); snap = env.snapshot(); ...; env.restore(snap)"
+        ),
+    )
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {__version__} (Python {sys.version.split()[0]}, "
+                                f"{os.path.dirname(os.path.abspath(__file__))})")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.description, epilog=cmd.epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd.configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``gym-fork``; returns the exit status (also for --help / --version / usage errors)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors: hand back argparse's status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

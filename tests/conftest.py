@@ -1,0 +1,63 @@
+"""Shared fixtures. CRIU tests never skip silently: without a usable CRIU they *fail*, unless
+GYM_FORK_ALLOW_NO_CRIU=1 is set (for developer machines without root; never set in CI)."""
+
+from __future__ import annotations
+
+import os
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from gym_fork.criu_support import criu_status
+
+
+@pytest.fixture(scope="session")
+def criu_ok() -> None:
+    st = criu_status()
+    if st.usable:
+        return
+    msg = "CRIU is not usable: " + "; ".join(st.reasons) + ". Fix: " + "; ".join(st.advice)
+    if os.environ.get("GYM_FORK_ALLOW_NO_CRIU") == "1" and not os.environ.get("CI"):
+        pytest.skip(msg)
+    pytest.fail(msg + " (CRIU tests must run; set GYM_FORK_ALLOW_NO_CRIU=1 only off CI)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "criu" in item.keywords:
+            item.fixturenames.append("criu_ok")
+
+
+def same(a, b) -> bool:
+    """Bit-exact equality of nested obs/info structures (arrays compare dtype, shape, bytes)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return np.float64(a).tobytes() == np.float64(b).tobytes()
+    return type(a) is type(b) and a == b
+
+
+def run_actions(env: gym.Env, actions: list) -> tuple[list, int]:
+    """Step through ``actions``, resetting (unseeded: the env's own RNG) at episode ends.
+
+    Returns the trajectory and how many episode ends it crossed."""
+    traj, ends = [], 0
+    for a in actions:
+        obs, r, term, trunc, info = env.step(a)
+        traj.append((obs, r, term, trunc, info))
+        if term or trunc:
+            ends += 1
+            traj.append(("reset",) + tuple(env.reset()))
+    return traj, ends
+
+
+def assert_same_traj(t1: list, t2: list) -> None:
+    assert len(t1) == len(t2)
+    for i, (x, y) in enumerate(zip(t1, t2)):
+        assert same(x, y), f"trajectories differ at item {i}:\n{x}\n{y}"
