@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -142,7 +143,7 @@ def system_checks() -> tuple[list[Check], Any]:
     has_admin = caps is not None and bool(caps >> CAP_SYS_ADMIN & 1)
     checks.append(Check("cap_sys_admin", "CAP_SYS_ADMIN", has_admin if caps is not None else None,
                         "unknown (no /proc/self/status)" if caps is None else ("yes" if has_admin else "no"),
-                        fix=None if has_admin or caps is None else docker_hint,
+                        fix=None if has_admin or caps is None else "run as root (sudo)" if euid else docker_hint,
                         data={"present": has_admin, "cap_eff": None if caps is None else f"{caps:016x}"}))
     has_cr = caps is not None and bool(caps >> CAP_CHECKPOINT_RESTORE & 1)
     if caps is None:
@@ -156,7 +157,8 @@ def system_checks() -> tuple[list[Check], Any]:
     if cr_ok is None and has_admin and not has_cr:
         cr_val += "; not needed, CAP_SYS_ADMIN covers it"
     checks.append(Check("cap_checkpoint_restore", "CAP_CHECKPOINT_RESTORE", cr_ok, cr_val,
-                        fix=docker_hint if cr_ok is False else None, data={"present": has_cr}))
+                        fix=None if cr_ok is not False else "run as root (sudo)" if euid else docker_hint,
+                        data={"present": has_cr}))
 
     # system
     checks.append(Check("kernel", "kernel", None, f"{platform.system()} {platform.release()} ({platform.machine()})",
@@ -168,7 +170,10 @@ def system_checks() -> tuple[list[Check], Any]:
                         data={"path": unshare}))
     checks.append(Check("criu_usable", "criu usable", st.usable,
                         "yes" if st.usable else "no: " + "; ".join(st.reasons),
-                        fix=None if st.usable else "; ".join(dict.fromkeys(st.advice)) or None,
+                        # the lines above already say what to do; repeat criu_status's advice only
+                        # when none of them does
+                        fix=None if st.usable or any(c.ok is False and c.fix for c in checks)
+                        else "; ".join(dict.fromkeys(st.advice)) or None,
                         data={"reasons": list(st.reasons), "advice": list(st.advice)}))
     return checks, st
 
@@ -242,8 +247,8 @@ def _probe_check(res: dict | None, backend: str, skipped_why: str | None = None)
         return Check(f"probe_{backend}", label, True,
                      f"ok: snapshot {res['snapshot_ms']:.1f} ms, restore {res['restore_ms']:.1f} ms "
                      f"({size_s}; {PROBE_STEPS} replayed {PROBE_ENV} steps bit-identical)", data=data)
-    fix = ("see the lines above; rerun with GYM_FORK debug logging: "
-           "python -c 'import logging; logging.basicConfig(level=logging.DEBUG); ...'")
+    fix = ("the pickle backend needs only gymnasium, numpy and cloudpickle: reinstall them "
+           "(pip install -e . in the gym_fork checkout)")
     if backend == "criu":
         fix = ("check the ✘ lines above; if all look fine, the CRIU log named in the error says why "
                f"(re-install with `{INSTALL_CMD}` if the binary or pycriu is broken)")
@@ -360,6 +365,11 @@ def _configure_doctor(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------
 # the command table and main()
 # --------------------------------------------------------------------------------------------
+def _fill(text: str, width: int = 88) -> str:
+    """Wrap each blank-line-separated paragraph (help texts are raw so the examples keep their layout)."""
+    return "\n\n".join(textwrap.fill(par, width) for par in text.split("\n\n"))
+
+
 @dataclass
 class Command:
     help: str  # one line, shown in `gym-fork --help`
@@ -403,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gym-fork",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=(
+        description=_fill(
             "gym_fork gives any Gymnasium env snapshot(), restore() and fork().  The 'criu' backend "
             "checkpoints the env's whole worker process with CRIU (exact for every env, needs Linux, "
             "root and CRIU >= 4); the 'pickle' backend copies pure-Python envs in-process and works "
@@ -426,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 f"{os.path.dirname(os.path.abspath(__file__))})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.description, epilog=cmd.epilog,
+        p = sub.add_parser(name, help=cmd.help, description=_fill(cmd.description), epilog=cmd.epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.configure(p)
     return parser
@@ -442,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except BrokenPipeError:  # `gym-fork doctor --json | head`: the reader left, not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

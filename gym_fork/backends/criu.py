@@ -1,8 +1,8 @@
 """The CRIU backend: the env runs in a worker process; a snapshot is a CRIU checkpoint of it.
 
 Invariants (see ARCHITECTURE.md):
-* every worker is PID 1 of its own PID namespace (spawned through ``unshare --pid --fork``, or
-  restored by CRIU, which creates a fresh namespace for a namespace init).  So one image can be
+* every worker is PID 1 of its own PID namespace (spawned through a small launcher that calls
+  ``unshare(CLONE_NEWPID)``, or restored by CRIU, which creates a fresh namespace for a namespace init).  So one image can be
   restored any number of times, also while the original runs, with no PID clash;
 * the worker's only link to us is one unix stream socket, dumped as external ``unix[INO]``
   and replaced with a fresh socketpair end on every restore (``inherit_fd``);
@@ -75,7 +75,7 @@ class CriuBackend(Backend):
         out = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL  # O_APPEND: see pitfall 14
         try:
             popen = subprocess.Popen(
-                ["unshare", "--pid", "--fork", sys.executable, "-m", "gym_fork.worker", str(theirs.fileno())],
+                [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                 start_new_session=True, env=_worker_environ(),
             )
@@ -191,6 +191,29 @@ class CriuBackend(Backend):
 
     def release(self, payload: CriuPayload) -> None:
         shutil.rmtree(payload.path, ignore_errors=True)
+
+
+# Runs the worker as PID 1 of a new PID namespace and exits the way the worker did (a signal
+# death is re-raised, so Popen.returncode says e.g. -9).  util-linux 2.38's `unshare --fork`
+# cannot do that (its sigprocmask call fails), hence this.  `-S`: no site import, tiny process.
+_PIDNS_LAUNCHER = """
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID
+    sys.stderr.write("gym_fork: unshare(CLONE_NEWPID) failed: %s\\n" % os.strerror(ctypes.get_errno()))
+    os._exit(125)
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, "-m", "gym_fork.worker"] + sys.argv[1:])
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)  # the worker decides; we only mirror its end
+_, st = os.waitpid(pid, 0)
+if os.WIFSIGNALED(st):
+    sig = os.WTERMSIG(st)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+os._exit(os.waitstatus_to_exitcode(st))
+"""
 
 
 def _worker_environ() -> dict[str, str]:

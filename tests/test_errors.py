@@ -1,0 +1,261 @@
+"""Bad input and faults: typed errors with helpful messages, and the running env left intact."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import stat
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import gym_fork
+from gym_fork import store
+from gym_fork.errors import (
+    EnvClosedError,
+    EnvNotShippableError,
+    ForeignSnapshotError,
+    GymForkError,
+    SnapshotCorruptedError,
+    SnapshotError,
+    SnapshotReleasedError,
+    UnsupportedEnvError,
+    WorkerDiedError,
+    WorkerError,
+)
+
+pytestmark = pytest.mark.criu
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def env():
+    e = gym_fork.make("CartPole-v1", backend="criu")
+    e.reset(seed=0)
+    yield e
+    e.close()
+
+
+def test_released_snapshot(env):
+    snap = env.snapshot()
+    path = snap.payload().path
+    assert os.path.isdir(path)
+    snap.release()
+    assert snap.released and not os.path.exists(path)
+    with pytest.raises(SnapshotReleasedError, match="released"):
+        env.restore(snap)
+    env.step(0)  # still usable
+
+
+def test_snapshot_freed_when_unreferenced(env):
+    snap = env.snapshot()
+    path = snap.payload().path
+    del snap
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_foreign_snapshot():
+    a = gym_fork.make("CartPole-v1", backend="criu")
+    b = gym_fork.make("CartPole-v1", backend="criu")
+    p = gym_fork.make("CartPole-v1", backend="pickle")
+    try:
+        for e in (a, b, p):
+            e.reset(seed=0)
+        snap = a.snapshot()
+        with pytest.raises(ForeignSnapshotError, match="another env"):
+            b.restore(snap)
+        with pytest.raises(TypeError, match="Snapshot"):
+            b.restore("not a snapshot")
+        b.step(1)
+    finally:
+        for e in (a, b, p):
+            e.close()
+
+
+def test_closed_env_and_its_snapshots():
+    e = gym_fork.make("CartPole-v1", backend="criu")
+    e.reset(seed=0)
+    snap = e.snapshot()
+    pid = e.worker_pid
+    path = snap.payload().path
+    e.close()
+    assert not _alive(pid), "close() must stop the worker"
+    assert not os.path.exists(path), "close() must release the env's snapshots"
+    with pytest.raises(EnvClosedError):
+        e.step(0)
+    with pytest.raises(EnvClosedError):
+        e.restore(snap)
+    with pytest.raises(EnvClosedError):
+        e.snapshot()
+    e.close()  # idempotent
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete-file", "delete-dir"])
+def test_damaged_images_refused_env_intact(env, damage):
+    for _ in range(5):
+        env.step(0)
+    snap = env.snapshot()
+    path = snap.payload().path
+    pages = max((f for f in os.listdir(path) if f.startswith("pages-")),
+                key=lambda f: os.path.getsize(os.path.join(path, f)))
+    target = os.path.join(path, pages)
+    if damage == "corrupt":
+        with open(target, "r+b") as f:
+            f.seek(os.path.getsize(target) // 2)
+            f.write(b"\xde\xad\xbe\xef")
+    elif damage == "truncate":
+        os.truncate(target, 100)
+    elif damage == "delete-file":
+        os.unlink(target)
+    else:
+        import shutil
+
+        shutil.rmtree(path)
+    pid = env.worker_pid
+    obs_before = env.unwrapped.state
+    with pytest.raises(SnapshotCorruptedError):
+        env.restore(snap)
+    assert env.worker_pid == pid and np.array_equal(env.unwrapped.state, obs_before)
+    env.step(0)
+
+
+def test_worker_killed_says_how(env):
+    os.kill(env.worker_pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match="SIGKILL|signal 9|137"):
+        env.step(0)
+
+
+def test_worker_restored_then_killed(env):
+    snap = env.snapshot()
+    env.restore(snap)
+    os.kill(env.worker_pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        env.step(0)
+
+
+class _HoldsForeignSocket(gym.Env):
+    """Keeps a connection to a process outside the worker: CRIU cannot dump that."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(1, self.t / 100, np.float32), 1.0, False, False, {}
+
+
+def test_failed_dump_leaves_env_running_and_no_snapshot(tmp_path):
+    path = str(tmp_path / "srv.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    conns = []
+    threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
+    e = gym_fork.ForkableEnv(lambda: _HoldsForeignSocket(path), backend="criu")
+    try:
+        e.reset(seed=0)
+        e.step(0)
+        before = set(os.listdir(store.session_dir()))
+        with pytest.raises(SnapshotError, match="keeps running"):
+            e.snapshot()
+        assert set(os.listdir(store.session_dir())) == before, "no half-written snapshot may stay"
+        obs, *_ = e.step(0)
+        assert obs[0] == pytest.approx(0.02)
+    finally:
+        e.close()
+        srv.close()
+
+
+def test_unshippable_instance():
+    class Local(gym.Env):
+        observation_space = gym.spaces.Discrete(2)
+        action_space = gym.spaces.Discrete(2)
+
+        def __init__(self):
+            self.lock = threading.Lock()  # cannot be pickled
+
+    with pytest.raises(EnvNotShippableError, match="env id.*factory"):
+        gym_fork.ForkableEnv(Local(), backend="criu")
+
+
+def test_env_errors_keep_their_type(env):
+    with pytest.raises(AssertionError) as ei:
+        env.step(7)  # CartPole: invalid action
+    assert isinstance(ei.value, WorkerError) and "invalid" in str(ei.value)
+    env.step(0)  # the worker survived
+    with pytest.raises(gym.error.Error):
+        gym_fork.make("NoSuchEnv-v0", backend="criu")
+
+
+def test_bad_arguments(env):
+    with pytest.raises(ValueError, match="unknown backend"):
+        gym_fork.make("CartPole-v1", backend="magic")
+    with pytest.raises(ValueError, match="n must be"):
+        env.fork(n=0)
+    with pytest.raises(TypeError, match="env id"):
+        gym_fork.ForkableEnv(42)
+    with pytest.raises(ValueError, match="invalid snapshot id"):
+        store.check_id("../../etc")
+
+
+def test_images_are_private(env):
+    snap = env.snapshot()
+    for p in (store.session_dir(), snap.payload().path):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700
+
+
+class _LosesStateOnPickle(gym.Env):
+    """Looks picklable but drops its position: the pickle backend must notice."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0.0
+        return np.array([self.pos]), {}
+
+    def step(self, action):
+        self.pos += 1.0
+        return np.array([self.pos]), 0.0, False, False, {}
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["pos"] = 0.0
+        return d
+
+
+def test_pickle_backend_refuses_lossy_env():
+    e = gym_fork.ForkableEnv(_LosesStateOnPickle, backend="pickle")
+    e.reset(seed=0)
+    e.step(0)
+    with pytest.raises(UnsupportedEnvError, match="differs from the original"):
+        e.snapshot()
+    e.step(0)
+    e.close()
+
+
+def test_all_errors_share_a_base():
+    for cls in (EnvClosedError, SnapshotCorruptedError, WorkerDiedError, UnsupportedEnvError):
+        assert issubclass(cls, GymForkError)
