@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -81,41 +82,65 @@ def _warm_up_env(env: gym.Env, seed: int = 0, steps: int = PRE_STEPS) -> None:
 # --- part 1: snapshot / restore ------------------------------------------------------------------
 
 
-def bench_config(env_id: str, backend: str, verify: str, reps: int, warmup: int, breakdown: bool) -> dict:
+def bench_snapshot_restore(env_id: str, configs: list, reps: int, warmup: int, breakdown: bool) -> dict:
+    """All configs of one env, interleaved rep by rep (so machine-speed drift hits them alike)."""
+    out: dict = {}
+    envs: dict = {}
     try:
-        env = gym_fork.ForkableEnv(env_id, backend=backend, verify=verify)
-    except UnsupportedEnvError as e:
-        return {"status": "refused", "reason": str(e).split(":")[0]}
-    res: dict = {"status": "ok"}
-    try:
-        _warm_up_env(env)
-        sizes: list[int] = []
-
-        def keep(snap):
-            sizes.append(snap.size_bytes)
-            snap.release()
-
-        res["snapshot_ms"] = summarize(time_reps(env.snapshot, reps, warmup, teardown=keep))
-        res["size_bytes"] = statistics.median(sizes[warmup:])
-        snap = env.snapshot()
-        try:
-            res["restore_ms"] = summarize(time_reps(lambda: env.restore(snap), reps, warmup))
-            if breakdown:
-                res["restore_breakdown_ms"] = criu_restore_breakdown(env, snap, reps, warmup)
-        finally:
-            snap.release()
-        if backend == "criu":
-            res["image_files"] = None  # filled below from a fresh snapshot
-            s2 = env.snapshot()
+        for label, backend, verify in configs:
             try:
-                man = store.read_manifest(s2.payload().path)
-                res["image_files"] = {k: v["size"] for k, v in man["files"].items()}
-                res["worker_rss_kb"] = _rss_kb(env.worker_pid)
-            finally:
-                s2.release()
+                envs[label] = gym_fork.ForkableEnv(env_id, backend=backend, verify=verify)
+            except UnsupportedEnvError as e:
+                out[label] = {"status": "refused", "reason": str(e).split(":")[0]}
+                continue
+            _warm_up_env(envs[label])
+            out[label] = {"status": "ok", "backend": backend, "verify": verify}
+        snap_t: dict = {k: [] for k in envs}
+        sizes: dict = {k: [] for k in envs}
+        for i in range(warmup + reps):
+            for label, env in envs.items():
+                dt, snap = _timed(env.snapshot)
+                sizes[label].append(snap.size_bytes)
+                snap.release()
+                if i >= warmup:
+                    snap_t[label].append(dt)
+        snaps = {label: env.snapshot() for label, env in envs.items()}
+        rest_t: dict = {k: [] for k in envs}
+        try:
+            for i in range(warmup + reps):
+                for label, env in envs.items():
+                    dt, _ = _timed(lambda: env.restore(snaps[label]))
+                    if i >= warmup:
+                        rest_t[label].append(dt)
+            for label, env in envs.items():
+                r = out[label]
+                r["snapshot_ms"] = summarize(snap_t[label])
+                r["restore_ms"] = summarize(rest_t[label])
+                r["size_bytes"] = statistics.median(sizes[label])
+                if r["backend"] == "criu":
+                    man = store.read_manifest(snaps[label].payload().path)
+                    r["image_files"] = {k: v["size"] for k, v in man["files"].items()}
+                    r["worker_rss_kb"] = _rss_kb(env.worker_pid)
+                    if breakdown and r["verify"] == "full":
+                        r["restore_breakdown_ms"] = criu_restore_breakdown(env, snaps[label], reps, warmup)
+        finally:
+            for snap in snaps.values():
+                snap.release()
     finally:
-        env.close()
-    return res
+        for env in envs.values():
+            env.close()
+    return out
+
+
+def _timed(fn):
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        res = fn()
+        return time.perf_counter() - t0, res
+    finally:
+        gc.enable()
 
 
 def _rss_kb(pid: int | None) -> int | None:
@@ -289,12 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     with Progress(total, "snapshot_latency") as prog:
         for env_id in envs:
-            results["snapshot_restore"][env_id] = {}
-            for label, backend, verify in configs:
-                prog.step(f"{env_id} {label} snapshot/restore")
-                r = bench_config(env_id, backend, verify, reps, warmup,
-                                 breakdown=(label == "criu/full" and not args.no_breakdown))
-                results["snapshot_restore"][env_id][label] = r
+            prog.step(f"{env_id} snapshot/restore ({', '.join(c[0] for c in configs)})")
+            results["snapshot_restore"][env_id] = bench_snapshot_restore(
+                env_id, configs, reps, warmup, breakdown=not args.no_breakdown)
         prog.step("CartPole-v1 in-process deepcopy/cloudpickle reference")
         results["inprocess_reference"]["CartPole-v1"] = inprocess_reference("CartPole-v1", reps, warmup)
         for env_id in envs:
