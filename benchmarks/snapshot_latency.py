@@ -5,18 +5,20 @@ env in a worker process costs per step.
     .venv/bin/python benchmarks/snapshot_latency.py --quick    # smoke run, ~30 s
     .venv/bin/python -m benchmarks.snapshot_latency --envs CartPole-v1 --reps 15
 
-Part 1, per env and backend (criu with verify="full", criu with verify="size", pickle): after
-``reset(seed=0)`` and 100 random steps, the median latency of ``snapshot()`` (each snapshot is
-released, untimed, right after), of ``restore()`` (until it returns ``(obs, info)``; CRIU's includes
-retiring the previous worker) and the snapshot's size.  The pickle backend refuses EzPickle envs
-(Box2D, MuJoCo): shown as "refused".  For CRIU a breakdown separates the manifest check (sha256 vs
-sizes only) from CRIU's own restore, and an in-process ``copy.deepcopy``/cloudpickle of CartPole
-gives a reference for what pickle-style copying costs.
+Part 1, per env and backend config -- CRIU dumps with ``verify="full"`` and ``verify="size"``
+(``fork_tier=False``), CRIU's copy-on-write fork tier (``fork_tier=True``, where this gym_fork has
+it) and pickle: after ``reset(seed=0)`` and 100 random steps, the median latency of ``snapshot()``
+(each snapshot is released, untimed, right after), of ``restore()`` (until it returns
+``(obs, info)``; it includes retiring the previous worker) and the snapshot's size.  The pickle
+backend refuses EzPickle envs (Box2D, MuJoCo): shown as "refused".  For CRIU dumps a breakdown
+separates the manifest check (sha256 vs sizes only) from CRIU's own restore; for the fork tier,
+``Snapshot.persist()`` (writing the CRIU images later) is timed too.  An in-process
+``copy.deepcopy``/cloudpickle of CartPole gives a reference for what pickle-style copying costs.
 
 Part 2: median µs per step over ``--steps`` pre-sampled actions (episodes reset on termination)
-for the env stepped in-process (``gymnasium.make``), in a ForkableEnv CRIU worker (freshly started
-and CRIU-restored), in SB3's ``SubprocVecEnv`` with one env, and in a ForkableEnv pickle env
-(in-process, where allowed).
+for the env stepped in-process (``gymnasium.make``), in a bare echo process (the IPC floor), in a
+ForkableEnv CRIU worker (freshly started, and CRIU-restored from a dump), in SB3's
+``SubprocVecEnv`` with one env, and in a ForkableEnv pickle env (in-process, where allowed).
 
 Tables go to stdout (markdown), progress to stderr, all numbers to ``results/snapshot_latency.json``.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import inspect
 import os
 import statistics
 import sys
@@ -40,6 +43,7 @@ import numpy as np  # noqa: E402
 
 import gym_fork  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
     Progress,
     fmt,
     fmt_ratio,
@@ -50,18 +54,23 @@ from benchmarks.common import (  # noqa: E402
 )
 from gym_fork import store  # noqa: E402
 from gym_fork.criu_support import criu_status  # noqa: E402
-from gym_fork.errors import UnsupportedEnvError  # noqa: E402
+from gym_fork.errors import BackendUnavailableError, UnsupportedEnvError  # noqa: E402
 
 DEFAULT_ENVS = "CartPole-v1,LunarLander-v3,HalfCheetah-v5"
 PRE_STEPS = 100  # random steps after reset(seed=0) before snapshotting
-CONFIGS = [  # (label, backend, verify)
-    ("criu/full", "criu", "full"),
-    ("criu/size", "criu", "size"),
-    ("pickle", "pickle", "full"),
+# Does this gym_fork have the copy-on-write fork tier (ForkableEnv(..., fork_tier=...))?
+HAS_FORK_TIER = "fork_tier" in inspect.signature(gym_fork.ForkableEnv.__init__).parameters
+_DUMP = {"fork_tier": False} if HAS_FORK_TIER else {}  # force real CRIU dumps
+CONFIGS = [  # (label, backend, ForkableEnv kwargs)
+    ("criu/full", "criu", {"verify": "full", **_DUMP}),
+    ("criu/size", "criu", {"verify": "size", **_DUMP}),
+    *([("criu/fork", "criu", {"fork_tier": True})] if HAS_FORK_TIER else []),
+    ("pickle", "pickle", {}),
 ]
-STEP_MODES = ["inprocess", "criu", "criu_restored", "subproc_vec", "pickle"]
+STEP_MODES = ["inprocess", "ipc_floor", "criu", "criu_restored", "subproc_vec", "pickle"]
 STEP_LABELS = {
     "inprocess": "in-process",
+    "ipc_floor": "bare IPC echo",
     "criu": "criu worker",
     "criu_restored": "criu worker (restored)",
     "subproc_vec": "SB3 SubprocVecEnv(1)",
@@ -87,14 +96,17 @@ def bench_snapshot_restore(env_id: str, configs: list, reps: int, warmup: int, b
     out: dict = {}
     envs: dict = {}
     try:
-        for label, backend, verify in configs:
+        for label, backend, kwargs in configs:
             try:
-                envs[label] = gym_fork.ForkableEnv(env_id, backend=backend, verify=verify)
+                envs[label] = gym_fork.ForkableEnv(env_id, backend=backend, **kwargs)
             except UnsupportedEnvError as e:
                 out[label] = {"status": "refused", "reason": str(e).split(":")[0]}
                 continue
+            except BackendUnavailableError as e:  # e.g. fork_tier=True on a multi-threaded worker
+                out[label] = {"status": "unavailable", "reason": str(e)}
+                continue
             _warm_up_env(envs[label])
-            out[label] = {"status": "ok", "backend": backend, "verify": verify}
+            out[label] = {"status": "ok", "backend": backend, **kwargs}
         snap_t: dict = {k: [] for k in envs}
         sizes: dict = {k: [] for k in envs}
         for i in range(warmup + reps):
@@ -117,12 +129,17 @@ def bench_snapshot_restore(env_id: str, configs: list, reps: int, warmup: int, b
                 r["snapshot_ms"] = summarize(snap_t[label])
                 r["restore_ms"] = summarize(rest_t[label])
                 r["size_bytes"] = statistics.median(sizes[label])
+                payload = snaps[label].payload()
+                r["payload_type"] = type(payload).__name__
                 if r["backend"] == "criu":
-                    man = store.read_manifest(snaps[label].payload().path)
-                    r["image_files"] = {k: v["size"] for k, v in man["files"].items()}
                     r["worker_rss_kb"] = _rss_kb(env.worker_pid)
-                    if breakdown and r["verify"] == "full":
+                if hasattr(payload, "path"):  # a CRIU dump on disk
+                    man = store.read_manifest(payload.path)
+                    r["image_files"] = {k: v["size"] for k, v in man["files"].items()}
+                    if breakdown and r.get("verify") == "full":
                         r["restore_breakdown_ms"] = criu_restore_breakdown(env, snaps[label], reps, warmup)
+                elif r["backend"] == "criu":  # copy-on-write fork tier
+                    r.update(fork_tier_extras(env, reps, warmup))
         finally:
             for snap in snaps.values():
                 snap.release()
@@ -162,7 +179,8 @@ def _sha256_all(path: str, man: dict) -> None:
 
 
 def criu_restore_breakdown(env: gym_fork.ForkableEnv, snap, reps: int, warmup: int) -> dict:
-    """Where a CRIU restore's time goes, timed piece by piece on the side (private API).
+    """Where a CRIU restore's time goes, timed piece by piece (private API), and ``restore()``
+    itself in the same loop so the pieces and the whole see the same machine state.
 
     restore() = verify manifest (sha256 or sizes) + CRIU restore of a new worker (+ ping)
               + kill the previous worker + one ``last`` round trip for (obs, info).
@@ -171,27 +189,51 @@ def criu_restore_breakdown(env: gym_fork.ForkableEnv, snap, reps: int, warmup: i
     payload = snap.payload()
     path = payload.path
     man = store.read_manifest(path)
-    out = {
-        "verify_full": summarize(time_reps(lambda: store.verify(path, full=True), reps, warmup)),
-        "verify_size": summarize(time_reps(lambda: store.verify(path, full=False), reps, warmup)),
-        "sha256_images": summarize(time_reps(lambda: _sha256_all(path, man), reps, warmup)),
-    }
-    t_restore, t_kill, t_last = [], [], []
+    keys = ("restore_total", "verify_full", "verify_size", "sha256_images", "criu_restore_and_ping",
+            "last_roundtrip", "kill_worker")
+    t: dict = {k: [] for k in keys}
     for i in range(warmup + reps):
-        t0 = time.perf_counter()
-        h = be._restore_verified(payload)  # noqa: SLF001
-        t1 = time.perf_counter()
-        h.request("last")
-        t2 = time.perf_counter()
-        h.kill()
-        t3 = time.perf_counter()
+        row = {
+            "verify_full": _timed(lambda: store.verify(path, full=True))[0],
+            "verify_size": _timed(lambda: store.verify(path, full=False))[0],
+            "sha256_images": _timed(lambda: _sha256_all(path, man))[0],
+        }
+        row["criu_restore_and_ping"], h = _timed(lambda: be._restore_verified(payload))  # noqa: SLF001
+        row["last_roundtrip"] = _timed(lambda: h.request("last"))[0]
+        row["kill_worker"] = _timed(h.kill)[0]
+        row["restore_total"] = _timed(lambda: env.restore(snap))[0]
         if i >= warmup:
-            t_restore.append(t1 - t0)
-            t_last.append(t2 - t1)
-            t_kill.append(t3 - t2)
-    out["criu_restore_and_ping"] = summarize(t_restore)
-    out["last_roundtrip"] = summarize(t_last)
-    out["kill_worker"] = summarize(t_kill)
+            for k in keys:
+                t[k].append(row[k])
+    return {k: summarize(v) for k, v in t.items()}
+
+
+def fork_tier_extras(env: gym_fork.ForkableEnv, reps: int, warmup: int) -> dict:
+    """Fork-tier snapshots: private memory held (at once, after the env runs on), and persist()."""
+    out: dict = {}
+    snap = env.snapshot()
+    try:
+        if hasattr(snap, "memory_bytes"):
+            out["private_bytes_at_once"] = snap.memory_bytes()
+            _warm_up_env(env, seed=1)
+            out[f"private_bytes_after_{PRE_STEPS}_steps"] = snap.memory_bytes()
+    finally:
+        snap.release()
+    if hasattr(gym_fork.Snapshot, "persist"):
+        t, sizes = [], []
+        for i in range(warmup + reps):
+            s = env.snapshot()
+            try:
+                dt, _ = _timed(s.persist)
+                image = getattr(s.payload(), "image", None)
+                if image is not None:
+                    sizes.append(sum(v["size"] for v in store.read_manifest(image.path)["files"].values()))
+            finally:
+                s.release()
+            if i >= warmup:
+                t.append(dt)
+        out["persist_ms"] = summarize(t)
+        out["persisted_bytes"] = statistics.median(sizes) if sizes else None
     return out
 
 
@@ -239,41 +281,101 @@ def _vec_loop(venv, batched) -> None:
         venv.step(a)  # VecEnvs reset finished episodes themselves
 
 
+_ECHO = (
+    "import socket, sys\n"
+    "from gym_fork.protocol import Channel, ChannelClosed\n"
+    "c = Channel(socket.socket(fileno=int(sys.argv[1])))\n"
+    "while True:\n"
+    "    try:\n"
+    "        m = c.recv()\n"
+    "    except ChannelClosed:\n"
+    "        break\n"
+    "    c.send((0, m))\n"
+)
+
+
+class _IpcFloor:
+    """A bare echo process on gym_fork's Channel: one pickled request/reply per "step", no env.
+
+    The floor under any one-process-per-env design on this machine (wake-up + syscalls + pickle).
+    """
+
+    def __init__(self):
+        import socket
+        import subprocess
+
+        from gym_fork.backends.criu import _worker_environ
+        from gym_fork.protocol import Channel
+
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO, str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], env=_worker_environ())
+        theirs.close()
+        self.chan = Channel(ours)
+
+    def loop(self, actions) -> None:
+        send, recv = self.chan.send, self.chan.recv
+        for a in actions:
+            send(("step", (a,)))
+            recv()
+
+    def close(self) -> None:
+        self.chan.close()
+        self.proc.wait(timeout=10)
+
+
 def _make_step_env(mode: str, env_id: str):
-    """(env-like, loop function, closer) for one per-step mode; raises UnsupportedEnvError."""
+    """(loop(actions), closer) for one per-step mode; raises UnsupportedEnvError."""
+    if mode == "ipc_floor":
+        f = _IpcFloor()
+        return f.loop, f.close
     if mode == "inprocess":
         env = gym.make(env_id)
-        return env, _loop, env.close
+        return (lambda acts: _loop(env, acts)), env.close
     if mode in ("criu", "pickle"):
         env = gym_fork.ForkableEnv(env_id, backend=mode, record_actions=False)
-        return env, _loop, env.close
-    if mode == "criu_restored":
-        env = gym_fork.ForkableEnv(env_id, backend="criu", record_actions=False)
+        return (lambda acts: _loop(env, acts)), env.close
+    if mode == "criu_restored":  # a worker CRIU restored from a dump (not a fork-tier clone)
+        env = gym_fork.ForkableEnv(env_id, backend="criu", record_actions=False, **_DUMP)
         env.reset(seed=0)
         snap = env.snapshot()
         env.restore(snap)
         snap.release()
-        return env, _loop, env.close
+        return (lambda acts: _loop(env, acts)), env.close
     if mode == "subproc_vec":
         from stable_baselines3.common.vec_env import SubprocVecEnv
 
         venv = SubprocVecEnv([lambda: gym.make(env_id)])
-        return venv, _vec_loop, venv.close
+        return (lambda acts: _vec_loop(venv, acts)), venv.close
     raise ValueError(mode)
 
 
-def bench_steps(env_id: str, mode: str, actions: list, reps: int, warmup: int) -> dict:
+def bench_steps(env_id: str, modes: list[str], actions: list, reps: int, warmup: int) -> dict:
+    """µs/step of every mode for one env, interleaved run by run (drift hits all modes alike)."""
+    out: dict = {}
+    runners: dict = {}
+    batched = [np.asarray([a]) for a in actions]
     try:
-        env, loop, close = _make_step_env(mode, env_id)
-    except UnsupportedEnvError as e:
-        return {"status": "refused", "reason": str(e).split(":")[0]}
-    try:
-        acts = [np.asarray([a]) for a in actions] if mode == "subproc_vec" else actions
-        samples = time_reps(lambda: loop(env, acts), reps, warmup, collect=False)
-        per_step = [s / len(actions) for s in samples]
-        return {"status": "ok", "us_per_step": summarize(per_step, unit=1e6)}
+        for mode in modes:
+            try:
+                loop, close = _make_step_env(mode, env_id)
+            except UnsupportedEnvError as e:
+                out[mode] = {"status": "refused", "reason": str(e).split(":")[0]}
+                continue
+            runners[mode] = (loop, close, batched if mode == "subproc_vec" else actions)
+        samples: dict = {m: [] for m in runners}
+        for i in range(warmup + reps):
+            for mode, (loop, _, acts) in runners.items():
+                t0 = time.perf_counter()
+                loop(acts)
+                if i >= warmup:
+                    samples[mode].append((time.perf_counter() - t0) / len(acts))
+        for mode in runners:
+            out[mode] = {"status": "ok", "us_per_step": summarize(samples[mode], unit=1e6)}
     finally:
-        close()
+        for _, close, _ in runners.values():
+            close()
+    return {m: out[m] for m in modes}
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -301,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     envs = [e.strip() for e in args.envs.split(",") if e.strip()]
     warmup = max(0, args.warmup)
 
+    # MuJoCo appends warnings to ./MUJOCO_LOG.TXT of whichever process hits them (workers too):
+    # run from the git-ignored results/ folder so they land there, not in the repository root.
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    os.chdir(RESULTS_DIR)
+
     criu_ok = criu_status().usable
     configs = [c for c in CONFIGS if c[1] != "criu" or criu_ok]
     modes = [m for m in STEP_MODES if not m.startswith("criu") or criu_ok]
@@ -308,9 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         print("CRIU is not usable here: only the pickle backend is measured.", file=sys.stderr)
 
     results: dict = {"args": {"reps": reps, "warmup": warmup, "steps": steps, "envs": envs,
-                              "pre_steps": PRE_STEPS, "quick": args.quick},
+                              "pre_steps": PRE_STEPS, "quick": args.quick, "fork_tier": HAS_FORK_TIER,
+                              "configs": {c[0]: {"backend": c[1], **c[2]} for c in configs}},
                      "snapshot_restore": {}, "inprocess_reference": {}, "per_step": {}}
-    total = len(envs) * (len(configs) + len(modes)) + 1
+    total = 2 * len(envs) + 1
     t_start = time.perf_counter()
     with Progress(total, "snapshot_latency") as prog:
         for env_id in envs:
@@ -321,101 +429,153 @@ def main(argv: list[str] | None = None) -> int:
         results["inprocess_reference"]["CartPole-v1"] = inprocess_reference("CartPole-v1", reps, warmup)
         for env_id in envs:
             actions = presample_actions(env_id, steps)
-            results["per_step"][env_id] = {}
-            for mode in modes:
-                prog.step(f"{env_id} per-step {STEP_LABELS[mode]}")
-                results["per_step"][env_id][mode] = bench_steps(env_id, mode, actions, reps, warmup)
+            prog.step(f"{env_id} per-step ({len(modes)} modes, {steps} steps x {warmup + reps} runs)")
+            results["per_step"][env_id] = bench_steps(env_id, modes, actions, reps, warmup)
     results["elapsed_s"] = round(time.perf_counter() - t_start, 1)
 
     report(results, reps, steps)
     path = save_results(args.name, results)
-    print(f"\n(results: {path.relative_to(path.parent.parent)}; {results['elapsed_s']} s)", flush=True)
+    print(f"\n(results: {path}; {results['elapsed_s']} s)", flush=True)
     return 0
 
 
 def report(results: dict, reps: int, steps: int) -> None:
     sr = results["snapshot_restore"]
     envs = list(sr)
+    labels = [c[0] for c in CONFIGS if any(c[0] in sr[e] for e in envs)]
     cfg = lambda e, c: sr[e].get(c)  # noqa: E731
+    has_fork = "criu/fork" in labels
 
     def cell(e: str, c: str, key: str) -> str:
         d = cfg(e, c)
         if d is None:
             return "n/a"
-        if d["status"] == "refused":
-            return "refused"
+        if d["status"] != "ok":
+            return d["status"]
         return fmt(d[key]["median"])
 
+    def med(e: str, c: str, key: str) -> float | None:
+        return _med(cfg(e, c), key)
+
+    # snapshot latency
     rows = []
     for e in envs:
-        full, size, pk = (_med(cfg(e, c), "snapshot_ms") for c in ("criu/full", "criu/size", "pickle"))
-        rows.append([e, cell(e, "criu/full", "snapshot_ms"), cell(e, "criu/size", "snapshot_ms"),
-                     cell(e, "pickle", "snapshot_ms"), fmt_ratio(full, pk), fmt_ratio(full, size)])
-    print_table(["env", "criu/full ms", "criu/size ms", "pickle ms", "criu/full vs pickle", "full vs size"],
-                rows, title=f"snapshot() latency (median of {reps}; after reset(seed=0) + {PRE_STEPS} steps)",
-                note="criu/full and criu/size differ only at restore: every CRIU snapshot writes a sha256 "
-                     "manifest; the first pickle snapshot per env also runs a round-trip check (in the warmup).")
+        m = {c: med(e, c, "snapshot_ms") for c in labels}
+        row = [e] + [cell(e, c, "snapshot_ms") for c in labels]
+        row += [fmt_ratio(m.get("criu/full"), m.get("pickle")), fmt_ratio(m.get("criu/full"), m.get("criu/size"))]
+        if has_fork:
+            row += [fmt_ratio(m.get("criu/fork"), m.get("pickle")), fmt_ratio(m.get("criu/full"), m.get("criu/fork"))]
+        rows.append(row)
+    hdr = ["env"] + [f"{c} ms" for c in labels] + ["criu/full vs pickle", "full vs size"]
+    if has_fork:
+        hdr += ["criu/fork vs pickle", "full vs fork"]
+    print_table(hdr, rows, title=f"snapshot() latency (median of {reps}; after reset(seed=0) + {PRE_STEPS} steps)",
+                note="criu/full and criu/size are CRIU dumps (fork_tier=False) and differ only at restore: "
+                     "every dump writes a sha256 manifest. criu/fork = copy-on-write fork() of the worker "
+                     "(fork_tier=True), no images until persist(). The first pickle snapshot per env also "
+                     "runs a round-trip check (in the warmup).")
 
+    # restore latency
     rows = []
     for e in envs:
-        full, size, pk = (_med(cfg(e, c), "restore_ms") for c in ("criu/full", "criu/size", "pickle"))
-        rows.append([e, cell(e, "criu/full", "restore_ms"), cell(e, "criu/size", "restore_ms"),
-                     cell(e, "pickle", "restore_ms"), fmt_ratio(full, pk), fmt_ratio(size, pk),
-                     fmt_ratio(full, size)])
-    print_table(["env", "criu/full ms", "criu/size ms", "pickle ms", "criu/full vs pickle",
-                 "criu/size vs pickle", "full vs size"],
-                rows, title=f"restore() latency until (obs, info) (median of {reps})",
-                note="CRIU restore = verify images + CRIU restore of a new worker + kill the old worker.")
+        m = {c: med(e, c, "restore_ms") for c in labels}
+        row = [e] + [cell(e, c, "restore_ms") for c in labels]
+        row += [fmt_ratio(m.get("criu/full"), m.get("pickle")), fmt_ratio(m.get("criu/size"), m.get("pickle")),
+                fmt_ratio(m.get("criu/full"), m.get("criu/size"))]
+        if has_fork:
+            row += [fmt_ratio(m.get("criu/fork"), m.get("pickle")), fmt_ratio(m.get("criu/full"), m.get("criu/fork"))]
+        rows.append(row)
+    hdr = ["env"] + [f"{c} ms" for c in labels] + ["criu/full vs pickle", "criu/size vs pickle", "full vs size"]
+    if has_fork:
+        hdr += ["criu/fork vs pickle", "full vs fork"]
+    print_table(hdr, rows, title=f"restore() latency until (obs, info) (median of {reps})",
+                note="CRIU dump restore = verify images + CRIU restore of a new worker + kill the old worker; "
+                     "criu/fork restore = clone() of the frozen fork + kill the old worker.")
 
+    # sizes
     rows = []
     for e in envs:
-        c, pk = cfg(e, "criu/full"), cfg(e, "pickle")
-        c_mb = c["size_bytes"] / 1e6 if c and c["status"] == "ok" else None
-        pk_mb = pk["size_bytes"] / 1e6 if pk and pk["status"] == "ok" else None
-        rss = c.get("worker_rss_kb") if c and c["status"] == "ok" else None
-        pages = (c.get("image_files") or {}).get("pages-1.img") if c and c["status"] == "ok" else None
-        rows.append([e, fmt(c_mb), fmt(pages / 1e6 if pages else None), fmt(rss / 1e3 if rss else None),
-                     "refused" if pk and pk["status"] == "refused" else fmt(pk_mb, 4) if pk_mb is not None else "n/a",
-                     fmt_ratio(c_mb, pk_mb)])
-    print_table(["env", "criu image MB", "of which pages-1.img MB", "worker RSS MB", "pickle MB",
-                 "criu vs pickle"], rows, title="snapshot size")
+        c, pk, fk = cfg(e, "criu/full"), cfg(e, "pickle"), cfg(e, "criu/fork")
+        ok = lambda d: d is not None and d["status"] == "ok"  # noqa: E731
+        c_mb = c["size_bytes"] / 1e6 if ok(c) else None
+        pk_mb = pk["size_bytes"] / 1e6 if ok(pk) else None
+        rss = c.get("worker_rss_kb") if ok(c) else None
+        pages = (c.get("image_files") or {}).get("pages-1.img") if ok(c) else None
+        pk_cell = fmt(pk_mb, 4) if pk_mb is not None else (pk["status"] if pk else "n/a")
+        row = [e, fmt(c_mb), fmt(pages / 1e6 if pages else None), fmt(rss / 1e3 if rss else None), pk_cell,
+               fmt_ratio(c_mb, pk_mb)]
+        if has_fork:
+            if ok(fk):
+                a0 = fk.get("private_bytes_at_once")
+                a1 = fk.get(f"private_bytes_after_{PRE_STEPS}_steps")
+                pb = fk.get("persisted_bytes")
+                row += [f"{fmt(a0 / 1e6 if a0 is not None else None)} / {fmt(a1 / 1e6 if a1 is not None else None)}",
+                        fmt(pb / 1e6 if pb else None)]
+            else:
+                row += [fk["status"] if fk else "n/a"] * 2
+        rows.append(row)
+    hdr = ["env", "criu image MB", "of which pages-1.img MB", "worker RSS MB", "pickle MB", "criu vs pickle"]
+    if has_fork:
+        hdr += [f"fork snapshot private MB (at once / after {PRE_STEPS} steps)", "fork persisted MB"]
+    print_table(hdr, rows, title="snapshot size",
+                note="fork snapshot private MB = Private_Dirty of the frozen process (Snapshot.memory_bytes()): "
+                     "the memory it alone holds, growing as the live env rewrites shared pages."
+                if has_fork else None)
 
+    # CRIU restore breakdown
     bd_rows = []
     for e in envs:
         c = cfg(e, "criu/full")
         if not c or c["status"] != "ok" or "restore_breakdown_ms" not in c:
             continue
         b = c["restore_breakdown_ms"]
-        tot = c["restore_ms"]["median"]
+        tot = b["restore_total"]["median"]
         vf, vs, sha = b["verify_full"]["median"], b["verify_size"]["median"], b["sha256_images"]["median"]
         cr, kill, last = b["criu_restore_and_ping"]["median"], b["kill_worker"]["median"], b["last_roundtrip"]["median"]
+        snap_ms = c["snapshot_ms"]["median"]
         bd_rows.append([e, fmt(tot), fmt(vf), fmt(vs), fmt(sha), f"{100 * sha / tot:.0f}%", fmt(cr), fmt(kill),
-                        fmt(last), fmt(tot - vf - cr - kill - last)])
+                        fmt(last), fmt(tot - vf - cr - kill - last), f"{100 * sha / snap_ms:.0f}%"])
     if bd_rows:
         print_table(["env", "restore() ms", "verify full", "verify size", "sha256 only", "sha256 share",
-                     "CRIU restore+ping", "kill old worker", "last round trip", "rest"],
-                    bd_rows, title=f"where a criu/full restore goes (median ms of {reps}, pieces timed separately)",
+                     "CRIU restore+ping", "kill old worker", "last round trip", "rest", "sha256 share of snapshot()"],
+                    bd_rows, title=f"where a criu/full restore goes (median ms of {reps}; pieces and restore() timed in one loop)",
                     note="sha256 only = hashing the image files listed in MANIFEST.json (the same work "
-                         "write_manifest() does in every CRIU snapshot). rest = restore() − the pieces.")
+                         "write_manifest() does in every CRIU dump). rest = restore() − the pieces.")
 
+    # fork tier persist
+    if has_fork:
+        rows = []
+        for e in envs:
+            fk = cfg(e, "criu/fork")
+            if fk and fk["status"] == "ok" and "persist_ms" in fk:
+                rows.append([e, cell(e, "criu/fork", "snapshot_ms"), fmt(fk["persist_ms"]["median"]),
+                             cell(e, "criu/full", "snapshot_ms"),
+                             fmt_ratio(fk["persist_ms"]["median"], med(e, "criu/full", "snapshot_ms"))])
+        if rows:
+            print_table(["env", "fork snapshot() ms", "persist() ms", "criu/full snapshot() ms",
+                         "persist vs full dump"], rows,
+                        title=f"fork tier: snapshot now, write CRIU images later (median of {reps})")
+
+    # in-process reference
     ref = results["inprocess_reference"].get("CartPole-v1")
     if ref:
-        pk = (sr.get("CartPole-v1") or {}).get("pickle")
-        c = (sr.get("CartPole-v1") or {}).get("criu/full")
         rows = [
             ["copy.deepcopy(env)", fmt(ref["deepcopy_ms"]["median"]), "—"],
             ["cloudpickle.dumps(env)", fmt(ref["cloudpickle_dumps_ms"]["median"]), f"{ref['pickle_bytes']} B"],
             ["cloudpickle.loads(blob)", fmt(ref["cloudpickle_loads_ms"]["median"]), "—"],
         ]
-        if pk and pk["status"] == "ok":
-            rows += [["ForkableEnv pickle snapshot()", fmt(_med(pk, "snapshot_ms")), f"{int(pk['size_bytes'])} B"],
-                     ["ForkableEnv pickle restore()", fmt(_med(pk, "restore_ms")), "—"]]
-        if c and c["status"] == "ok":
-            rows += [["ForkableEnv criu/full snapshot()", fmt(_med(c, "snapshot_ms")), f"{c['size_bytes'] / 1e6:.1f} MB"],
-                     ["ForkableEnv criu/full restore()", fmt(_med(c, "restore_ms")), "—"]]
+        for c in labels:
+            d = (sr.get("CartPole-v1") or {}).get(c)
+            if not d or d["status"] != "ok":
+                continue
+            size = (f"{int(d['size_bytes'])} B" if d["size_bytes"] < 1e5 else f"{d['size_bytes'] / 1e6:.1f} MB") \
+                if d["size_bytes"] else "in memory"
+            rows += [[f"ForkableEnv {c} snapshot()", fmt(_med(d, "snapshot_ms")), size],
+                     [f"ForkableEnv {c} restore()", fmt(_med(d, "restore_ms")), "—"]]
         print_table(["CartPole-v1, in this process", "median ms", "size"], rows,
                     title="reference: pickle-style copying in-process (CartPole-v1)")
 
+    # per-step
     ps = results["per_step"]
     modes = [m for m in STEP_MODES if any(m in ps[e] for e in ps)]
     rows = []
@@ -426,15 +586,18 @@ def report(results: dict, reps: int, steps: int) -> None:
             d = ps[e].get(m)
             if d is None:
                 row.append("n/a")
-            elif d["status"] == "refused":
-                row.append("refused")
+            elif d["status"] != "ok":
+                row.append(d["status"])
             else:
                 v = d["us_per_step"]["median"]
                 row.append(fmt(v) if m == "inprocess" else f"{fmt(v)} ({fmt_ratio(v, base)})")
         rows.append(row)
     print_table(["env"] + [STEP_LABELS[m] + " µs" for m in modes], rows,
                 title=f"per-step cost (median µs/step over {steps} pre-sampled steps, {reps} runs; ratio vs in-process)",
-                note="Episodes reset on termination inside the timed loop (SubprocVecEnv resets itself).")
+                note="Episodes reset on termination inside the timed loop (SubprocVecEnv resets itself). "
+                     "bare IPC echo = one pickled request/reply with an echo process over gym_fork's "
+                     "Channel and no env: the floor for any env-in-another-process design here. "
+                     "All modes of an env are timed interleaved, run by run.")
 
 
 if __name__ == "__main__":

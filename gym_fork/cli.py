@@ -163,11 +163,6 @@ def system_checks() -> tuple[list[Check], Any]:
     # system
     checks.append(Check("kernel", "kernel", None, f"{platform.system()} {platform.release()} ({platform.machine()})",
                         data={"release": platform.release(), "machine": platform.machine()}))
-    unshare = shutil.which("unshare")
-    checks.append(Check("unshare", "unshare", unshare is not None, unshare or "not found",
-                        fix=None if unshare else "apt-get install util-linux (the criu backend starts every "
-                        "worker with `unshare --pid --fork`)",
-                        data={"path": unshare}))
     checks.append(Check("criu_usable", "criu usable", st.usable,
                         "yes" if st.usable else "no: " + "; ".join(st.reasons),
                         # the lines above already say what to do; repeat criu_status's advice only
@@ -188,6 +183,14 @@ def _same(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+# probe name -> ForkableEnv arguments
+PROBE_KINDS = {
+    "criu": {"backend": "criu", "fork_tier": False},  # every snapshot a CRIU dump
+    "fork": {"backend": "criu", "fork_tier": True},  # copy-on-write fork() snapshots
+    "pickle": {"backend": "pickle"},
+}
+
+
 def probe(backend: str) -> dict:
     """Run CartPole through snapshot -> 10 steps -> restore -> the same 10 steps, for real.
 
@@ -202,7 +205,7 @@ def probe(backend: str) -> dict:
     env = None
     try:
         t0 = time.perf_counter()
-        env = gym_fork.ForkableEnv(PROBE_ENV, backend=backend)
+        env = gym_fork.ForkableEnv(PROBE_ENV, **PROBE_KINDS[backend])
         res["start_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
         env.reset(seed=0)
         for i in range(PROBE_WARMUP):
@@ -210,7 +213,7 @@ def probe(backend: str) -> dict:
         t0 = time.perf_counter()
         snap = env.snapshot()
         res["snapshot_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-        res["size_bytes"] = snap.size_bytes
+        res["size_bytes"] = snap.size_bytes if backend != "fork" else snap.memory_bytes()
         first = [env.step(a) for a in actions]
         t0 = time.perf_counter()
         env.restore(snap)
@@ -268,16 +271,19 @@ def doctor_report(probe_mode: bool | None = None) -> dict:
     pickle_res = None if probe_mode is False else probe("pickle")
     if probe_mode is True or (probe_mode is None and st.usable):
         criu_res: dict | None = probe("criu")
+        fork_res: dict | None = probe("fork")
         criu_skip = None
     else:
-        criu_res = None
+        criu_res = fork_res = None
         criu_skip = "--no-probe" if probe_mode is False else "CRIU is not usable here; --probe forces it"
     checks.append(_probe_check(criu_res, "criu", criu_skip))
+    checks.append(_probe_check(fork_res, "fork", criu_skip))
     checks.append(_probe_check(pickle_res, "pickle", "--no-probe"))
 
     # which backends work: the probe's verdict when it ran, else the static one
     works = {
         "criu": criu_res["ok"] if criu_res is not None else st.usable,
+        "fork": fork_res["ok"] if fork_res is not None else st.usable,
         "pickle": pickle_res["ok"] if pickle_res is not None else _module_version("cloudpickle")[0] is not None,
     }
 
@@ -285,7 +291,8 @@ def doctor_report(probe_mode: bool | None = None) -> dict:
     if st.usable:
         auto = "criu"
         because = (f"CRIU {st.version} at {st.binary} is usable (criu check passed, running as root, "
-                   "pycriu imports, unshare present)")
+                   "pycriu imports); in-memory snapshots use the copy-on-write fork tier when the env "
+                   "worker is single-threaded, CRIU images when persisted or when it is not")
         if criu_res is not None and not criu_res["ok"]:
             because += "; BUT the criu probe failed, so envs will fail to snapshot: fix that, or pass backend='pickle'"
     else:
@@ -303,7 +310,7 @@ def doctor_report(probe_mode: bool | None = None) -> dict:
         "criu": {"usable": st.usable, "binary": st.binary, "version": st.version, "pycriu": st.pycriu,
                  "is_root": st.is_root, "check_output": st.check_output, "reasons": list(st.reasons),
                  "advice": list(st.advice), "rejected": list(st.rejected)},
-        "probes": {"criu": criu_res, "pickle": pickle_res},
+        "probes": {"criu": criu_res, "fork": fork_res, "pickle": pickle_res},
         "works": works,
         "auto": {"backend": auto, "because": because},
         "ok": ok,
@@ -385,8 +392,8 @@ COMMANDS: dict[str, Command] = {
         description=(
             "Check everything the 'criu' backend needs: the criu binary (>= 4.0; older ones such as "
             "Debian's 3.17 are listed as ignored, with the reason), `criu check`, the pycriu and "
-            "protobuf Python packages, root / CAP_SYS_ADMIN / CAP_CHECKPOINT_RESTORE, the kernel and "
-            "the `unshare` tool. Then, for real, start CartPole-v1 in each backend, take a snapshot, "
+            "protobuf Python packages, root / CAP_SYS_ADMIN / CAP_CHECKPOINT_RESTORE and the kernel. "
+            "Then, for real, start CartPole-v1 in each backend (CRIU dumps, the fork tier, pickle), take a snapshot, "
             "step, restore and replay the same actions, and check the observations are bit-identical "
             "(with snapshot and restore timings). Finally say which backend backend='auto' will pick "
             "and why, and for each problem what to do about it.\n\n"

@@ -122,13 +122,18 @@ class ForkableEnv(gym.Wrapper):
         record_actions: keep the actions since the last snapshot, so every snapshot knows its
             action path from its parent (``Snapshot.actions``).
         worker_log: append the worker's stdout/stderr to this file (default: discarded).
+        fork_tier: criu backend only. ``"auto"``: in-memory snapshots are copy-on-write
+            ``fork()`` copies of the worker (milliseconds), written as CRIU images only by
+            ``Snapshot.persist()``; used when the worker is single-threaded. ``False``: every
+            snapshot is a CRIU dump. ``True``: require the fork tier.
     """
 
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
-                 record_actions: bool = True, worker_log: str | None = None):
+                 record_actions: bool = True, worker_log: str | None = None,
+                 fork_tier: bool | Literal["auto"] = "auto"):
         source = make_source(env, env_kwargs)
-        be = get_backend(backend, verify=verify, worker_log=worker_log)
+        be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier)
         handle, meta = be.start(source)
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
 
@@ -327,10 +332,11 @@ def _kill_boxed(box: list) -> None:
 
 
 def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "size"] = "full",
-         record_actions: bool = True, worker_log: str | None = None, **kwargs: Any) -> ForkableEnv:
+         record_actions: bool = True, worker_log: str | None = None,
+         fork_tier: bool | Literal["auto"] = "auto", **kwargs: Any) -> ForkableEnv:
     """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
 
     Keyword arguments other than gym_fork's own go to ``gymnasium.make`` in the worker.
     """
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
-                       record_actions=record_actions, worker_log=worker_log)
+                       record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier)

@@ -112,6 +112,8 @@ class EnvServer:
             "unwrapped_type": type(env.unwrapped).__module__ + "." + type(env.unwrapped).__qualname__,
             "ezpickle": isinstance(env.unwrapped, gym.utils.EzPickle),
             "pid": host_pid(),
+            "threads": len(os.listdir("/proc/self/task")),
+            "torch_loaded": "torch" in __import__("sys").modules,
         }
 
     def cmd_getattr(self, name: str, where: str) -> Any:

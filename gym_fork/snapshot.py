@@ -43,6 +43,7 @@ class Snapshot:
         self.actions = actions
         self.lineage = lineage
         self._payload = payload
+        self._backend = backend
         self._finalizer = weakref.finalize(self, backend.release, payload)
 
     @property
@@ -53,6 +54,25 @@ class Snapshot:
         """Free the snapshot's resources now. Restoring it afterwards raises SnapshotReleasedError."""
         self._finalizer()
         self._payload = None
+
+    def persist(self, *, keep_in_memory: bool = True) -> "Snapshot":
+        """Make sure the snapshot is on disk as CRIU images (a copy-on-write snapshot is only in
+        memory until then). With ``keep_in_memory=False`` the frozen process is then released, so
+        the snapshot costs no memory and later restores come from the images."""
+        self._payload = self._backend.persist(self.payload())
+        if not keep_in_memory:
+            self._backend.evict(self._payload)
+        return self
+
+    @property
+    def persisted(self) -> bool:
+        p = self.payload()
+        return getattr(p, "image", p) is not None and not isinstance(p, bytes)
+
+    def memory_bytes(self) -> int | None:
+        """Memory the snapshot holds privately right now (copy-on-write snapshots: the pages the
+        running env has rewritten since), or None where that does not apply."""
+        return self._backend.memory_bytes(self.payload())
 
     def payload(self) -> Any:
         if self.released:

@@ -1,18 +1,36 @@
 """The worker process: one env, one channel, a plain command loop.
 
 Started by a backend as ``python -m gym_fork.worker FD`` (for CRIU, as PID 1 of its own PID
-namespace via ``unshare --pid --fork``).  It becomes a session leader (CRIU needs no
-``--shell-job`` then), receives ``("init", source)``, builds the env and serves commands until
+namespace through a small launcher).  It becomes a session leader (CRIU then needs no
+``--shell-job``), receives ``("init", source)``, builds the env and serves commands until
 ``close`` or until the controller goes away (EOF on the channel), so a worker never outlives
 its controller.
 
-A CRIU-restored copy of this process wakes up inside :func:`serve`, blocked in ``recv`` on a
-fresh channel that CRIU attached in place of the old one, and carries on from there.
+Besides the env commands of :class:`~gym_fork.server.EnvServer`, the loop knows the
+process-level commands of the copy-on-write tier:
+
+``fork_snapshot`` (+ an fd)
+    ``fork()`` a *frozen* child that keeps this exact state, copy-on-write, and serves the
+    frozen loop on the given fd.  The worker carries on at once.
+``clone`` (frozen loop, + an fd)
+    ``fork()`` an active worker from the frozen state, serving env commands on the fd.
+``promote`` (frozen loop, + an fd)
+    ``fork()`` (via a short-lived intermediate) a copy that is PID 1 of a *new* PID namespace and
+    waits, blocked in ``recv`` on the fd, to be dumped by CRIU: a persistent image of the frozen
+    state, taken without stopping anything else.
+``retire``
+    a PID-namespace init cannot exit while the namespace holds other live processes (clones,
+    frozen snapshots) without killing them all: it closes everything and ``exec``s a tiny reaper.
+
+A CRIU-restored copy wakes up inside :func:`serve`, blocked in ``recv`` on a fresh channel that
+CRIU attached in place of the old one, and carries on from there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 import traceback
 
@@ -22,36 +40,178 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
-from gym_fork.protocol import ERR, OK, Channel, ChannelClosed  # noqa: E402
-from gym_fork.server import EnvServer, build_env  # noqa: E402
+from gym_fork.protocol import ERR, OK, Channel, ChannelClosed, recv_fds  # noqa: E402
+from gym_fork.server import EnvServer, build_env, host_pid  # noqa: E402
+
+CLONE_NEWPID = 0x20000000
+FD_COMMANDS = frozenset({"fork_snapshot", "clone", "promote"})
+REAPER = (
+    "import os\n"
+    "while True:\n"
+    "    try: os.wait()\n"
+    "    except ChildProcessError: break\n"
+    "    except InterruptedError: pass\n"
+)
 
 
 def _error_reply(exc: BaseException) -> tuple:
     return (ERR, type(exc).__name__, str(exc), traceback.format_exc())
 
 
+def _reap_zombies() -> None:
+    """Collect exited children (frozen snapshots that were released) without blocking."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _retire_or_exit(code: int = 0) -> None:
+    """Leave the loop. A PID-namespace init becomes a reaper so that its namespace's other
+    processes (clones, frozen snapshots) live on; any other process just exits."""
+    if os.getpid() == 1:
+        os.closerange(3, 65536)
+        os.execv(sys.executable, [sys.executable, "-S", "-c", REAPER])
+    os._exit(code)
+
+
+def _fork_child(keep_fd: int, drop: Channel) -> int:
+    """fork(); in the child, ``drop`` is closed and ``keep_fd`` becomes its channel.
+    Returns the child's pid in the parent and 0 in the child."""
+    if thread_count() > 1:
+        raise RuntimeError(
+            f"the worker has {thread_count()} threads; fork() would keep only one (e.g. torch's "
+            "OpenMP pool would deadlock). Use ForkableEnv(..., fork_tier=False) for CRIU-only snapshots."
+        )
+    pid = os.fork()
+    if pid == 0:
+        drop.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    return pid
+
+
 def serve(chan: Channel, server: EnvServer) -> None:
+    """The active worker's loop."""
     while True:
         try:
             cmd, args = chan.recv()
         except ChannelClosed:
+            _retire_or_exit()
             return
         if cmd == "close":
             try:
                 server.cmd_close()
             finally:
                 chan.send((OK, None))
+            _retire_or_exit()
+            return
+        if cmd == "retire":
+            _retire_or_exit()
             return
         try:
-            reply = (OK, server.dispatch(cmd, args))
+            if cmd == "fork_snapshot":
+                fd = _recv_one_fd(chan)
+                pid = _fork_child(fd, chan)
+                if pid == 0:
+                    frozen_loop(Channel.from_fd(fd), server)
+                    os._exit(0)
+                os.close(fd)
+                _reap_zombies()
+                reply = (OK, None)  # the controller asks the child for its host pid (ping)
+            else:
+                reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
             reply = _error_reply(exc)
         try:
             chan.send(reply)
         except ChannelClosed:
+            _retire_or_exit()
             return
         except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
             chan.send(_error_reply(exc))
+
+
+def frozen_loop(chan: Channel, server: EnvServer) -> None:
+    """A frozen snapshot: holds the state and makes copies of it on request, never steps."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # clones are not ours to wait for
+    while True:
+        try:
+            cmd, args = chan.recv()
+        except ChannelClosed:
+            os._exit(0)
+        if cmd == "exit":
+            os._exit(0)
+        try:
+            if cmd == "clone":
+                fd = _recv_one_fd(chan)
+                pid = _fork_child(fd, chan)
+                if pid == 0:
+                    serve(Channel.from_fd(fd), server)
+                    os._exit(0)
+                os.close(fd)
+                reply = (OK, None)
+            elif cmd == "promote":
+                fd = _recv_one_fd(chan)
+                reply = (OK, _spawn_pidns_init(fd, chan, server))
+                os.close(fd)
+            elif cmd == "ping":
+                reply = (OK, host_pid())
+            else:
+                raise ValueError(f"a frozen snapshot cannot {cmd!r}; clone it first")
+        except Exception as exc:  # noqa: BLE001
+            reply = _error_reply(exc)
+        try:
+            chan.send(reply)
+        except ChannelClosed:
+            os._exit(0)
+
+
+def _spawn_pidns_init(fd: int, drop: Channel, server: EnvServer) -> int:
+    """A copy of this process as PID 1 of a new PID namespace, serving on ``fd``, to be dumped.
+    Returns its host pid."""
+    r, w = os.pipe()
+    mid = _fork_child(fd, drop)
+    if mid == 0:  # the intermediate: unshare() affects only its future children
+        os.close(r)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWPID) != 0:
+            os.write(w, b"E%d" % ctypes.get_errno())
+            os._exit(1)
+        if os.fork() == 0:
+            os.setsid()
+            os.write(w, str(host_pid()).encode())
+            os.close(w)
+            serve(Channel.from_fd(fd), server)
+            os._exit(0)
+        os._exit(0)
+    os.close(w)
+    try:
+        os.waitpid(mid, 0)
+    except ChildProcessError:
+        pass  # already reaped: frozen snapshots ignore SIGCHLD
+    data = os.read(r, 64)
+    os.close(r)
+    if not data or data.startswith(b"E"):
+        err = int(data[1:] or 0)
+        raise OSError(err, f"unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
+    return int(data)
+
+
+def _recv_one_fd(chan: Channel) -> int:
+    _msg, fds = recv_fds(chan.sock, 1)
+    if len(fds) != 1:
+        for f in fds:
+            os.close(f)
+        raise RuntimeError("expected exactly one file descriptor with the command")
+    return fds[0]
 
 
 def main(argv: list[str]) -> int:

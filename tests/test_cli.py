@@ -28,9 +28,9 @@ def test_doctor_human(capsys):
     lines = {ln.split(":", 1)[0].strip().lstrip("✔✘· ").strip(): ln for ln in out.splitlines() if " : " in ln}
     assert st.binary and st.binary in lines["criu binary"] and st.version in lines["criu binary"]
     assert lines["criu binary"].lstrip().startswith("✔")
-    for label in ("criu check", "pycriu", "protobuf", "root", "CAP_SYS_ADMIN", "unshare", "criu usable"):
+    for label in ("criu check", "pycriu", "protobuf", "root", "CAP_SYS_ADMIN", "criu usable"):
         assert lines[label].lstrip().startswith("✔"), lines[label]
-    for backend in ("criu", "pickle"):
+    for backend in ("criu", "fork", "pickle"):
         line = lines[f"probe {backend}"]
         assert line.lstrip().startswith("✔") and "ok:" in line and "bit-identical" in line, line
         assert "snapshot" in line and "restore" in line and " ms" in line
@@ -49,7 +49,7 @@ def test_doctor_json(capsys):
     assert int(rep["criu"]["version"].split(".")[0]) >= 4
     assert rep["checks"]["criu_binary"]["ok"] is True
     assert rep["checks"]["root"]["ok"] is True and rep["checks"]["cap_sys_admin"]["ok"] is True
-    for backend in ("criu", "pickle"):
+    for backend in ("criu", "fork", "pickle"):
         p = rep["probes"][backend]
         assert p["ok"] is True, p
         assert p["error"] is None
@@ -63,7 +63,7 @@ def test_doctor_no_probe(capsys):
     code, out = run_main(capsys, "doctor", "--json", "--no-probe")
     rep = json.loads(out)
     assert code == 0
-    assert rep["probes"] == {"criu": None, "pickle": None}
+    assert rep["probes"] == {"criu": None, "fork": None, "pickle": None}
     assert rep["checks"]["probe_criu"]["ok"] is None
     assert rep["auto"]["backend"] == "criu"
 

@@ -41,7 +41,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def env():
-    e = gym_fork.make("CartPole-v1", backend="criu")
+    # fork_tier=False: these tests look at CRIU image files (test_fork_tier.py covers the rest)
+    e = gym_fork.make("CartPole-v1", backend="criu", fork_tier=False)
     e.reset(seed=0)
     yield e
     e.close()
@@ -84,8 +85,30 @@ def test_foreign_snapshot():
             e.close()
 
 
+def test_released_fork_snapshot_frees_its_process():
+    e = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
+    try:
+        e.reset(seed=0)
+        snap = e.snapshot()
+        pid = snap.payload().pid
+        assert _alive(pid)
+        snap.release()
+        for _ in range(100):
+            if not _alive(pid):
+                break
+            import time
+
+            time.sleep(0.02)
+        assert not _alive(pid)
+        with pytest.raises(SnapshotReleasedError):
+            e.restore(snap)
+        e.step(0)
+    finally:
+        e.close()
+
+
 def test_closed_env_and_its_snapshots():
-    e = gym_fork.make("CartPole-v1", backend="criu")
+    e = gym_fork.make("CartPole-v1", backend="criu", fork_tier=False)
     e.reset(seed=0)
     snap = e.snapshot()
     pid = e.worker_pid
@@ -165,23 +188,33 @@ class _HoldsForeignSocket(gym.Env):
         return np.full(1, self.t / 100, np.float32), 1.0, False, False, {}
 
 
-def test_failed_dump_leaves_env_running_and_no_snapshot(tmp_path):
+@pytest.mark.parametrize("fork_tier", [False, True])
+def test_failed_dump_leaves_env_running_and_no_snapshot(tmp_path, fork_tier):
     path = str(tmp_path / "srv.sock")
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(path)
     srv.listen(1)
     conns = []
     threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
-    e = gym_fork.ForkableEnv(lambda: _HoldsForeignSocket(path), backend="criu")
+    e = gym_fork.ForkableEnv(lambda: _HoldsForeignSocket(path), backend="criu", fork_tier=fork_tier)
     try:
         e.reset(seed=0)
         e.step(0)
         before = set(os.listdir(store.session_dir()))
-        with pytest.raises(SnapshotError, match="keeps running"):
-            e.snapshot()
+        if fork_tier:  # the in-memory snapshot works; writing its CRIU images cannot
+            snap = e.snapshot()
+            with pytest.raises(SnapshotError):
+                snap.persist()
+            assert not snap.persisted
+        else:
+            with pytest.raises(SnapshotError, match="keeps running"):
+                e.snapshot()
         assert set(os.listdir(store.session_dir())) == before, "no half-written snapshot may stay"
         obs, *_ = e.step(0)
         assert obs[0] == pytest.approx(0.02)
+        if fork_tier:
+            obs, _ = e.restore(snap)
+            assert obs[0] == pytest.approx(0.01)
     finally:
         e.close()
         srv.close()

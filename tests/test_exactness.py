@@ -73,8 +73,8 @@ def _ids(p):
     return p[0] if isinstance(p[0], str) else p[0].__name__
 
 
-def check_exact(env_src, kwargs, k, must_cross, backend):
-    env = gym_fork.ForkableEnv(env_src, backend=backend, env_kwargs=kwargs or None)
+def check_exact(env_src, kwargs, k, must_cross, backend, **opts):
+    env = gym_fork.ForkableEnv(env_src, backend=backend, env_kwargs=kwargs or None, **opts)
     try:
         env.action_space.seed(123)
         env.reset(seed=7)
@@ -111,7 +111,15 @@ def check_exact(env_src, kwargs, k, must_cross, backend):
 @pytest.mark.criu
 @pytest.mark.parametrize("env_src,kwargs,k,must_cross", MATRIX, ids=[_ids(p) for p in MATRIX])
 def test_criu_exact(env_src, kwargs, k, must_cross):
-    check_exact(env_src, kwargs, k, must_cross, "criu")
+    """Every snapshot is a CRIU dump (fork_tier=False)."""
+    check_exact(env_src, kwargs, k, must_cross, "criu", fork_tier=False)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("env_src,kwargs,k,must_cross", MATRIX, ids=[_ids(p) for p in MATRIX])
+def test_fork_tier_exact(env_src, kwargs, k, must_cross):
+    """Copy-on-write fork() snapshots (fork_tier=True), the default for single-threaded workers."""
+    check_exact(env_src, kwargs, k, must_cross, "criu", fork_tier=True)
 
 
 PICKLABLE = [p for p in MATRIX if _ids(p) not in EZPICKLE]

@@ -19,14 +19,15 @@ def _announce(key: str, level: int, msg: str) -> None:
         log.log(level, msg)
 
 
-def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_log: str | None = None) -> Backend:
+def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_log: str | None = None,
+                fork_tier: bool | str = "auto") -> Backend:
     """Resolve a backend name to a backend object (``auto``: criu when usable, else pickle)."""
     if isinstance(name, Backend):
         return name
     if name == "criu":
         from gym_fork.backends.criu import CriuBackend
 
-        return CriuBackend(verify=verify, worker_log=worker_log)
+        return CriuBackend(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
     if name == "pickle":
         from gym_fork.backends.pickle import PickleBackend
 
@@ -35,7 +36,7 @@ def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_lo
         st = criu_status()
         if st.usable:
             _announce("auto-criu", logging.INFO, f"gym_fork: backend 'criu' ({st.binary}, CRIU {st.version})")
-            return get_backend("criu", verify=verify, worker_log=worker_log)
+            return get_backend("criu", verify=verify, worker_log=worker_log, fork_tier=fork_tier)
         _announce("auto-pickle", logging.WARNING,
                   "gym_fork: CRIU is not usable (" + "; ".join(st.reasons) + "); using backend 'pickle', "
                   "which refuses envs it cannot copy exactly. Run `gym-fork doctor` for details.")

@@ -11,10 +11,11 @@ import abc
 import os
 import signal
 import subprocess
+import threading
 from typing import Any
 
 from gym_fork.errors import WorkerDiedError, WorkerError, remote_exception
-from gym_fork.protocol import OK, Channel, ChannelClosed
+from gym_fork.protocol import OK, Channel, ChannelClosed, send_fds
 from gym_fork.server import EnvServer, EnvSource
 
 
@@ -63,10 +64,12 @@ class RemoteHandle(Handle):
     """
 
     def __init__(self, chan: Channel, pid: int, ino: int, *, popen: subprocess.Popen | None = None,
-                 child: bool = False):
+                 child: bool = False, ns_root: bool = False, fork_tier: bool = False):
         self.chan = chan
         self.pid = pid
         self.ino = ino
+        self.ns_root = ns_root  # PID 1 of its namespace: killing it kills the whole namespace
+        self.fork_tier = fork_tier  # copy-on-write snapshots: its namespace may hold other processes
         self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
@@ -88,6 +91,21 @@ class RemoteHandle(Handle):
             raise WorkerDiedError(
                 f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}"
             ) from e
+        if reply[0] == OK:
+            return reply[1]
+        _, type_name, message, tb = reply
+        raise remote_exception(type_name, message, tb)
+
+    def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
+        """A request that hands the worker one file descriptor (SCM_RIGHTS, right after it)."""
+        if self.closed:
+            raise WorkerDiedError(f"worker {self.pid} was already stopped")
+        try:
+            self.chan.send((cmd, args))
+            send_fds(self.chan.sock, b"F", [fd])
+            reply = self.chan.recv()
+        except (ChannelClosed, OSError) as e:
+            raise WorkerDiedError(f"the process {self.pid} died during {cmd!r}: {self.exit_status()}") from e
         if reply[0] == OK:
             return reply[1]
         _, type_name, message, tb = reply
@@ -123,6 +141,16 @@ class RemoteHandle(Handle):
         if self.closed:
             return
         self.closed = True
+        if self.ns_root and self.fork_tier:
+            # Its namespace may hold clones and frozen snapshots that must live on: ask it to
+            # retire (exec a reaper that exits with the last of them) instead of killing it.
+            try:
+                self.chan.send(("retire", ()))
+            except OSError:
+                pass
+            self.chan.close()
+            _reap_in_background(self._popen, self.pid if self._child else None)
+            return
         self.chan.close()
         try:
             # SIGKILL: a PID-namespace init ignores SIGTERM, and killing it ends its namespace.
@@ -136,6 +164,20 @@ class RemoteHandle(Handle):
                 os.waitpid(self.pid, 0)
         except (ChildProcessError, subprocess.TimeoutExpired):
             pass
+
+
+def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -> None:
+    def wait() -> None:
+        try:
+            if popen is not None:
+                popen.wait()
+            elif child_pid is not None:
+                os.waitpid(child_pid, 0)
+        except ChildProcessError:
+            pass
+
+    if popen is not None or child_pid is not None:
+        threading.Thread(target=wait, daemon=True, name="gym_fork-reap").start()
 
 
 def _describe_returncode(rc: int) -> str:
@@ -169,6 +211,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def restore(self, payload: Any) -> Handle:
         """Start a new env from a snapshot payload; the caller retires the old handle."""
+
+    def persist(self, payload: Any) -> Any:
+        """Make an in-memory snapshot durable (e.g. write CRIU images); returns the payload."""
+        return payload
+
+    def evict(self, payload: Any) -> None:
+        """Drop the in-memory part of a persisted snapshot (no-op where there is none)."""
+
+    def memory_bytes(self, payload: Any) -> int | None:
+        """Memory the snapshot holds privately now (None when not measurable)."""
+        return None
 
     def restore_many(self, payload: Any, n: int) -> list[Handle]:
         """``n`` independent restores (backends may run them concurrently)."""

@@ -20,6 +20,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,22 +41,49 @@ from gym_fork.protocol import ERR, Channel, socket_inode
 from gym_fork.server import EnvSource
 
 RESTORE_TIMEOUT_S = 60.0
+log = logging.getLogger("gym_fork")
 
 
 class CriuPayload:
     """Where a CRIU snapshot's images are, and the channel inode they expect."""
 
-    __slots__ = ("path", "ino", "__weakref__")
+    __slots__ = ("path", "ino", "fork_tier", "__weakref__")
 
-    def __init__(self, path: str, ino: int):
+    def __init__(self, path: str, ino: int, fork_tier: bool = False):
         self.path = path
         self.ino = ino
+        self.fork_tier = fork_tier  # restored workers may take fork() snapshots (single-threaded)
+
+
+class ForkPayload:
+    """A copy-on-write snapshot: a frozen process holding the state, and optionally its image."""
+
+    __slots__ = ("chan", "pid", "image", "lock", "__weakref__")
+
+    def __init__(self, chan: Channel, pid: int):
+        self.chan = chan
+        self.pid = pid
+        self.image: CriuPayload | None = None  # set once persisted
+        self.lock = threading.Lock()  # one request at a time on the frozen process's channel
+
+    def request_with_fd(self, cmd: str, fd: int) -> Any:
+        with self.lock:
+            h = RemoteHandle(self.chan, self.pid, 0)
+            return h.request_with_fd(cmd, fd)
 
 
 class CriuBackend(Backend):
+    """CRIU process snapshots, with a copy-on-write fork tier for in-memory snapshots.
+
+    ``fork_tier``: ``"auto"`` (default) takes in-memory snapshots by ``fork()`` when the worker
+    is single-threaded (milliseconds, memory shared copy-on-write) and writes CRIU images only
+    when a snapshot is persisted; ``False`` always dumps with CRIU; ``True`` requires the tier.
+    """
+
     name = "criu"
 
-    def __init__(self, *, verify: str = "full", worker_log: str | None = None):
+    def __init__(self, *, verify: str = "full", worker_log: str | None = None,
+                 fork_tier: bool | str = "auto"):
         st = criu_status()
         if not st.usable:
             raise BackendUnavailableError(
@@ -67,6 +96,9 @@ class CriuBackend(Backend):
         self.binary: str = st.binary  # type: ignore[assignment]
         self.verify = verify
         self.worker_log = worker_log
+        if fork_tier not in ("auto", True, False):
+            raise ValueError(f"fork_tier must be 'auto', True or False, not {fork_tier!r}")
+        self.fork_tier = fork_tier
 
     # --- start -----------------------------------------------------------------------------
     def start(self, source: EnvSource) -> tuple[Handle, dict]:
@@ -92,12 +124,47 @@ class CriuBackend(Backend):
         except WorkerError:
             handle.kill()
             raise
-        handle.pid = meta["pid"]  # the python inside the namespace, not `unshare`
+        handle.pid = meta["pid"]  # the python inside the namespace, not the launcher
+        handle.ns_root = True
+        handle.fork_tier = self._use_fork_tier(meta)
         return handle, meta
 
+    def _use_fork_tier(self, meta: dict) -> bool:
+        if self.fork_tier is False:
+            return False
+        unsafe = meta.get("threads", 1) > 1 or meta.get("torch_loaded")
+        if unsafe and self.fork_tier is True:
+            raise BackendUnavailableError(
+                f"fork_tier=True, but the env worker has {meta.get('threads')} threads"
+                f"{' and torch loaded' if meta.get('torch_loaded') else ''}: fork() would deadlock "
+                "their thread pools. Use fork_tier='auto' or False (CRIU dumps keep all threads)."
+            )
+        if unsafe:
+            log.info("gym_fork: env worker has %s threads%s; using CRIU dumps, not fork(), for snapshots",
+                     meta.get("threads"), " and torch" if meta.get("torch_loaded") else "")
+        return not unsafe
+
     # --- snapshot --------------------------------------------------------------------------
-    def snapshot(self, handle: Handle, snap_id: str) -> tuple[CriuPayload, int]:
+    def snapshot(self, handle: Handle, snap_id: str) -> tuple[CriuPayload | ForkPayload, int]:
         assert isinstance(handle, RemoteHandle)
+        if handle.fork_tier:
+            return self._fork_snapshot(handle), 0
+        return self._dump(handle, snap_id, leave_running=True)
+
+    def _fork_snapshot(self, handle: RemoteHandle) -> ForkPayload:
+        ours, theirs = socket.socketpair()
+        try:
+            handle.request_with_fd("fork_snapshot", theirs.fileno())
+        except WorkerError as e:
+            ours.close()
+            raise SnapshotError(f"fork snapshot failed: {e}; the env keeps running") from e
+        finally:
+            theirs.close()
+        chan = Channel(ours)
+        frozen = RemoteHandle(chan, 0, 0)
+        return ForkPayload(chan, frozen.request("ping"))
+
+    def _dump(self, handle: RemoteHandle, snap_id: str, *, leave_running: bool) -> tuple[CriuPayload, int]:
         root = store.session_dir()
         tmp = store.private_mkdir(os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
@@ -108,7 +175,7 @@ class CriuBackend(Backend):
             c.opts.log_file = "dump.log"
             c.opts.log_level = 2
             c.opts.pid = handle.pid
-            c.opts.leave_running = True
+            c.opts.leave_running = leave_running
             c.opts.external.append(f"unix[{handle.ino}]")
             c.dump()
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
@@ -123,14 +190,19 @@ class CriuBackend(Backend):
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(f"could not store the snapshot images: {e}") from e
-        return CriuPayload(final, handle.ino), size
+        return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier), size
 
     # --- restore ---------------------------------------------------------------------------
-    def restore(self, payload: CriuPayload) -> Handle:
-        self._verify(payload)
-        return self._restore_verified(payload)
+    def restore(self, payload: CriuPayload | ForkPayload) -> Handle:
+        return self.restore_many(payload, 1)[0]
 
-    def restore_many(self, payload: CriuPayload, n: int) -> list[Handle]:
+    def restore_many(self, payload: CriuPayload | ForkPayload, n: int) -> list[Handle]:
+        if isinstance(payload, ForkPayload):
+            if payload.chan is not None:
+                return self._clone_many(payload, n)
+            if payload.image is None:
+                raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
+            payload = payload.image
         self._verify(payload)
         if n == 1:
             return [self._restore_verified(payload)]
@@ -148,6 +220,66 @@ class CriuBackend(Backend):
                 h.kill()
             raise errors[0]
         return handles
+
+    def _clone_many(self, payload: ForkPayload, n: int) -> list[Handle]:
+        handles: list[Handle] = []
+        try:
+            for _ in range(n):
+                ours, theirs = socket.socketpair()
+                ino = socket_inode(theirs.fileno())
+                try:
+                    payload.request_with_fd("clone", theirs.fileno())
+                except (WorkerError, WorkerDiedError) as e:
+                    ours.close()
+                    raise RestoreError(f"cloning the frozen snapshot (pid {payload.pid}) failed: {e}") from e
+                finally:
+                    theirs.close()
+                h = RemoteHandle(Channel(ours), 0, ino, fork_tier=True)
+                h.pid = h.request("ping")
+                handles.append(h)
+        except BaseException:
+            for h in handles:
+                h.kill()
+            raise
+        return handles
+
+    def persist(self, payload: CriuPayload | ForkPayload) -> CriuPayload | ForkPayload:
+        """Write CRIU images of a copy-on-write snapshot (nothing else stops meanwhile)."""
+        if isinstance(payload, CriuPayload) or payload.image is not None:
+            return payload
+        if payload.chan is None:
+            raise SnapshotCorruptedError("the snapshot's frozen process is gone")
+        ours, theirs = socket.socketpair()
+        ino = socket_inode(theirs.fileno())
+        try:
+            pid = payload.request_with_fd("promote", theirs.fileno())
+        except (WorkerError, WorkerDiedError) as e:
+            ours.close()
+            raise SnapshotError(f"could not make a dumpable copy of the snapshot: {e}") from e
+        finally:
+            theirs.close()
+        copy = RemoteHandle(Channel(ours), pid, ino, fork_tier=True)
+        try:
+            image, _size = self._dump(copy, f"p{pid}-{os.urandom(4).hex()}", leave_running=False)
+        finally:
+            copy.chan.close()
+            try:
+                os.kill(pid, 9)  # normally CRIU killed it already
+            except ProcessLookupError:
+                pass
+        payload.image = image
+        return payload
+
+    def evict(self, payload: CriuPayload | ForkPayload) -> None:
+        if isinstance(payload, ForkPayload) and payload.image is not None and payload.chan is not None:
+            with payload.lock:
+                payload.chan.close()  # the frozen process exits on EOF
+                payload.chan = None
+
+    def memory_bytes(self, payload: CriuPayload | ForkPayload) -> int | None:
+        if isinstance(payload, ForkPayload) and payload.chan is not None:
+            return private_dirty_bytes(payload.pid)
+        return None
 
     def _verify(self, payload: CriuPayload) -> None:
         if not os.path.isdir(payload.path):
@@ -181,7 +313,8 @@ class CriuBackend(Backend):
             os.close(dfd)
             os.close(wfd)
             shutil.rmtree(workdir, ignore_errors=True)
-        handle = RemoteHandle(Channel(ours), pid, new_ino, child=True)
+        handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
+                              fork_tier=payload.fork_tier and self.fork_tier is not False)
         try:
             handle.request("ping")
         except WorkerDiedError as e:
@@ -189,8 +322,27 @@ class CriuBackend(Backend):
             raise RestoreError(f"the restored worker did not answer: {e}") from e
         return handle
 
-    def release(self, payload: CriuPayload) -> None:
+    def release(self, payload: CriuPayload | ForkPayload) -> None:
+        if isinstance(payload, ForkPayload):
+            if payload.chan is not None:
+                payload.chan.close()  # the frozen process exits on EOF
+                payload.chan = None
+            if payload.image is not None:
+                shutil.rmtree(payload.image.path, ignore_errors=True)
+            return
         shutil.rmtree(payload.path, ignore_errors=True)
+
+
+def private_dirty_bytes(pid: int) -> int | None:
+    """Private_Dirty of a process: the memory only it holds (pages its siblings have rewritten)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Private_Dirty:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 # Runs the worker as PID 1 of a new PID namespace and exits the way the worker did (a signal

@@ -1,0 +1,522 @@
+"""``ForkableVecEnv``: a Stable-Baselines3 ``VecEnv`` over N :class:`~gym_fork.ForkableEnv` workers.
+
+It behaves like SB3's ``SubprocVecEnv`` (every env in its own process, stepped in parallel,
+auto-reset on done, ``terminal_observation`` and ``TimeLimit.truncated`` in the infos), and adds
+per-slot snapshots: :meth:`ForkableVecEnv.snapshot`, :meth:`ForkableVecEnv.restore` and
+:meth:`ForkableVecEnv.fork_into`.  Needs ``stable-baselines3`` (``pip install gym_fork[sb3]``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
+from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
+
+from gym_fork.backends.base import RemoteHandle
+from gym_fork.env import ForkableEnv
+from gym_fork.errors import EnvClosedError, WorkerDiedError, WorkerError, remote_exception
+from gym_fork.protocol import OK, ChannelClosed
+from gym_fork.server import EnvServer
+from gym_fork.snapshot import Snapshot
+
+EnvSpecifier = str | Callable[[], gym.Env] | gym.Env
+
+# Commands a newer worker may offer (see the report / server.py); checked on the class the
+# worker runs, which is this very gym_fork.
+_HAS_ENV_METHOD = hasattr(EnvServer, "cmd_env_method")
+_HAS_IS_WRAPPED = hasattr(EnvServer, "cmd_is_wrapped")
+
+
+# --- requests to many workers at once ----------------------------------------------------------
+class _Call:
+    """One request to one ForkableEnv's worker, sent now and answered by :meth:`result`.
+
+    For a worker process (``RemoteHandle``) the request goes out at construction, so the workers
+    of all calls created before the first ``result()`` compute concurrently.  The in-process
+    pickle backend (``LocalHandle``) has nothing to overlap: the command runs in ``result()``.
+    Errors (a dead worker, an exception in the env) surface from ``result()``, never earlier, so
+    a caller can always collect every reply and keep every channel in request/reply step.
+    """
+
+    __slots__ = ("env", "handle", "cmd", "args", "error", "sent")
+
+    def __init__(self, env: ForkableEnv, cmd: str, args: tuple = ()):
+        self.env, self.cmd, self.args = env, cmd, args
+        self.error: BaseException | None = None
+        self.sent = False
+        if env.closed:
+            self.error = EnvClosedError(f"{cmd}() on a closed ForkableEnv; create a new one")
+            return
+        self.handle = env._handle
+        if isinstance(self.handle, RemoteHandle):
+            try:
+                _send(self.handle, cmd, args)
+                self.sent = True
+            except Exception as e:  # noqa: BLE001 - reported by result()
+                self.error = e
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        try:
+            if self.sent:
+                return _receive(self.handle, self.cmd)
+            return self.handle.request(self.cmd, *self.args)
+        except WorkerError as e:
+            # Like ForkableEnv._request: a missing attribute is a plain AttributeError.
+            if e.remote_type == "AttributeError" and self.cmd == "getattr":
+                raise AttributeError(str(e)) from None
+            raise
+
+
+def _send(handle: RemoteHandle, cmd: str, args: tuple) -> None:
+    """The first half of ``RemoteHandle.request``: send, and mark the reply as owed."""
+    if handle.closed:
+        raise WorkerDiedError(f"worker {handle.pid} was already stopped")
+    try:
+        if handle._pending:  # drain the reply of an interrupted request first
+            handle.chan.recv()
+            handle._pending = False
+        handle.chan.send((cmd, args))
+        handle._pending = True
+    except (ChannelClosed, BrokenPipeError, ConnectionResetError, OSError) as e:
+        raise WorkerDiedError(
+            f"the env worker (pid {handle.pid}) died during {cmd!r}: {handle.exit_status()}"
+        ) from e
+
+
+def _receive(handle: RemoteHandle, cmd: str) -> Any:
+    """The second half of ``RemoteHandle.request``: read the reply, raise the env's error."""
+    try:
+        reply = handle.chan.recv()
+        handle._pending = False
+    except (ChannelClosed, BrokenPipeError, ConnectionResetError, OSError) as e:
+        raise WorkerDiedError(
+            f"the env worker (pid {handle.pid}) died during {cmd!r}: {handle.exit_status()}"
+        ) from e
+    if reply[0] == OK:
+        return reply[1]
+    _, type_name, message, tb = reply
+    raise remote_exception(type_name, message, tb)
+
+
+_FAILED = object()
+
+
+def _collect(calls: Sequence[_Call]) -> tuple[list[Any], BaseException | None]:
+    """Every call's result (``_FAILED`` where it raised) and the first error, if any.
+
+    All replies are read even after a failure: an unread reply would desynchronize its channel.
+    """
+    results: list[Any] = []
+    first: BaseException | None = None
+    for call in calls:
+        try:
+            results.append(call.result())
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other replies
+            results.append(_FAILED)
+            first = first or e
+    return results, first
+
+
+def _run(envs: Sequence[ForkableEnv], cmd: str, args: Sequence[tuple] | tuple = ()) -> list[Any]:
+    """``cmd`` on every env concurrently; ``args`` is one tuple for all or one tuple per env."""
+    per_env = args if args and isinstance(args, list) else [args] * len(envs)
+    results, error = _collect([_Call(env, cmd, a) for env, a in zip(envs, per_env, strict=True)])
+    if error is not None:
+        raise error
+    return results
+
+
+# --- ForkableEnv bookkeeping (mirrors ForkableEnv.step / reset) --------------------------------
+def _note_step(env: ForkableEnv, action: Any) -> None:
+    """What ``ForkableEnv.step`` records after the worker stepped (see the report)."""
+    env._steps += 1
+    if env._actions is not None:
+        # A copy: SB3 may reuse its action array, and a row of it is only a view.
+        env._actions.append(action.copy() if isinstance(action, np.ndarray) else action)
+
+
+def _note_reset(env: ForkableEnv) -> None:
+    """What ``ForkableEnv.reset`` records after the worker reset."""
+    env._steps = 0
+    env._parent_id = None
+    if env._actions is not None:
+        env._actions = []
+
+
+def _start_envs(sources: list[EnvSpecifier], kwargs: dict) -> list[ForkableEnv]:
+    """Start one ForkableEnv per source, concurrently (a worker spends ~1 s importing)."""
+    if len(sources) == 1:
+        return [ForkableEnv(sources[0], **kwargs)]
+    with ThreadPoolExecutor(max_workers=min(len(sources), 16)) as pool:
+        futures = [pool.submit(ForkableEnv, src, **kwargs) for src in sources]
+    envs, error = [], None
+    for f in futures:
+        try:
+            envs.append(f.result())
+        except Exception as e:  # noqa: BLE001
+            error = error or e
+    if error is not None:
+        for env in envs:
+            env.close()
+        raise error
+    return envs
+
+
+class ForkableVecEnv(VecEnv):
+    """A vectorized env of N :class:`~gym_fork.ForkableEnv` workers that step in parallel,
+    where any slot can be snapshotted, restored or overwritten with a snapshot of any other.
+
+    It follows SB3's ``SubprocVecEnv`` conventions exactly: ``step_async`` sends every worker its
+    action before ``step_wait`` reads any reply (so the envs compute concurrently); a finished
+    episode is reset at once, with the last observation in ``info["terminal_observation"]`` and
+    ``info["TimeLimit.truncated"] = truncated and not terminated``; ``seed()`` / ``set_options()``
+    apply at the next ``reset()``; ``get_attr``, ``set_attr``, ``env_method``, ``env_is_wrapped``,
+    ``render`` and ``get_images`` reach into the worker's env stack the way SB3's worker does.
+
+    All N slots share one *lineage* (the id a snapshot checks before it is restored), because they
+    are built from the same source: a snapshot taken in one slot can be restored into any slot.
+
+    Example:
+        >>> import numpy as np
+        >>> from gym_fork.vec_env import ForkableVecEnv
+        >>> venv = ForkableVecEnv("CartPole-v1", n_envs=4, seed=0)
+        >>> obs = venv.reset()
+        >>> obs.shape
+        (4, 4)
+        >>> obs, rewards, dones, infos = venv.step(np.array([0, 1, 0, 1]))
+        >>> snap = venv.snapshot(0)                   # slot 0, now
+        >>> branch_obs = venv.fork_into(snap, [1, 2, 3])  # slots 1-3 continue from there
+        >>> bool((branch_obs == obs[0]).all())
+        True
+        >>> obs, *_ = venv.step(np.array([1, 1, 1, 1]))
+        >>> all((obs[i] == obs[0]).all() for i in range(4))
+        True
+        >>> venv.close()
+
+    With an SB3 algorithm, a slot changed *during* ``learn()`` (in a callback) must also be
+    changed in the algorithm's copy of the current observation, which it keeps itself::
+
+        model._last_obs = venv.current_obs
+
+    Args:
+        env: an env id (like ``gymnasium.make``), a zero-argument factory, an env instance (each
+            worker gets its own pickled copy), a list of factories (one per slot, like
+            ``SubprocVecEnv``'s ``env_fns``), or a list of ForkableEnvs (see :meth:`from_envs`).
+        n_envs: how many slots (default 1); must be ``None`` or the list's length for a list.
+        backend: ``"auto"``, ``"criu"`` or ``"pickle"`` (see :class:`~gym_fork.ForkableEnv`).
+            ``"pickle"`` runs every env in this process: no parallelism.
+        env_kwargs: keyword arguments for ``gymnasium.make`` when ``env`` is an id.
+        seed: calls :meth:`seed`, so the first ``reset()`` seeds slot ``i`` with ``seed + i``.
+        **forkable_kwargs: passed to every :class:`~gym_fork.ForkableEnv` (``verify``,
+            ``record_actions``, ``worker_log``, ...).
+
+    Attributes:
+        envs: the slots' ForkableEnvs. Stepping one directly bypasses this VecEnv's bookkeeping
+            (:attr:`current_obs`, ``reset_infos``); use the VecEnv API instead.
+    """
+
+    def __init__(self, env: EnvSpecifier | Sequence[EnvSpecifier] | Sequence[ForkableEnv],
+                 n_envs: int | None = None, *, backend: str = "auto", env_kwargs: dict | None = None,
+                 seed: int | None = None, **forkable_kwargs: Any):
+        if isinstance(env, (list, tuple)):
+            if n_envs is not None and n_envs != len(env):
+                raise ValueError(f"n_envs={n_envs} but {len(env)} envs were given")
+            if env and all(isinstance(e, ForkableEnv) for e in env):
+                self._init(self._check_envs(list(env)), seed)
+                return
+            if any(isinstance(e, ForkableEnv) for e in env):
+                raise TypeError("mix of ForkableEnvs and env sources; pass one kind")
+            sources = list(env)
+        else:
+            sources = [env] * (1 if n_envs is None else n_envs)
+        if not sources:
+            raise ValueError("need at least one env")
+        envs = _start_envs(sources, dict(backend=backend, env_kwargs=env_kwargs, **forkable_kwargs))
+        # One lineage for all slots: they come from the same source, so a snapshot of one slot is
+        # a valid state for every other (ForkableEnv checks the lineage on restore).
+        for e in envs[1:]:
+            e._lineage = envs[0]._lineage
+        self._init(envs, seed)
+
+    @classmethod
+    def from_envs(cls, envs: Sequence[ForkableEnv], *, share_lineage: bool = False,
+                  seed: int | None = None) -> "ForkableVecEnv":
+        """A ForkableVecEnv over already-built ForkableEnvs; it owns them from now on (``close()``
+        closes them).
+
+        Snapshots move between slots only when the slots share a lineage: forks of one env do;
+        independently built envs do when ``share_lineage=True`` declares them interchangeable
+        (same env, same wrappers). Their earlier snapshots then only restore into slot 0's.
+        """
+        envs = cls._check_envs(list(envs))
+        if share_lineage:
+            for e in envs[1:]:
+                e._lineage = envs[0]._lineage
+        self = cls.__new__(cls)
+        self._init(envs, seed)
+        return self
+
+    @staticmethod
+    def _check_envs(envs: list[ForkableEnv]) -> list[ForkableEnv]:
+        if not envs:
+            raise ValueError("need at least one env")
+        if not all(isinstance(e, ForkableEnv) for e in envs):
+            raise TypeError("from_envs() takes ForkableEnvs")
+        if len({id(e) for e in envs}) != len(envs):
+            raise ValueError("the same ForkableEnv appears twice; every slot needs its own env")
+        if any(e.closed for e in envs):
+            raise EnvClosedError("one of the envs is closed")
+        first = envs[0]
+        for e in envs[1:]:
+            if e.backend != first.backend:
+                raise ValueError(f"envs use different backends ({first.backend!r}, {e.backend!r})")
+            if e.observation_space != first.observation_space or e.action_space != first.action_space:
+                raise ValueError("envs have different observation or action spaces")
+        return envs
+
+    def _init(self, envs: list[ForkableEnv], seed: int | None) -> None:
+        self.envs = envs
+        self.waiting = False
+        self.closed = False
+        self._calls: list[_Call] = []
+        self._step_actions: Sequence[Any] = ()
+        self._obs: list[Any] = [None] * len(envs)  # each slot's observation for the next action
+        super().__init__(len(envs), envs[0].observation_space, envs[0].action_space)
+        if seed is not None:
+            self.seed(seed)
+
+    # --- the VecEnv API --------------------------------------------------------------------------
+    def reset(self) -> VecEnvObs:
+        self._cancel_pending_step()
+        # SB3 passes options only when there are some (reset(seed=s) otherwise): so do we.
+        args = [(self._seeds[i], self._options[i] or None) for i in range(self.num_envs)]
+        results = _run(self.envs, "reset", args)
+        for i, (obs, info) in enumerate(results):
+            self._obs[i] = obs
+            self.reset_infos[i] = info
+            _note_reset(self.envs[i])
+        # Seeds and options are only used once
+        self._reset_seeds()
+        self._reset_options()
+        return _stack_obs(self._obs, self.observation_space)
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self._check_open("step_async")
+        if self.waiting:
+            raise RuntimeError("step_async() called twice; call step_wait() first")
+        if len(actions) != self.num_envs:
+            raise ValueError(f"expected {self.num_envs} actions, got {len(actions)}")
+        self._step_actions = actions
+        self._calls = [_Call(env, "step", (a,)) for env, a in zip(self.envs, actions)]
+        self.waiting = True
+
+    def step_wait(self) -> VecEnvStepReturn:
+        if not self.waiting:
+            raise RuntimeError("step_wait() without step_async()")
+        calls, self._calls, self.waiting = self._calls, [], False
+        results, error = _collect(calls)
+        for env, action, out in zip(self.envs, self._step_actions, results):
+            if out is not _FAILED:
+                _note_step(env, action)
+        if error is not None:
+            raise error  # the other slots did step; reset() brings them all back in line
+
+        obs, rews, dones, infos = [], [], [], []
+        finished: list[int] = []
+        for i, (o, reward, terminated, truncated, info) in enumerate(results):
+            done = terminated or truncated
+            # See https://github.com/openai/gym/issues/3102 (as SB3)
+            info["TimeLimit.truncated"] = truncated and not terminated
+            if done:
+                # save final observation where user can get it, then reset
+                info["terminal_observation"] = o
+                finished.append(i)
+            obs.append(o)
+            rews.append(reward)
+            dones.append(done)
+            infos.append(info)
+        if finished:  # the finished slots reset concurrently too
+            resets = _run([self.envs[i] for i in finished], "reset", (None, None))
+            for i, (o, reset_info) in zip(finished, resets):
+                obs[i] = o
+                self.reset_infos[i] = reset_info
+                _note_reset(self.envs[i])
+        self._obs = obs
+        return _stack_obs(obs, self.observation_space), np.stack(rews), np.stack(dones), infos
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.waiting:  # read the step replies first: the workers are still answering them
+            _collect(self._calls)
+            self._calls, self.waiting = [], False
+        error = None
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception as e:  # noqa: BLE001 - close the others anyway
+                error = error or e
+        if error is not None:
+            raise error
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        if self.render_mode != "rgb_array":
+            import warnings
+
+            warnings.warn(
+                f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images."
+            )
+            return [None for _ in self.envs]
+        return _run(self._idle_envs(None, "render"), "render")
+
+    def has_attr(self, attr_name: str) -> bool:
+        """Check if an attribute exists for a vectorized environment (see base class)."""
+        return all(_run(self._idle_envs(None, "has_attr"), "call",
+                        ("has_wrapper_attr", (attr_name,), {}, "wrapper")))
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        """Return attribute from vectorized environment (see base class): the worker's
+        ``env.get_wrapper_attr(attr_name)``, as SB3's worker does."""
+        return _run(self._idle_envs(indices, "get_attr"), "getattr", (attr_name, "wrapper"))
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        """Set attribute inside vectorized environments (see base class).
+
+        Like SB3's ``setattr(env, attr_name, value)`` in the worker: on the *outermost* wrapper.
+        """
+        _run(self._idle_envs(indices, "set_attr"), "call", ("__setattr__", (attr_name, value), {}, "wrapper"))
+
+    def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None,
+                   **method_kwargs: Any) -> list[Any]:
+        """Call instance methods of vectorized environments: the worker's
+        ``env.get_wrapper_attr(method_name)(*method_args, **method_kwargs)``, as SB3's worker."""
+        envs = self._idle_envs(indices, "env_method")
+        if _HAS_ENV_METHOD:
+            return _run(envs, "env_method", (method_name, method_args, method_kwargs))
+        # Without that worker command: call it on the outermost wrapper when that has it, else on
+        # the base env (a method defined only on an inner wrapper is not reachable this way).
+        outer_dirs = _run(envs, "call", ("__dir__", (), {}, "wrapper"))
+        args = [(method_name, method_args, method_kwargs, "wrapper" if method_name in d else "unwrapped")
+                for d in outer_dirs]
+        return _run(envs, "call", args)
+
+    def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
+        """Check if worker environments are wrapped with a given wrapper (``isinstance`` on each
+        layer of the worker's env stack, like SB3's ``is_wrapped``)."""
+        envs = self._idle_envs(indices, "env_is_wrapped")
+        if _HAS_IS_WRAPPED:
+            return _run(envs, "is_wrapped", (wrapper_class,))
+        # Without that worker command: compare class names along the stack that gymnasium's repr
+        # shows (``<TimeLimit<OrderEnforcing<...>>>``), counting subclasses we know of here.
+        names = {c.__name__ for c in _with_subclasses(wrapper_class)}
+        reprs = _run(envs, "call", ("__repr__", (), {}, "wrapper"))
+        return [bool(names & set(re.findall(r"<(\w+)", r))) for r in reprs]
+
+    # --- snapshots -------------------------------------------------------------------------------
+    @property
+    def current_obs(self) -> VecEnvObs:
+        """Every slot's observation for the next action, stacked (after reset, step_wait, restore
+        and fork_into): what an SB3 algorithm's ``_last_obs`` must be after slots changed."""
+        if any(o is None for o in self._obs):
+            raise RuntimeError("call reset() first: some slots have no observation yet")
+        return _stack_obs(self._obs, self.observation_space)
+
+    @property
+    def worker_pids(self) -> list[int | None]:
+        """Host pid of each slot's worker (``None`` for the in-process pickle backend)."""
+        return [env.worker_pid for env in self.envs]
+
+    def snapshot(self, index: int) -> Snapshot:
+        """Capture slot ``index`` now (the slot keeps running). Restorable into any slot."""
+        (env,) = self._idle_envs(index, "snapshot")
+        return env.snapshot()
+
+    def restore(self, index: int, snapshot: Snapshot) -> Any:
+        """Put ``snapshot`` (taken in any slot) into slot ``index``; returns the slot's new
+        observation, the one the snapshot's env had returned last. Other slots are untouched."""
+        (env,) = self._idle_envs(index, "restore")
+        obs, info = env.restore(snapshot)
+        self._obs[index] = obs
+        self.reset_infos[index] = info  # the info of the moment the snapshot captured
+        return obs
+
+    def fork_into(self, snapshot: Snapshot, indices: Sequence[int], *,
+                  rng: Literal["same", "reseed"] = "same", seeds: Sequence[int] | None = None) -> VecEnvObs:
+        """Put ``snapshot`` into every slot in ``indices`` at once (the restores run concurrently);
+        returns those slots' new observations, stacked in the order of ``indices``.
+
+        ``rng="same"`` keeps every copy's randomness identical (same actions, same trajectories);
+        ``rng="reseed"`` gives each copy its own ``np_random`` from ``seeds[k]`` (or fresh
+        entropy), as :meth:`ForkableEnv.fork` does. On a failed restore no slot has changed.
+        """
+        idx = [int(i) for i in self._get_indices(indices)]
+        if not idx:
+            raise ValueError("indices is empty")
+        if len(set(idx)) != len(idx) or not all(0 <= i < self.num_envs for i in idx):
+            raise ValueError(f"indices must be distinct slots in 0..{self.num_envs - 1}, got {idx}")
+        if rng not in ("same", "reseed"):
+            raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
+        if seeds is not None and (rng != "reseed" or len(seeds) != len(idx)):
+            raise ValueError("seeds needs rng='reseed' and one entry per index")
+        targets = self._idle_envs(idx, "fork_into")
+        payload = None
+        for env in targets:  # every target slot must accept it (lineage, backend, not released)
+            payload = env._check_snapshot(snapshot)
+        handles = targets[0]._backend.restore_many(payload, len(targets))
+        # Swap the new workers in exactly as ForkableEnv.restore does (the old ones are stopped).
+        for env, handle in zip(targets, handles):
+            env._switch_to(handle, snapshot)
+        if rng == "reseed":
+            seed_list = [int(s) for s in seeds] if seeds is not None else [
+                int(np.random.SeedSequence().entropy % (2**63)) for _ in targets]
+            _run(targets, "reseed", [(s,) for s in seed_list])
+        lasts = _run(targets, "last")
+        for i, (obs, info, _steps) in zip(idx, lasts):
+            self._obs[i] = obs
+            self.reset_infos[i] = info
+        return _stack_obs([self._obs[i] for i in idx], self.observation_space)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise EnvClosedError(f"{what}() on a closed ForkableVecEnv; create a new one")
+
+    def _idle_envs(self, indices: VecEnvIndices, what: str) -> list[ForkableEnv]:
+        """The slots' envs, after checking that no step is in flight (its replies are owed)."""
+        self._check_open(what)
+        if self.waiting:
+            raise RuntimeError(f"{what}() while a step is in flight; call step_wait() first")
+        return [self.envs[i] for i in self._get_indices(indices)]
+
+    def _cancel_pending_step(self) -> None:
+        """SB3: reset() cancels a step_async() whose step_wait() was never called."""
+        self._check_open("reset")
+        if self.waiting:
+            results, _ = _collect(self._calls)
+            for env, action, out in zip(self.envs, self._step_actions, results):
+                if out is not _FAILED:
+                    _note_step(env, action)
+            self._calls, self.waiting = [], False
+
+    def __repr__(self) -> str:
+        first = self.envs[0]
+        env_id = first.spec.id if first.spec else first._meta.get("unwrapped_type")
+        return f"<ForkableVecEnv {env_id} n_envs={self.num_envs} backend={first.backend}>"
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out

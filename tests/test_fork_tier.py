@@ -1,0 +1,193 @@
+"""The copy-on-write tier: frozen fork() snapshots, promotion to CRIU images, and no leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from conftest import assert_same_traj, run_actions
+
+import gym_fork
+from gym_fork.errors import BackendUnavailableError
+
+pytestmark = pytest.mark.criu
+
+
+def _gym_fork_pids() -> set[int]:
+    """Every live gym_fork worker, frozen snapshot or namespace reaper on the machine."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{d}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if not zombie and (b"gym_fork.worker" in cmd or b"os.wait()" in cmd):
+            pids.add(int(d))
+    return pids
+
+
+def _wait_gone(pids: set[int], timeout: float = 5.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = pids & _gym_fork_pids()
+        if not left:
+            return set()
+        time.sleep(0.05)
+    return pids & _gym_fork_pids()
+
+
+def test_auto_uses_fork_tier_for_single_threaded_workers():
+    env = gym_fork.make("LunarLander-v3", backend="criu")
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        assert type(snap.payload()).__name__ == "ForkPayload"
+        assert snap.memory_bytes() is not None
+    finally:
+        env.close()
+
+
+def test_persist_evict_and_restore_from_images_is_exact():
+    env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=True)
+    try:
+        env.action_space.seed(3)
+        env.reset(seed=3)
+        run_actions(env, [env.action_space.sample() for _ in range(40)])
+        snap = env.snapshot()
+        actions = [env.action_space.sample() for _ in range(80)]
+        original, _ = run_actions(env, actions)
+        snap.persist(keep_in_memory=False)
+        assert snap.persisted and snap.payload().chan is None
+        assert os.path.isdir(snap.payload().image.path)
+        env.restore(snap)  # from the images: a CRIU-restored namespace init
+        assert_same_traj(original, run_actions(env, actions)[0])
+        env.restore(snap)
+        snap2 = env.snapshot()  # a fork() snapshot inside the restored namespace
+        run_actions(env, actions[:5])
+        env.restore(snap2)  # the namespace init retires into a reaper; the clone carries on
+        assert_same_traj(original, run_actions(env, actions)[0])
+    finally:
+        env.close()
+
+
+def test_no_leaks_after_close():
+    before = _gym_fork_pids()
+    env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
+    env.reset(seed=0)
+    snaps = []
+    for i in range(5):
+        env.step(i % 2)
+        snaps.append(env.snapshot())
+    env.restore(snaps[1])
+    env.restore(snaps[3])
+    kids = env.fork(snaps[2], 3)
+    image = snaps[4].persist().payload().image.path
+    mine = _gym_fork_pids() - before
+    assert len(mine) >= 5 + 3 + 1  # frozen snapshots, clones, the active worker
+    for k in kids:
+        k.close()
+    env.close()
+    assert not _wait_gone(mine), "processes left behind after close()"
+    assert not os.path.exists(image), "close() must delete persisted images"
+
+
+def test_forks_outlive_their_parent():
+    env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
+    env.reset(seed=0)
+    snap = env.snapshot()
+    kids = env.fork(snap, 3)
+    env.close()  # the parent's worker is PID 1 of the namespace the forks live in
+    try:
+        for k in kids:
+            for _ in range(5):
+                k.step(0)
+        trajs = [run_actions(k, [0, 1] * 10)[0] for k in kids]
+        assert_same_traj(trajs[0], trajs[1])
+        assert_same_traj(trajs[0], trajs[2])
+    finally:
+        for k in kids:
+            k.close()
+
+
+def test_frozen_snapshots_die_with_their_controller(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, time, gym_fork
+        env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
+        env.reset(seed=0)
+        snaps = [env.snapshot() for _ in range(3)]
+        kid = env.fork(snaps[0], 1)[0]
+        pids = [env.worker_pid, kid.worker_pid] + [s.payload().pid for s in snaps]
+        print(" ".join(map(str, pids)), flush=True)
+        time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = set(map(int, p.stdout.readline().split()))
+    assert len(pids) == 5 and pids <= _gym_fork_pids()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not _wait_gone(pids), "workers/frozen snapshots outlived their controller"
+
+
+class _ThreadedEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        self._stop = threading.Event()
+        threading.Thread(target=self._stop.wait, daemon=True).start()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x = float(self.np_random.normal())
+        return np.array([self.x]), {}
+
+    def step(self, action):
+        self.x += float(self.np_random.normal()) + action
+        return np.array([self.x]), self.x, False, False, {}
+
+
+def test_threaded_worker_falls_back_to_criu_dumps():
+    with pytest.raises(BackendUnavailableError, match="threads"):
+        gym_fork.ForkableEnv(_ThreadedEnv, backend="criu", fork_tier=True)
+    env = gym_fork.ForkableEnv(_ThreadedEnv, backend="criu")  # auto
+    try:
+        env.reset(seed=1)
+        snap = env.snapshot()
+        assert type(snap.payload()).__name__ == "CriuPayload"
+        a = run_actions(env, [0, 1, 1, 0] * 5)[0]
+        env.restore(snap)
+        assert_same_traj(a, run_actions(env, [0, 1, 1, 0] * 5)[0])
+    finally:
+        env.close()
+
+
+def test_fork_snapshot_memory_is_copy_on_write():
+    env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        rss = int(open(f"/proc/{env.worker_pid}/status").read().split("VmRSS:")[1].split()[0]) * 1024
+        snaps = []
+        for _ in range(20):
+            for _ in range(5):
+                env.step(env.action_space.sample())
+            snaps.append(env.snapshot())
+        private = [s.memory_bytes() for s in snaps]
+        assert all(p is not None for p in private)
+        assert sum(private) < rss, f"20 snapshots hold {sum(private)} B privately, worker RSS {rss} B"
+    finally:
+        env.close()
