@@ -5,9 +5,10 @@
 """
 
 from gym_fork import errors
+from gym_fork.branching import Branch, ExploreResult, explore
 from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError
 from gym_fork.snapshot import Snapshot
 
-__all__ = ["ForkableEnv", "make", "Snapshot", "GymForkError", "errors"]
+__all__ = ["ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
 __version__ = "0.1.0"

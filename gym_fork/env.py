@@ -171,6 +171,19 @@ class ForkableEnv(gym.Wrapper):
             self._actions.append(action)
         return out
 
+    def step_send(self, action: Any) -> None:
+        """First half of :meth:`step`: the worker starts stepping; collect with :meth:`step_receive`.
+        Lets many ForkableEnvs step in parallel from one thread."""
+        if self._closed:
+            raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
+        self._handle.send("step", action)
+        self._steps += 1
+        if self._actions is not None:
+            self._actions.append(action)
+
+    def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
+        return self._handle.receive()
+
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         obs_info = self._request("reset", seed, options)
         self._steps = 0

@@ -143,38 +143,30 @@ class EnvServer:
 
 
 def reseed_env(env: gym.Env, seed: int) -> None:
-    """Give a branch its own randomness: the env's ``np_random`` and, for ALE, its RNG.
+    """Give a branch its own randomness, leaving the simulated state untouched.
 
-    The physics/game state is untouched; only future random draws change.  Wrappers that keep
-    their own generators are reseeded where they expose ``np_random`` through ``_np_random``.
+    Reseeded: the env's ``np_random`` (what Gymnasium envs draw from: FrozenLake's slips,
+    Blackjack's cards, ...), ALE's emulator RNG (sticky actions), and the ``_np_random`` of any
+    wrapper that keeps one.  Not reseeded: generators an env keeps under other names, and global
+    ``random``/``numpy.random`` state.
     """
     ss = np.random.SeedSequence(seed)
-    env.unwrapped.np_random = np.random.Generator(np.random.PCG64(ss.spawn(1)[0]))
-    ale = getattr(env.unwrapped, "ale", None)
-    if ale is not None and hasattr(ale, "cloneState"):
-        _reseed_ale(ale, int(ss.generate_state(1)[0]))
+    env_seed, ale_seed, wrapper_seed = ss.generate_state(3, np.uint32)
+    u = env.unwrapped
+    ale = getattr(u, "ale", None)
+    if ale is not None and hasattr(ale, "cloneState") and hasattr(u, "seed_game") and hasattr(u, "load_game"):
+        # ALE takes a new RNG seed only on a ROM reload, which resets the game: keep the game
+        # state aside (without its RNG), reseed + reload, then put the game state back.
+        state = ale.cloneState(include_rng=False)
+        u.seed_game(int(ale_seed))
+        u.load_game()
+        ale.restoreState(state)
+    u.np_random = np.random.Generator(np.random.PCG64(int(env_seed)))
     layer = env
     while isinstance(layer, gym.Wrapper):
         if getattr(layer, "_np_random", None) is not None:
-            layer._np_random = np.random.Generator(np.random.PCG64(ss.spawn(1)[0]))
+            layer._np_random = np.random.Generator(np.random.PCG64(int(wrapper_seed)))
         layer = layer.env
-
-
-def _reseed_ale(ale: Any, seed: int) -> None:
-    """Reseed ALE's sticky-action RNG without touching the emulator state.
-
-    ALE keeps its RNG inside the serialized system state; setting ``random_seed`` only takes
-    effect on ``loadROM``.  So: clone the game state *with* RNG from a freshly seeded copy is not
-    possible; instead we restore the game state without RNG after reseeding the RNG through
-    ``setInt`` + ``loadROM``'s RNG init is avoided.  What works on ale-py >= 0.9: clone the state
-    without the RNG, reseed via setInt and a ROM reload, then restore the game state.
-    """
-    state = ale.cloneState(include_rng=False)
-    ale.setInt("random_seed", seed % (2**31 - 1))
-    rom = getattr(ale, "_gym_fork_rom", None)
-    if rom is not None:
-        ale.loadROM(rom)
-    ale.restoreState(state)
 
 
 def host_pid() -> int:

@@ -46,6 +46,21 @@ class LocalHandle(Handle):
 
     def __init__(self, server: EnvServer):
         self.server = server
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def send(self, cmd: str, *args: Any) -> None:
+        # In-process: do the work now, hand it over in receive() (keeps one code path for callers).
+        try:
+            self._result, self._error = self.request(cmd, *args), None
+        except Exception as e:  # noqa: BLE001
+            self._result, self._error = None, e
+
+    def receive(self) -> Any:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self._result
 
     def request(self, cmd: str, *args: Any) -> Any:
         if self.closed:
@@ -91,6 +106,30 @@ class RemoteHandle(Handle):
             raise WorkerDiedError(
                 f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}"
             ) from e
+        if reply[0] == OK:
+            return reply[1]
+        _, type_name, message, tb = reply
+        raise remote_exception(type_name, message, tb)
+
+    def send(self, cmd: str, *args: Any) -> None:
+        """First half of a request: send it, so several workers can compute at the same time."""
+        if self.closed:
+            raise WorkerDiedError(f"worker {self.pid} was already stopped")
+        try:
+            if self._pending:
+                self.chan.recv()
+            self.chan.send((cmd, args))
+            self._pending = True
+        except (ChannelClosed, OSError) as e:
+            raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
+
+    def receive(self) -> Any:
+        """Second half of a request sent with :meth:`send`."""
+        try:
+            reply = self.chan.recv()
+            self._pending = False
+        except (ChannelClosed, OSError) as e:
+            raise WorkerDiedError(f"the env worker (pid {self.pid}) died: {self.exit_status()}") from e
         if reply[0] == OK:
             return reply[1]
         _, type_name, message, tb = reply

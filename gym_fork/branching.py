@@ -1,0 +1,169 @@
+"""Exploring many futures from one saved state: :func:`explore`.
+
+Branches are forks of one snapshot (``ForkableEnv.fork``), stepped in lockstep: every step, all
+live branches' actions are sent first and the replies collected after, so the worker processes
+compute concurrently while the controller evaluates the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+
+from gym_fork.env import ForkableEnv
+from gym_fork.snapshot import Snapshot
+
+Policy = Callable[[Any], Any]
+
+
+@dataclass
+class Branch:
+    """What one branch did."""
+
+    index: int
+    seed: int | None
+    actions: list = field(default_factory=list)
+    rewards: list = field(default_factory=list)
+    terminated: bool = False
+    truncated: bool = False
+    final_obs: Any = None
+    final_info: dict = field(default_factory=dict)
+    snapshot: Snapshot | None = None  # its end state, when explore(..., return_snapshots=True)
+
+    @property
+    def ret(self) -> float:
+        """Undiscounted return."""
+        return float(np.sum(self.rewards)) if self.rewards else 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.actions)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+@dataclass
+class ExploreResult:
+    root: Snapshot
+    branches: list[Branch]
+    wall_s: float
+
+    @property
+    def steps(self) -> int:
+        return sum(b.length for b in self.branches)
+
+    def best(self) -> Branch:
+        return max(self.branches, key=lambda b: b.ret)
+
+    def returns(self) -> np.ndarray:
+        return np.array([b.ret for b in self.branches])
+
+
+def as_policy(policy: Any, deterministic: bool = False) -> Callable[[list], list]:
+    """A batch policy ``[obs] -> [action]`` from a callable ``obs -> action`` or an SB3 model."""
+    if hasattr(policy, "predict") and hasattr(policy, "policy"):
+        def batch(obs_list: list) -> list:
+            acts, _ = policy.predict(np.stack(obs_list), deterministic=deterministic)
+            return list(acts)
+
+        return batch
+    if not callable(policy):
+        raise TypeError(f"policy must be a callable obs -> action or an SB3 model, not {type(policy).__name__}")
+    return lambda obs_list: [policy(o) for o in obs_list]
+
+
+def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches: int = 8,
+            horizon: int = 100, *, rng: Literal["same", "reseed"] = "reseed",
+            seeds: Sequence[int] | None = None, return_snapshots: bool = False,
+            stop_at_done: bool = True, deterministic: bool = False,
+            progress: bool | None = None) -> ExploreResult:
+    """Run ``n_branches`` branches of up to ``horizon`` steps from ``snapshot``, in parallel.
+
+    Args:
+        env: the ForkableEnv the snapshot belongs to (it is not changed).
+        snapshot: where to branch from; ``None`` snapshots ``env`` now.
+        policy: a callable ``obs -> action`` or a Stable-Baselines3 model (``model.predict``,
+            stochastic unless ``deterministic=True``), called once per step for all branches.
+        rng: ``"reseed"`` (default) gives each branch its own env randomness (``seeds[i]`` or
+            fresh entropy); ``"same"`` keeps the snapshot's, so identical actions replay exactly.
+        return_snapshots: snapshot every branch's end state (``Branch.snapshot``; its
+            ``parent_id`` is the root and its ``actions`` the branch's actions). They belong to
+            ``env`` afterwards and are released with it.
+        stop_at_done: a branch stops at its first episode end (else it auto-resets and goes on).
+        progress: show a progress bar (default: when ``n_branches * horizon >= 20000``).
+
+    Example:
+        >>> import gym_fork
+        >>> env = gym_fork.make("CartPole-v1")
+        >>> _ = env.reset(seed=0)
+        >>> res = gym_fork.explore(env, None, lambda obs: int(obs[2] > 0), n_branches=4, horizon=50)
+        >>> len(res.branches), res.best().ret > 0
+        (4, True)
+        >>> env.close()
+    """
+    if n_branches < 1 or horizon < 1:
+        raise ValueError(f"n_branches and horizon must be >= 1 (got {n_branches}, {horizon})")
+    act = as_policy(policy, deterministic)
+    t0 = time.perf_counter()
+    own_root = snapshot is None
+    root = env.snapshot() if own_root else snapshot
+    if rng == "reseed" and seeds is None:
+        seeds = [int(s) for s in np.random.SeedSequence().generate_state(n_branches, np.uint64) % (2**63)]
+    kids = env.fork(root, n_branches, rng=rng, seeds=seeds)
+    branches = [Branch(i, None if seeds is None else int(seeds[i])) for i in range(n_branches)]
+    try:
+        obs0, _info0, _ = kids[0]._request("last")
+        obs = [obs0] * n_branches
+        live = list(range(n_branches))
+        bar = _progress(horizon, progress if progress is not None else n_branches * horizon >= 20000)
+        for _t in range(horizon):
+            if not live:
+                break
+            actions = act([obs[i] for i in live])
+            for i, a in zip(live, actions):
+                kids[i].step_send(a)
+            still = []
+            for i, a in zip(live, actions):
+                o, r, term, trunc, info = kids[i].step_receive()
+                b = branches[i]
+                b.actions.append(a)
+                b.rewards.append(float(r))
+                b.final_obs, b.final_info = o, info
+                if term or trunc:
+                    b.terminated, b.truncated = bool(term), bool(trunc)
+                    if stop_at_done:
+                        continue
+                    o, _ = kids[i].reset()
+                obs[i] = o
+                still.append(i)
+            live = still
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        if return_snapshots:
+            for k, b in zip(kids, branches):
+                b.snapshot = k.snapshot()
+                # hand ownership to `env`: the branch env is closed below
+                del k._snapshots[b.snapshot.id]
+                env._snapshots[b.snapshot.id] = b.snapshot
+                b.snapshot.parent_id = root.id if not own_root else None
+    finally:
+        for k in kids:
+            k.close()
+        if own_root:
+            root.release()
+    return ExploreResult(root, branches, time.perf_counter() - t0)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="explore", unit="step")

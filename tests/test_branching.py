@@ -1,0 +1,135 @@
+"""Branching: fork() copies and explore(), on real envs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from conftest import assert_same_traj, run_actions, same
+
+import gym_fork
+
+pytestmark = pytest.mark.criu
+
+
+def _traj(env, actions):
+    return [env.step(a) for a in actions]
+
+
+@pytest.mark.parametrize("fork_tier", [True, False])
+def test_same_rng_branches_are_identical(fork_tier):
+    env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=fork_tier)
+    try:
+        env.action_space.seed(0)
+        env.reset(seed=0)
+        run_actions(env, [env.action_space.sample() for _ in range(30)])
+        snap = env.snapshot()
+        actions = [env.action_space.sample() for _ in range(60)]
+        original, _ = run_actions(env, actions)
+        kids = env.fork(snap, 3, rng="same")
+        try:
+            for k in kids:
+                assert k.steps == snap.steps
+                assert_same_traj(original, run_actions(k, actions)[0])
+        finally:
+            for k in kids:
+                k.close()
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("env_id,kwargs", [("FrozenLake-v1", {"is_slippery": True}),
+                                           ("ALE/Pong-v5", {"repeat_action_probability": 0.25})])
+def test_reseeded_branches_differ_and_reproduce(env_id, kwargs):
+    env = gym_fork.make(env_id, backend="criu", **kwargs)
+    try:
+        env.reset(seed=0)
+        for _ in range(3):
+            env.step(0)
+        snap = env.snapshot()
+        n = 60 if env_id.startswith("ALE") else 30
+        actions = [int(a) for a in np.random.default_rng(0).integers(0, env.action_space.n, n)]
+
+        def traj_of(seed):
+            k = env.fork(snap, 1, rng="reseed", seeds=[seed])[0]
+            try:
+                return run_actions(k, actions)[0]
+            finally:
+                k.close()
+
+        a1, a2, b = traj_of(1), traj_of(1), traj_of(2)
+        assert_same_traj(a1, a2)  # a branch is reproducible from its seed
+        assert not all(same(x, y) for x, y in zip(a1, b)) or len(a1) != len(b), "reseeded branches must differ"
+    finally:
+        env.close()
+
+
+def test_16_concurrent_lunarlander_branches_from_a_criu_snapshot():
+    env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=False)
+    env.reset(seed=0)
+    for _ in range(20):
+        env.step(0)
+    snap = env.snapshot()
+    path = snap.payload().path
+    kids = env.fork(snap, 16, rng="same")
+    pids = {k.worker_pid for k in kids}
+    assert len(pids) == 16
+    outs = [k.step(2)[0] for k in kids]
+    assert all(same(outs[0], o) for o in outs)
+    res = [run_actions(k, [1, 2, 3, 0] * 10)[0] for k in kids]
+    for r in res[1:]:
+        assert_same_traj(res[0], r)
+    for k in kids:
+        k.close()
+    env.close()
+    time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids)
+    assert not os.path.exists(path)
+
+
+def test_explore_returns_branches_and_end_snapshots():
+    env = gym_fork.make("CartPole-v1", backend="criu")
+    try:
+        env.reset(seed=0)
+        for _ in range(5):
+            env.step(0)
+        root = env.snapshot()
+        res = gym_fork.explore(env, root, lambda obs: int(obs[2] > 0), n_branches=4, horizon=40,
+                               rng="same", return_snapshots=True)
+        assert len(res.branches) == 4 and res.steps == sum(b.length for b in res.branches)
+        for b in res.branches:
+            assert same(b.actions, res.branches[0].actions) and b.ret == res.branches[0].ret
+            s = b.snapshot
+            assert s.parent_id == root.id and s.steps == root.steps + b.length and s.actions == b.actions
+        # return to the best branch's end and continue from there
+        best = res.best()
+        env.restore(best.snapshot)
+        assert env.steps == root.steps + best.length
+        replay = env.fork(root, 1)[0]
+        try:
+            t = _traj(replay, best.actions)
+            assert same(t[-1][0], best.final_obs)
+        finally:
+            replay.close()
+    finally:
+        env.close()
+
+
+def test_explore_with_sb3_model_and_random_policy():
+    from stable_baselines3 import PPO
+
+    env = gym_fork.make("CartPole-v1", backend="criu")
+    try:
+        env.reset(seed=0)
+        model = PPO("MlpPolicy", gym.make("CartPole-v1"), n_steps=32, device="cpu", seed=0)
+        res = gym_fork.explore(env, None, model, n_branches=3, horizon=20, seeds=[1, 2, 3])
+        assert [b.seed for b in res.branches] == [1, 2, 3] and res.steps > 0
+        with pytest.raises(ValueError):
+            gym_fork.explore(env, None, model, n_branches=0)
+        with pytest.raises(TypeError):
+            gym_fork.explore(env, None, "not a policy", n_branches=1, horizon=1)
+    finally:
+        env.close()

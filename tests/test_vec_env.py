@@ -1,0 +1,336 @@
+"""ForkableVecEnv: an SB3 VecEnv that matches DummyVecEnv/SubprocVecEnv bit for bit, plus
+per-slot snapshot / restore / fork_into. Real CRIU workers, real SB3, no mocks."""
+
+from __future__ import annotations
+
+import doctest
+import os
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from conftest import same
+from gymnasium.wrappers import ClipAction, RecordEpisodeStatistics, TimeLimit
+from stable_baselines3 import PPO
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
+
+import gym_fork.vec_env
+from gym_fork.errors import ForeignSnapshotError, WorkerError
+from gym_fork.vec_env import ForkableVecEnv
+
+
+def make_cartpole():
+    return gym.make("CartPole-v1")
+
+
+def make_lunar():
+    return gym.make("LunarLander-v3")
+
+
+def walk_factory():
+    """A factory for a tiny custom env with its own method and attribute (for env_method and
+    get_attr). Defined in a closure so cloudpickle ships it by value: the worker then need not
+    import this test module (and with it SB3 and torch)."""
+
+    def make_walk():
+        class Walk(gym.Env):
+            metadata = {"render_modes": []}
+
+            def __init__(self):
+                self.observation_space = gym.spaces.Box(-100.0, 100.0, (1,), np.float64)
+                self.action_space = gym.spaces.Discrete(2)
+                self.offset = 0
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                self.pos = float(self.np_random.integers(-3, 4))
+                return np.array([self.pos]), {}
+
+            def step(self, action):
+                self.pos += 2 * int(action) - 1 + self.offset
+                return np.array([self.pos]), 1.0, abs(self.pos) > 5, False, {}
+
+            def bump(self, k: int) -> int:
+                self.offset += k
+                return self.offset
+
+        return RecordEpisodeStatistics(TimeLimit(Walk(), 20))
+
+    return make_walk
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _pidns_members(pid: int) -> set[int]:
+    """Every process in ``pid``'s PID namespace (frozen snapshots, clones, reapers included)."""
+    try:
+        ns = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return set()
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.readlink(f"/proc/{d}/ns/pid") == ns:
+                    out.add(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def assert_same_step(a, b, what=""):
+    (o1, r1, d1, i1), (o2, r2, d2, i2) = a, b
+    assert same(o1, o2), f"obs differ {what}"
+    assert np.array_equal(r1, r2), f"rewards differ {what}"  # DummyVecEnv keeps float32, SubprocVecEnv float64
+    assert same(d1, d2), f"dones differ {what}"
+    assert same(list(i1), list(i2)), f"infos differ {what}:\n{i1}\n{i2}"
+
+
+@pytest.fixture(scope="module")
+def venv4():
+    v = ForkableVecEnv("CartPole-v1", n_envs=4, backend="criu")
+    yield v
+    v.close()
+
+
+# --- 1. the VecEnv contract, against DummyVecEnv ------------------------------------------------
+@pytest.mark.criu
+def test_matches_dummy_vec_env(venv4):
+    ref = DummyVecEnv([make_cartpole] * 4)
+    try:
+        venv4.seed(3)
+        ref.seed(3)
+        assert same(venv4.reset(), ref.reset())
+        assert same(venv4.reset_infos, ref.reset_infos)
+        rng = np.random.default_rng(0)
+        ends = 0
+        for t in range(300):
+            a = rng.integers(0, 2, size=4)
+            out, expected = venv4.step(a), ref.step(a)
+            assert_same_step(out, expected, f"at step {t}")
+            assert same(venv4.reset_infos, ref.reset_infos)
+            ends += int(out[2].sum())
+        assert ends >= 20, "the random actions should cross many episode ends"
+        assert same(venv4.current_obs, ref._obs_from_buf())
+        # reset options apply once, as in SB3 (CartPole reads "low"/"high")
+        venv4.set_options({"low": -0.2, "high": 0.2})
+        ref.set_options({"low": -0.2, "high": 0.2})
+        venv4.seed(9)
+        ref.seed(9)
+        assert same(venv4.reset(), ref.reset())
+        assert venv4._options == [{}] * 4 and venv4._seeds == [None] * 4
+        assert same(venv4.reset(), ref.reset())  # unseeded: the envs' own RNGs, still in step
+        assert [e.steps for e in venv4.envs] == [0] * 4
+    finally:
+        ref.close()
+
+
+@pytest.mark.criu
+def test_attributes_methods_wrappers_render():
+    venv = ForkableVecEnv(walk_factory(), n_envs=2, backend="criu", seed=0)
+    try:
+        venv.reset()
+        assert venv.get_attr("offset") == [0, 0]
+        assert venv.get_attr("_max_episode_steps") == [20, 20]  # found on an inner wrapper
+        assert venv.has_attr("offset") and not venv.has_attr("no_such_thing")
+        with pytest.raises(AttributeError):
+            venv.get_attr("no_such_thing")
+        assert venv.env_method("bump", 2, indices=[1]) == [2]  # a method of the base env
+        assert venv.get_attr("offset") == [0, 2]
+        venv.set_attr("note", "hi", indices=0)  # SB3: on the outermost wrapper
+        assert venv.get_attr("note", indices=[0]) == ["hi"]
+        assert not venv.has_attr("note")
+        assert venv.env_is_wrapped(TimeLimit) == [True, True]
+        assert venv.env_is_wrapped(RecordEpisodeStatistics) == [True, True]
+        assert venv.env_is_wrapped(ClipAction) == [False, False]
+        venv.step(np.array([1, 1]))
+        assert venv.envs[0].steps == 1
+    finally:
+        venv.close()
+
+    venv = ForkableVecEnv(lambda: gym.make("CartPole-v1", render_mode="rgb_array"), 2, backend="criu")
+    try:
+        venv.reset()
+        images = venv.get_images()
+        assert len(images) == 2 and images[0].shape == (400, 600, 3)
+        assert venv.render().shape == (800, 600, 3)  # SB3 tiles them (2 rows x 1 column)
+    finally:
+        venv.close()
+
+
+@pytest.mark.criu
+def test_env_error_keeps_channels_in_step(venv4):
+    venv4.seed(1)
+    obs = venv4.reset()
+    with pytest.raises(AssertionError) as ei:  # CartPole asserts its action is valid
+        venv4.step(np.array([0, 7, 1, 0]))
+    assert isinstance(ei.value, WorkerError)
+    assert [e.steps for e in venv4.envs] == [1, 0, 1, 1]  # the other slots did step
+    venv4.seed(1)
+    assert same(venv4.reset(), obs)  # every worker answers in turn again
+    venv4.step(np.array([0, 1, 1, 0]))
+    # reset() also cancels a step_async() that was never waited for
+    venv4.step_async(np.array([0, 0, 0, 0]))
+    with pytest.raises(RuntimeError, match="in flight"):
+        venv4.snapshot(0)
+    venv4.seed(1)
+    assert same(venv4.reset(), obs)
+
+
+# --- 2. SB3 training: bit-identical to SubprocVecEnv --------------------------------------------
+def _train(venv) -> PPO:
+    model = PPO("MlpPolicy", venv, n_steps=64, batch_size=64, n_epochs=2, seed=7, device="cpu")
+    model.learn(total_timesteps=256)  # 2 rollouts of 64 steps x 2 envs
+    return model
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("env_id,factory", [("CartPole-v1", make_cartpole), ("LunarLander-v3", make_lunar)])
+def test_ppo_identical_to_subproc(env_id, factory):
+    sub = SubprocVecEnv([factory] * 2)
+    try:
+        ref = _train(sub)
+    finally:
+        sub.close()
+    fork = ForkableVecEnv(env_id, n_envs=2, backend="criu")
+    try:
+        model = _train(fork)
+    finally:
+        fork.close()
+    assert model.num_timesteps == ref.num_timesteps == 256
+    for name in ("observations", "actions", "rewards", "episode_starts", "values", "log_probs",
+                 "advantages", "returns"):
+        assert same(getattr(model.rollout_buffer, name), getattr(ref.rollout_buffer, name)), name
+    theirs = ref.policy.state_dict()
+    for k, v in model.policy.state_dict().items():
+        assert same(v.numpy(), theirs[k].numpy()), f"policy parameter {k} differs"
+
+
+# --- 3. snapshots across slots -------------------------------------------------------------------
+@pytest.mark.criu
+def test_restore_and_fork_into_other_slots(venv4):
+    venv4.seed(11)
+    venv4.reset()
+    rng = np.random.default_rng(5)
+    for _ in range(15):
+        venv4.step(rng.integers(0, 2, size=4))
+    snap = venv4.snapshot(0)
+    at_snap = venv4.current_obs[0]
+    actions = rng.integers(0, 2, size=(80, 4))
+    original = []  # slot 0 from the snapshot on
+    for a in actions:
+        o, r, d, i = venv4.step(a)
+        original.append((o[0], r[0:1], d[0:1], [i[0]]))
+    assert any(d[0] for _, _, d, _ in original), "slot 0 should cross an episode end"
+
+    # restore slot 0's snapshot into slot 2; slot 2 then replays slot 0's path exactly
+    assert same(venv4.restore(2, snap), at_snap)
+    assert same(venv4.current_obs[2], at_snap) and venv4.envs[2].steps == snap.steps
+    for t, a in enumerate(actions):
+        a = a.copy()
+        a[2] = a[0]
+        o, r, d, i = venv4.step(a)
+        assert_same_step((o[2], r[2:3], d[2:3], [i[2]]), original[t], f"slot 2, step {t}")
+
+    # one snapshot into three slots at once: all three identical, and identical to the original
+    forked = venv4.fork_into(snap, [1, 2, 3])
+    assert forked.shape == (3, 4) and all(same(row, at_snap) for row in forked)
+    for t, a in enumerate(actions):
+        o, r, d, i = venv4.step(np.full(4, a[0]))
+        for k in (1, 2, 3):
+            assert_same_step((o[k], r[k:k + 1], d[k:k + 1], [i[k]]), original[t], f"slot {k}, step {t}")
+
+    # rng="reseed": same state, own randomness (CartPole's reset draws differ after the first end)
+    venv4.fork_into(snap, [1, 2], rng="reseed", seeds=[1, 2])
+    first_end = next(t for t, (_, _, d, _) in enumerate(original) if d[0])
+    for a in actions[: first_end + 1]:
+        o, _, d, _ = venv4.step(np.full(4, a[0]))
+    assert d[1] and d[2] and not same(o[1], o[2])
+
+    other = ForkableVecEnv("CartPole-v1", n_envs=1, backend="criu")
+    try:
+        other.reset()
+        with pytest.raises(ForeignSnapshotError):
+            other.restore(0, snap)
+    finally:
+        other.close()
+
+
+# --- 4. close ------------------------------------------------------------------------------------
+@pytest.mark.criu
+def test_close_leaves_no_worker():
+    venv = ForkableVecEnv("CartPole-v1", n_envs=3, backend="criu", seed=0)
+    venv.reset()
+    pids = set(venv.worker_pids)
+    snap = venv.snapshot(0)
+    venv.fork_into(snap, [1, 2])  # new workers (clones or CRIU restores) replace slots 1 and 2
+    venv.step_async(np.array([0, 1, 0]))  # close() with a step in flight
+    pids |= set(venv.worker_pids)
+    family = set().union(*(_pidns_members(p) for p in pids))  # frozen snapshots, reapers, ...
+    assert pids <= family and all(_alive(p) for p in pids)
+    venv.close()
+    venv.close()  # idempotent
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in family if _alive(p)], "worker processes outlived close()"
+    with pytest.raises(gym_fork.errors.EnvClosedError):
+        venv.reset()
+
+
+# --- the in-process pickle backend: same contract, no parallelism --------------------------------
+def test_pickle_backend_matches_dummy():
+    venv = ForkableVecEnv([make_cartpole] * 3, backend="pickle", seed=4)
+    ref = DummyVecEnv([make_cartpole] * 3)
+    try:
+        assert venv.worker_pids == [None] * 3
+        ref.seed(4)
+        assert same(venv.reset(), ref.reset())
+        rng = np.random.default_rng(1)
+        for t in range(120):
+            a = rng.integers(0, 2, size=3)
+            assert_same_step(venv.step(a), ref.step(a), f"at step {t}")
+        snap = venv.snapshot(1)
+        at_snap = venv.current_obs[1]
+        forked = venv.fork_into(snap, [0, 2])
+        assert same(forked[0], at_snap) and same(forked[1], at_snap)
+        o, *_ = venv.step(np.array([1, 1, 1]))
+        assert same(o[0], o[1]) and same(o[1], o[2])
+    finally:
+        venv.close()
+        ref.close()
+
+
+def test_from_envs_lineage():
+    envs = [gym_fork.ForkableEnv("CartPole-v1", backend="pickle") for _ in range(2)]
+    venv = ForkableVecEnv.from_envs(envs)
+    try:
+        venv.reset()
+        with pytest.raises(ForeignSnapshotError):  # independent envs: independent lineages
+            venv.restore(1, venv.snapshot(0))
+    finally:
+        venv.close()
+    assert all(e.closed for e in envs)
+    envs = [gym_fork.ForkableEnv("CartPole-v1", backend="pickle") for _ in range(2)]
+    venv = ForkableVecEnv.from_envs(envs, share_lineage=True)
+    try:
+        venv.reset()
+        snap = venv.snapshot(0)
+        assert same(venv.restore(1, snap), venv.current_obs[0])
+        with pytest.raises(ValueError, match="twice"):
+            ForkableVecEnv.from_envs([envs[0], envs[0]])
+    finally:
+        venv.close()
+
+
+@pytest.mark.criu
+def test_docstring_example():
+    failures, tried = doctest.testmod(gym_fork.vec_env, verbose=False)
+    assert tried > 0 and failures == 0
