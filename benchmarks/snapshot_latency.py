@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per per-step run (default 2000; 500 with --quick)")
     p.add_argument("--quick", action="store_true", help="fewer reps and steps: a smoke run")
     p.add_argument("--no-breakdown", action="store_true", help="skip the CRIU restore breakdown")
+    p.add_argument("--no-steps", action="store_true", help="skip part 2 (per-step cost)")
     p.add_argument("--name", default="snapshot_latency", help="results/<name>.json (default snapshot_latency)")
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                               "pre_steps": PRE_STEPS, "quick": args.quick, "fork_tier": HAS_FORK_TIER,
                               "configs": {c[0]: {"backend": c[1], **c[2]} for c in configs}},
                      "snapshot_restore": {}, "inprocess_reference": {}, "per_step": {}}
-    total = 2 * len(envs) + 1
+    total = (1 if args.no_steps else 2) * len(envs) + 1
     t_start = time.perf_counter()
     with Progress(total, "snapshot_latency") as prog:
         for env_id in envs:
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 env_id, configs, reps, warmup, breakdown=not args.no_breakdown)
         prog.step("CartPole-v1 in-process deepcopy/cloudpickle reference")
         results["inprocess_reference"]["CartPole-v1"] = inprocess_reference("CartPole-v1", reps, warmup)
-        for env_id in envs:
+        for env_id in ([] if args.no_steps else envs):
             actions = presample_actions(env_id, steps)
             prog.step(f"{env_id} per-step ({len(modes)} modes, {steps} steps x {warmup + reps} runs)")
             results["per_step"][env_id] = bench_steps(env_id, modes, actions, reps, warmup)
@@ -577,6 +578,8 @@ def report(results: dict, reps: int, steps: int) -> None:
 
     # per-step
     ps = results["per_step"]
+    if not ps:
+        return
     modes = [m for m in STEP_MODES if any(m in ps[e] for e in ps)]
     rows = []
     for e in ps:

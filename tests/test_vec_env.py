@@ -194,7 +194,8 @@ def _train(venv) -> PPO:
 @pytest.mark.criu
 @pytest.mark.parametrize("env_id,factory", [("CartPole-v1", make_cartpole), ("LunarLander-v3", make_lunar)])
 def test_ppo_identical_to_subproc(env_id, factory):
-    sub = SubprocVecEnv([factory] * 2)
+    # "fork": forkserver/spawn workers would re-import this module (SB3, torch: seconds each)
+    sub = SubprocVecEnv([factory] * 2, start_method="fork")
     try:
         ref = _train(sub)
     finally:
@@ -215,7 +216,16 @@ def test_ppo_identical_to_subproc(env_id, factory):
 
 # --- 3. snapshots across slots -------------------------------------------------------------------
 @pytest.mark.criu
-def test_restore_and_fork_into_other_slots(venv4):
+@pytest.mark.parametrize("fork_tier", [False, "auto"], ids=["criu-dumps", "fork-tier"])
+def test_restore_and_fork_into_other_slots(fork_tier):
+    venv4 = ForkableVecEnv("CartPole-v1", n_envs=4, backend="criu", fork_tier=fork_tier)
+    try:
+        _check_restore_and_fork_into(venv4)
+    finally:
+        venv4.close()
+
+
+def _check_restore_and_fork_into(venv4):
     venv4.seed(11)
     venv4.reset()
     rng = np.random.default_rng(5)
@@ -265,16 +275,18 @@ def test_restore_and_fork_into_other_slots(venv4):
 
 # --- 4. close ------------------------------------------------------------------------------------
 @pytest.mark.criu
-def test_close_leaves_no_worker():
-    venv = ForkableVecEnv("CartPole-v1", n_envs=3, backend="criu", seed=0)
+@pytest.mark.parametrize("fork_tier", [False, "auto"], ids=["criu-dumps", "fork-tier"])
+def test_close_leaves_no_worker(fork_tier):
+    venv = ForkableVecEnv("CartPole-v1", n_envs=3, backend="criu", seed=0, fork_tier=fork_tier)
     venv.reset()
-    pids = set(venv.worker_pids)
+    first = venv.worker_pids
     snap = venv.snapshot(0)
     venv.fork_into(snap, [1, 2])  # new workers (clones or CRIU restores) replace slots 1 and 2
     venv.step_async(np.array([0, 1, 0]))  # close() with a step in flight
-    pids |= set(venv.worker_pids)
-    family = set().union(*(_pidns_members(p) for p in pids))  # frozen snapshots, reapers, ...
-    assert pids <= family and all(_alive(p) for p in pids)
+    now = venv.worker_pids
+    assert now[0] == first[0] and not set(now[1:]) & set(first) and all(_alive(p) for p in now)
+    # with their namespaces: frozen snapshots, clones, retiring replaced workers, ...
+    family = set(first + now).union(*(_pidns_members(p) for p in first + now))
     venv.close()
     venv.close()  # idempotent
     deadline = time.monotonic() + 10
