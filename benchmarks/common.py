@@ -212,6 +212,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "argv": sys.argv,
+        "loadavg_at_save": list(os.getloadavg()),
     }
     try:
         with open("/proc/cpuinfo") as f:
@@ -270,6 +271,21 @@ def save_results(name: str, data: dict, *, with_machine: bool = True) -> Path:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def busy_check(threshold: float = 0.5) -> dict:
+    """Load on this machine now, and a warning on stderr when it is busy (numbers will be noisy).
+
+    Busy = the 1-minute load average is above ``threshold`` × the CPUs we may use.  Store the
+    returned dict with the results so a reader can tell a quiet run from a contended one.
+    """
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()
+    busy = load[0] > threshold * ncpu
+    if busy:
+        print(f"warning: this machine is busy (load average {load[0]:.2f} on {ncpu} CPUs): timings will be "
+              "noisy; rerun when it is idle for clean numbers", file=sys.stderr, flush=True)
+    return {"loadavg": list(load), "cpus": ncpu, "busy": busy}
 
 
 def ensure_repo_on_path() -> None:

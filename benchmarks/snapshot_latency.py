@@ -45,6 +45,7 @@ import gym_fork  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
     Progress,
+    busy_check,
     fmt,
     fmt_ratio,
     print_table,
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     os.chdir(RESULTS_DIR)
 
+    load_start = busy_check()
     criu_ok = criu_status().usable
     configs = [c for c in CONFIGS if c[1] != "criu" or criu_ok]
     modes = [m for m in STEP_MODES if not m.startswith("criu") or criu_ok]
@@ -433,10 +435,13 @@ def main(argv: list[str] | None = None) -> int:
             prog.step(f"{env_id} per-step ({len(modes)} modes, {steps} steps x {warmup + reps} runs)")
             results["per_step"][env_id] = bench_steps(env_id, modes, actions, reps, warmup)
     results["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    results["load"] = {"start": load_start, "end": busy_check()}
 
     report(results, reps, steps)
     path = save_results(args.name, results)
-    print(f"\n(results: {path}; {results['elapsed_s']} s)", flush=True)
+    la = results["load"]
+    print(f"\n(results: {path}; {results['elapsed_s']} s; load average {la['start']['loadavg'][0]:.2f} at start, "
+          f"{la['end']['loadavg'][0]:.2f} at end on {la['end']['cpus']} CPUs)", flush=True)
     return 0
 
 

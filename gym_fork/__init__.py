@@ -10,5 +10,16 @@ from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError
 from gym_fork.snapshot import Snapshot
 
-__all__ = ["ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
+
+
+def __getattr__(name: str):
+    # ForkableVecEnv needs stable-baselines3 (and torch): import it only when asked for.
+    if name == "ForkableVecEnv":
+        from gym_fork.vec_env import ForkableVecEnv
+
+        return ForkableVecEnv
+    raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
+
+
+__all__ = ["ForkableVecEnv", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
 __version__ = "0.1.0"

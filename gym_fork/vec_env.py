@@ -18,7 +18,7 @@ import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
-from gym_fork.backends.base import RemoteHandle
+from gym_fork.backends.base import Backend, RemoteHandle
 from gym_fork.env import ForkableEnv
 from gym_fork.errors import EnvClosedError, WorkerDiedError, WorkerError, remote_exception
 from gym_fork.protocol import OK, ChannelClosed
@@ -224,7 +224,7 @@ class ForkableVecEnv(VecEnv):
     """
 
     def __init__(self, env: EnvSpecifier | Sequence[EnvSpecifier] | Sequence[ForkableEnv],
-                 n_envs: int | None = None, *, backend: str = "auto", env_kwargs: dict | None = None,
+                 n_envs: int | None = None, *, backend: str | Backend = "auto", env_kwargs: dict | None = None,
                  seed: int | None = None, **forkable_kwargs: Any):
         if isinstance(env, (list, tuple)):
             if n_envs is not None and n_envs != len(env):
@@ -322,33 +322,42 @@ class ForkableVecEnv(VecEnv):
         if not self.waiting:
             raise RuntimeError("step_wait() without step_async()")
         calls, self._calls, self.waiting = self._calls, [], False
-        results, error = _collect(calls)
-        for env, action, out in zip(self.envs, self._step_actions, results):
-            if out is not _FAILED:
-                _note_step(env, action)
-        if error is not None:
-            raise error  # the other slots did step; reset() brings them all back in line
+        results: list[Any] = []
+        resets: dict[int, _Call] = {}
+        error: BaseException | None = None
+        for i, (call, action) in enumerate(zip(calls, self._step_actions)):
+            try:
+                out = call.result()
+            except Exception as e:  # noqa: BLE001 - raised after every reply is read
+                results.append(_FAILED)
+                error = error or e
+                continue
+            _note_step(call.env, action)
+            results.append(out)
+            if out[2] or out[3]:
+                # Send the auto-reset now: it overlaps with the replies still to come.
+                resets[i] = _Call(call.env, "reset", (None, None))
+        reset_results, reset_error = _collect(list(resets.values()))
+        for i, r in zip(resets, reset_results):
+            if r is not _FAILED:
+                _note_reset(self.envs[i])
+        if error is not None or reset_error is not None:
+            raise error or reset_error  # the other slots did step; reset() brings all back in line
 
         obs, rews, dones, infos = [], [], [], []
-        finished: list[int] = []
+        reset_out = dict(zip(resets, reset_results))
         for i, (o, reward, terminated, truncated, info) in enumerate(results):
             done = terminated or truncated
             # See https://github.com/openai/gym/issues/3102 (as SB3)
             info["TimeLimit.truncated"] = truncated and not terminated
             if done:
-                # save final observation where user can get it, then reset
+                # save final observation where user can get it, then the reset's
                 info["terminal_observation"] = o
-                finished.append(i)
+                o, self.reset_infos[i] = reset_out[i]
             obs.append(o)
             rews.append(reward)
             dones.append(done)
             infos.append(info)
-        if finished:  # the finished slots reset concurrently too
-            resets = _run([self.envs[i] for i in finished], "reset", (None, None))
-            for i, (o, reset_info) in zip(finished, resets):
-                obs[i] = o
-                self.reset_infos[i] = reset_info
-                _note_reset(self.envs[i])
         self._obs = obs
         return _stack_obs(obs, self.observation_space), np.stack(rews), np.stack(dones), infos
 
@@ -414,7 +423,8 @@ class ForkableVecEnv(VecEnv):
         layer of the worker's env stack, like SB3's ``is_wrapped``)."""
         envs = self._idle_envs(indices, "env_is_wrapped")
         if _HAS_IS_WRAPPED:
-            return _run(envs, "is_wrapped", (wrapper_class,))
+            # By name, not by class: unpickling e.g. SB3's Monitor would import torch in the worker.
+            return _run(envs, "is_wrapped", (wrapper_class.__module__, wrapper_class.__qualname__))
         # Without that worker command: compare class names along the stack that gymnasium's repr
         # shows (``<TimeLimit<OrderEnforcing<...>>>``), counting subclasses we know of here.
         names = {c.__name__ for c in _with_subclasses(wrapper_class)}

@@ -25,7 +25,8 @@ def make_cartpole():
 
 
 def make_lunar():
-    return gym.make("LunarLander-v3")
+    # short episodes: truncations too, so PPO bootstraps from info["terminal_observation"]
+    return gym.make("LunarLander-v3", max_episode_steps=60)
 
 
 def walk_factory():
@@ -133,6 +134,25 @@ def test_matches_dummy_vec_env(venv4):
 
 
 @pytest.mark.criu
+def test_truncation_infos_match_dummy():
+    venv = ForkableVecEnv("CartPole-v1", 2, backend="criu", env_kwargs={"max_episode_steps": 8}, seed=2)
+    ref = DummyVecEnv([lambda: gym.make("CartPole-v1", max_episode_steps=8)] * 2)
+    try:
+        ref.seed(2)
+        assert same(venv.reset(), ref.reset())
+        truncated = 0
+        for t in range(40):
+            a = np.array([t % 2, 1])
+            out = venv.step(a)
+            assert_same_step(out, ref.step(a), f"at step {t}")
+            truncated += sum(i["TimeLimit.truncated"] for i in out[3])
+        assert truncated >= 4
+    finally:
+        venv.close()
+        ref.close()
+
+
+@pytest.mark.criu
 def test_attributes_methods_wrappers_render():
     venv = ForkableVecEnv(walk_factory(), n_envs=2, backend="criu", seed=0)
     try:
@@ -185,6 +205,17 @@ def test_env_error_keeps_channels_in_step(venv4):
 
 
 # --- 2. SB3 training: bit-identical to SubprocVecEnv --------------------------------------------
+@pytest.fixture
+def one_torch_thread():
+    # Tiny MLPs: a second intra-op thread only spins, and on a busy 2-core box that costs seconds.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _train(venv) -> PPO:
     model = PPO("MlpPolicy", venv, n_steps=64, batch_size=64, n_epochs=2, seed=7, device="cpu")
     model.learn(total_timesteps=256)  # 2 rollouts of 64 steps x 2 envs
@@ -192,15 +223,18 @@ def _train(venv) -> PPO:
 
 
 @pytest.mark.criu
-@pytest.mark.parametrize("env_id,factory", [("CartPole-v1", make_cartpole), ("LunarLander-v3", make_lunar)])
-def test_ppo_identical_to_subproc(env_id, factory):
+@pytest.mark.parametrize("env_id,kwargs,factory", [
+    ("CartPole-v1", None, make_cartpole),
+    ("LunarLander-v3", {"max_episode_steps": 60}, make_lunar),
+], ids=["CartPole-v1", "LunarLander-v3"])
+def test_ppo_identical_to_subproc(env_id, kwargs, factory, one_torch_thread):
     # "fork": forkserver/spawn workers would re-import this module (SB3, torch: seconds each)
     sub = SubprocVecEnv([factory] * 2, start_method="fork")
     try:
         ref = _train(sub)
     finally:
         sub.close()
-    fork = ForkableVecEnv(env_id, n_envs=2, backend="criu")
+    fork = ForkableVecEnv(env_id, n_envs=2, backend="criu", env_kwargs=kwargs)
     try:
         model = _train(fork)
     finally:
