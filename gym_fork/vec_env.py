@@ -18,10 +18,9 @@ import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
-from gym_fork.backends.base import Backend, RemoteHandle
+from gym_fork.backends.base import Backend
 from gym_fork.env import ForkableEnv
-from gym_fork.errors import EnvClosedError, WorkerDiedError, WorkerError, remote_exception
-from gym_fork.protocol import OK, ChannelClosed
+from gym_fork.errors import EnvClosedError, WorkerError
 from gym_fork.server import EnvServer
 from gym_fork.snapshot import Snapshot
 
@@ -37,11 +36,11 @@ _HAS_IS_WRAPPED = hasattr(EnvServer, "cmd_is_wrapped")
 class _Call:
     """One request to one ForkableEnv's worker, sent now and answered by :meth:`result`.
 
-    For a worker process (``RemoteHandle``) the request goes out at construction, so the workers
-    of all calls created before the first ``result()`` compute concurrently.  The in-process
-    pickle backend (``LocalHandle``) has nothing to overlap: the command runs in ``result()``.
-    Errors (a dead worker, an exception in the env) surface from ``result()``, never earlier, so
-    a caller can always collect every reply and keep every channel in request/reply step.
+    The request goes out at construction (``Handle.send``), so the workers of all calls created
+    before the first ``result()`` compute concurrently; the in-process pickle backend just runs
+    the command then. Errors (a dead worker, an exception in the env) surface from ``result()``,
+    never earlier, so a caller can always collect every reply and keep every channel in
+    request/reply step.
     """
 
     __slots__ = ("env", "handle", "cmd", "args", "error", "sent")
@@ -54,9 +53,9 @@ class _Call:
             self.error = EnvClosedError(f"{cmd}() on a closed ForkableEnv; create a new one")
             return
         self.handle = env._handle
-        if isinstance(self.handle, RemoteHandle):
+        if hasattr(self.handle, "send"):  # a handle without send/receive is asked in result()
             try:
-                _send(self.handle, cmd, args)
+                self.handle.send(cmd, *args)
                 self.sent = True
             except Exception as e:  # noqa: BLE001 - reported by result()
                 self.error = e
@@ -66,44 +65,13 @@ class _Call:
             raise self.error
         try:
             if self.sent:
-                return _receive(self.handle, self.cmd)
+                return self.handle.receive()
             return self.handle.request(self.cmd, *self.args)
         except WorkerError as e:
             # Like ForkableEnv._request: a missing attribute is a plain AttributeError.
             if e.remote_type == "AttributeError" and self.cmd == "getattr":
                 raise AttributeError(str(e)) from None
             raise
-
-
-def _send(handle: RemoteHandle, cmd: str, args: tuple) -> None:
-    """The first half of ``RemoteHandle.request``: send, and mark the reply as owed."""
-    if handle.closed:
-        raise WorkerDiedError(f"worker {handle.pid} was already stopped")
-    try:
-        if handle._pending:  # drain the reply of an interrupted request first
-            handle.chan.recv()
-            handle._pending = False
-        handle.chan.send((cmd, args))
-        handle._pending = True
-    except (ChannelClosed, BrokenPipeError, ConnectionResetError, OSError) as e:
-        raise WorkerDiedError(
-            f"the env worker (pid {handle.pid}) died during {cmd!r}: {handle.exit_status()}"
-        ) from e
-
-
-def _receive(handle: RemoteHandle, cmd: str) -> Any:
-    """The second half of ``RemoteHandle.request``: read the reply, raise the env's error."""
-    try:
-        reply = handle.chan.recv()
-        handle._pending = False
-    except (ChannelClosed, BrokenPipeError, ConnectionResetError, OSError) as e:
-        raise WorkerDiedError(
-            f"the env worker (pid {handle.pid}) died during {cmd!r}: {handle.exit_status()}"
-        ) from e
-    if reply[0] == OK:
-        return reply[1]
-    _, type_name, message, tb = reply
-    raise remote_exception(type_name, message, tb)
 
 
 _FAILED = object()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import os
+import signal
 import time
 
 import gymnasium as gym
@@ -16,7 +17,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
 import gym_fork.vec_env
-from gym_fork.errors import ForeignSnapshotError, WorkerError
+from gym_fork.errors import ForeignSnapshotError, WorkerDiedError, WorkerError
 from gym_fork.vec_env import ForkableVecEnv
 
 
@@ -202,6 +203,23 @@ def test_env_error_keeps_channels_in_step(venv4):
         venv4.snapshot(0)
     venv4.seed(1)
     assert same(venv4.reset(), obs)
+
+
+@pytest.mark.criu
+def test_dead_worker_is_reported_and_slot_restorable():
+    venv = ForkableVecEnv("CartPole-v1", 2, backend="criu", seed=0)
+    try:
+        venv.reset()
+        snap, at_snap = venv.snapshot(0), venv.current_obs[0]
+        os.kill(venv.worker_pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="SIGKILL|died"):
+            venv.step(np.array([0, 0]))
+        assert venv.envs[0].steps == 1  # slot 0 stepped and its reply was read
+        assert same(venv.restore(1, snap), at_snap)  # a snapshot revives the dead slot
+        o, *_ = venv.step(np.array([1, 1]))
+        assert o.shape == (2, 4) and venv.envs[1].steps == 1
+    finally:
+        venv.close()
 
 
 # --- 2. SB3 training: bit-identical to SubprocVecEnv --------------------------------------------

@@ -140,6 +140,9 @@ class RemoteHandle(Handle):
         if self.closed:
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
         try:
+            if self._pending:  # drain the reply of an interrupted request first
+                self.chan.recv()
+                self._pending = False
             self.chan.send((cmd, args))
             send_fds(self.chan.sock, b"F", [fd])
             reply = self.chan.recv()
