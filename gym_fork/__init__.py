@@ -5,6 +5,7 @@
 """
 
 from gym_fork import errors
+from gym_fork.bundle import BundleError, load_snapshot
 from gym_fork.branching import Branch, ExploreResult, explore
 from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError
@@ -21,5 +22,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
 
 
-__all__ = ["ForkableVecEnv", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
+__all__ = ["ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
 __version__ = "0.1.0"

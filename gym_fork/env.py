@@ -155,6 +155,20 @@ class ForkableEnv(gym.Wrapper):
         super().__init__(_WorkerEnv(self, meta))
 
     @classmethod
+    def from_snapshot(cls, snapshot: Snapshot, *, record_actions: bool = True) -> "ForkableEnv":
+        """A new env that starts exactly at ``snapshot`` (e.g. one from :func:`gym_fork.load_snapshot`),
+        without first starting a fresh env."""
+        payload = snapshot.payload()
+        be = snapshot._backend
+        handle = be.restore(payload)
+        meta = handle.request("meta")
+        env = cls.__new__(cls)
+        env._setup(be, handle, meta, lineage=snapshot.lineage or uuid.uuid4().hex, record_actions=record_actions)
+        env._steps = snapshot.steps
+        env._parent_id = snapshot.id
+        return env
+
+    @classmethod
     def _adopt(cls, parent: "ForkableEnv", handle: Handle) -> "ForkableEnv":
         child = cls.__new__(cls)
         child._setup(parent._backend, handle, parent._meta, lineage=parent._lineage,
@@ -242,6 +256,7 @@ class ForkableEnv(gym.Wrapper):
         payload, size = self._backend.snapshot(self._handle, sid)
         snap = Snapshot(backend=self._backend, payload=payload, size_bytes=size, steps=self._steps,
                         parent_id=self._parent_id, lineage=self._lineage,
+                        env_id=self.spec.id if self.spec else None,
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
         self._parent_id = snap.id
@@ -314,7 +329,13 @@ class ForkableEnv(gym.Wrapper):
     def _check_snapshot(self, snapshot: Snapshot) -> Any:
         if not isinstance(snapshot, Snapshot):
             raise TypeError(f"expected a gym_fork.Snapshot, got {type(snapshot).__name__}")
-        if snapshot.lineage != self._lineage:
+        if snapshot.lineage is None:  # loaded from a bundle: it must be the same env
+            if snapshot.env_id != (self.spec.id if self.spec else None):
+                raise ForeignSnapshotError(
+                    f"snapshot {snapshot.id} is of env {snapshot.env_id!r}, this env is "
+                    f"{self.spec.id if self.spec else None!r}; use ForkableEnv.from_snapshot(snapshot)"
+                )
+        elif snapshot.lineage != self._lineage:
             raise ForeignSnapshotError(
                 f"snapshot {snapshot.id} was taken from another env; restore it into that env or one "
                 "of its forks"

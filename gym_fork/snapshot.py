@@ -33,7 +33,8 @@ class Snapshot:
     """
 
     def __init__(self, *, backend: Any, payload: Any, size_bytes: int, steps: int,
-                 parent_id: str | None, lineage: str, actions: list | None, snap_id: str | None = None):
+                 parent_id: str | None, lineage: str | None, actions: list | None,
+                 snap_id: str | None = None, env_id: str | None = None):
         self.id = snap_id or new_id()
         self.backend: str = backend.name
         self.size_bytes = size_bytes
@@ -41,7 +42,9 @@ class Snapshot:
         self.created = time.time()
         self.parent_id = parent_id
         self.actions = actions
-        self.lineage = lineage
+        self.lineage = lineage  # None: loaded from a bundle, restorable into any env with env_id
+        self.env_id = env_id
+        self.bundle_path: str | None = None
         self._payload = payload
         self._backend = backend
         self._finalizer = weakref.finalize(self, backend.release, payload)
@@ -63,6 +66,14 @@ class Snapshot:
         if not keep_in_memory:
             self._backend.evict(self._payload)
         return self
+
+    def save(self, path: str, *, key: bytes | None = None) -> str:
+        """Write a self-contained bundle (images or pickle payload, metadata, checksums, an
+        HMAC) to the new directory ``path``; :func:`gym_fork.load_snapshot` reads it back, in
+        another process or on another machine with the same Python and libraries."""
+        from gym_fork.bundle import save_snapshot
+
+        return save_snapshot(self, path, key=key)
 
     @property
     def persisted(self) -> bool:

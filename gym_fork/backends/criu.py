@@ -47,11 +47,12 @@ log = logging.getLogger("gym_fork")
 class CriuPayload:
     """Where a CRIU snapshot's images are, and the channel inode they expect."""
 
-    __slots__ = ("path", "ino", "fork_tier", "__weakref__")
+    __slots__ = ("path", "ino", "fork_tier", "owned", "__weakref__")
 
-    def __init__(self, path: str, ino: int, fork_tier: bool = False):
+    def __init__(self, path: str, ino: int, fork_tier: bool = False, owned: bool = True):
         self.path = path
         self.ino = ino
+        self.owned = owned  # False for a loaded bundle: release() must not delete the user's files
         self.fork_tier = fork_tier  # restored workers may take fork() snapshots (single-threaded)
 
 
@@ -330,7 +331,8 @@ class CriuBackend(Backend):
             if payload.image is not None:
                 shutil.rmtree(payload.image.path, ignore_errors=True)
             return
-        shutil.rmtree(payload.path, ignore_errors=True)
+        if payload.owned:
+            shutil.rmtree(payload.path, ignore_errors=True)
 
 
 def private_dirty_bytes(pid: int) -> int | None:

@@ -1,0 +1,182 @@
+"""Snapshot bundles: save in one process, load and restore in a fresh interpreter; tampering,
+a foreign key and an incompatible machine are refused before anything is started."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import gym_fork
+from gym_fork import keys
+from gym_fork.bundle import BundleError, _canonical
+from gym_fork.errors import ForeignSnapshotError, SnapshotCorruptedError
+
+ACTIONS = [0, 2, 3, 1, 2, 2, 0, 3] * 8
+
+
+def _digest(traj) -> str:
+    h = hashlib.sha256()
+    for obs, r, term, trunc in traj:
+        h.update(np.asarray(obs).tobytes() + np.float64(r).tobytes() + bytes([term, trunc]))
+    return h.hexdigest()
+
+
+CHILD = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    import numpy as np
+    import gym_fork
+    snap = gym_fork.load_snapshot(sys.argv[1])
+    env = gym_fork.ForkableEnv.from_snapshot(snap)
+    traj = []
+    for a in json.loads(sys.argv[2]):
+        obs, r, term, trunc, _ = env.step(a)
+        traj.append((obs, r, term, trunc))
+        if term or trunc:
+            break
+    h = hashlib.sha256()
+    for obs, r, term, trunc in traj:
+        h.update(np.asarray(obs).tobytes() + np.float64(r).tobytes() + bytes([term, trunc]))
+    print(env.steps, snap.steps, h.hexdigest())
+    env.close()
+    """
+)
+
+
+def _continue_in_fresh_interpreter(path: str, actions: list) -> tuple[int, int, str]:
+    out = subprocess.run([sys.executable, "-c", CHILD, path, json.dumps(actions)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "GYM_FORK_KEY_FILE": keys.key_file()})
+    assert out.returncode == 0, out.stderr[-2000:]
+    a, b, h = out.stdout.split()
+    return int(a), int(b), h
+
+
+def _take(env_id: str, backend: str, **kw):
+    env = gym_fork.make(env_id, backend=backend, **kw)
+    env.reset(seed=5)
+    env.action_space.seed(5)
+    for i in range(20):
+        _, _, term, trunc, _ = env.step(i % 2 if env_id.startswith("CartPole") else env.action_space.sample())
+        assert not (term or trunc)
+    return env, env.snapshot()
+
+
+@pytest.fixture(autouse=True)
+def _private_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYM_FORK_KEY_FILE", str(tmp_path / "key"))
+    monkeypatch.delenv("GYM_FORK_KEY", raising=False)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("env_id,backend,kw", [("LunarLander-v3", "criu", {"fork_tier": True}),
+                                               ("LunarLander-v3", "criu", {"fork_tier": False}),
+                                               ("CartPole-v1", "pickle", {})])
+def test_round_trip_in_a_fresh_interpreter(tmp_path, env_id, backend, kw):
+    env, snap = _take(env_id, backend, **kw)
+    try:
+        acts = [int(a % env.action_space.n) for a in ACTIONS]
+        traj = []
+        for a in acts:
+            obs, r, term, trunc, _ = env.step(a)
+            traj.append((obs, r, term, trunc))
+            if term or trunc:
+                break
+        path = snap.save(str(tmp_path / "b"))
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+        assert all(stat.S_IMODE(os.stat(os.path.join(r, f)).st_mode) == 0o600
+                   for r, _, fs in os.walk(path) for f in fs)
+        steps, snap_steps, digest = _continue_in_fresh_interpreter(path, acts)
+        assert snap_steps == 20 and steps == 20 + len(traj)
+        assert digest == _digest(traj)
+        # and in this process, into the running env (same env id)
+        loaded = gym_fork.load_snapshot(path)
+        env.restore(loaded)
+        assert env.steps == 20
+        loaded.release()
+        assert os.path.isdir(path), "releasing a loaded snapshot must not delete the bundle"
+    finally:
+        env.close()
+
+
+@pytest.mark.criu
+def test_tampering_and_foreign_keys_are_refused(tmp_path):
+    env, snap = _take("CartPole-v1", "criu", fork_tier=False)
+    pe, psnap = _take("CartPole-v1", "pickle")
+    try:
+        path = snap.save(str(tmp_path / "c"))
+        ppath = psnap.save(str(tmp_path / "p"))
+        with pytest.raises(FileExistsError):
+            snap.save(path)
+
+        meta = json.load(open(os.path.join(path, "bundle.json")))
+        meta["steps"] = 999
+        json.dump(meta, open(os.path.join(path, "bundle.json"), "w"))
+        with pytest.raises(BundleError, match="HMAC"):
+            gym_fork.load_snapshot(path)
+
+        with pytest.raises(BundleError, match="HMAC"):
+            gym_fork.load_snapshot(ppath, key=b"another machine's key")
+
+        with open(os.path.join(ppath, "payload.pkl"), "r+b") as f:
+            f.seek(10)
+            b = f.read(1)
+            f.seek(10)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(SnapshotCorruptedError, match="not unpickled"):
+            gym_fork.load_snapshot(ppath)
+
+        path2 = snap.save(str(tmp_path / "c2"))
+        pages = [f for f in os.listdir(os.path.join(path2, "images")) if f.startswith("pages-")][0]
+        p = os.path.join(path2, "images", pages)
+        os.chmod(p, 0o600)
+        data = bytearray(open(p, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        # break the hard link before writing: the original snapshot's images must stay intact
+        os.unlink(p)
+        open(p, "wb").write(bytes(data))
+        with pytest.raises(SnapshotCorruptedError, match="sha256"):
+            gym_fork.load_snapshot(path2)
+        env.restore(snap)  # the in-memory snapshot was not affected
+    finally:
+        env.close()
+        pe.close()
+
+
+def _resign(path: str, **changes) -> None:
+    meta = json.load(open(os.path.join(path, "bundle.json")))
+    meta.update(changes)
+    meta["hmac"] = keys.sign(_canonical(meta))
+    json.dump(meta, open(os.path.join(path, "bundle.json"), "w"))
+
+
+@pytest.mark.criu
+def test_incompatible_bundles_are_refused_before_restoring(tmp_path):
+    env, snap = _take("CartPole-v1", "criu")
+    try:
+        path = snap.save(str(tmp_path / "b"))
+        meta = json.load(open(os.path.join(path, "bundle.json")))
+        assert any(f[0] == meta["python"] or "python" in f[0] for f in meta["files"])
+        _resign(path, criu_version="3.17.1")
+        with pytest.raises(BundleError, match="major versions differ"):
+            gym_fork.load_snapshot(path)
+        _resign(path, criu_version=meta["criu_version"], files=meta["files"] + [["/opt/nowhere/libfoo.so", 10]])
+        with pytest.raises(BundleError, match="libfoo.so is missing"):
+            gym_fork.load_snapshot(path)
+        _resign(path, files=meta["files"])
+        loaded = gym_fork.load_snapshot(path)
+        other = gym_fork.make("Acrobot-v1", backend="criu")
+        try:
+            with pytest.raises(ForeignSnapshotError, match="CartPole"):
+                other.restore(loaded)
+        finally:
+            other.close()
+    finally:
+        env.close()
