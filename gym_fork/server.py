@@ -138,6 +138,10 @@ class EnvServer:
     def cmd_ping(self) -> int:
         return host_pid()
 
+    def cmd_hello(self) -> tuple:
+        """First words with a new copy: (host pid, obs, info, steps) in one round trip."""
+        return host_pid(), self.last_obs, self.last_info, self.steps
+
     def cmd_reseed(self, seed: int) -> None:
         reseed_env(self.env, seed)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import traceback
 
@@ -40,7 +41,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
-from gym_fork.protocol import ERR, OK, Channel, ChannelClosed, recv_fds  # noqa: E402
+from gym_fork.protocol import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
 from gym_fork.server import EnvServer, build_env, host_pid  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
@@ -83,8 +84,9 @@ def _retire_or_exit(code: int = 0) -> None:
     os._exit(code)
 
 
-def _fork_child(keep_fd: int, drop: Channel) -> int:
-    """fork(); in the child, ``drop`` is closed and ``keep_fd`` becomes its channel.
+def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
+    """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
+    its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
     Returns the child's pid in the parent and 0 in the child."""
     if thread_count() > 1:
         raise RuntimeError(
@@ -93,7 +95,9 @@ def _fork_child(keep_fd: int, drop: Channel) -> int:
         )
     pid = os.fork()
     if pid == 0:
-        drop.close()
+        for ch in drop:
+            if ch is not None:
+                ch.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     return pid
 
@@ -140,8 +144,14 @@ def serve(chan: Channel, server: EnvServer) -> None:
 
 
 def frozen_loop(chan: Channel, server: EnvServer) -> None:
-    """A frozen snapshot: holds the state and makes copies of it on request, never steps."""
+    """A frozen snapshot: holds the state and makes copies of it on request, never steps.
+
+    It keeps one *spare* clone forked ahead of time, waiting for a channel: a restore then only
+    hands it the channel (no fork on the critical path), and the next spare is forked after the
+    reply.  Spares exit with their frozen parent (EOF on their socket to it).
+    """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # clones are not ours to wait for
+    spare = _fork_spare(chan, server)
     while True:
         try:
             cmd, args = chan.recv()
@@ -149,18 +159,21 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
             os._exit(0)
         if cmd == "exit":
             os._exit(0)
+        after = None
         try:
             if cmd == "clone":
                 fd = _recv_one_fd(chan)
-                pid = _fork_child(fd, chan)
-                if pid == 0:
-                    serve(Channel.from_fd(fd), server)
-                    os._exit(0)
+                if spare is None:
+                    spare = _fork_spare(chan, server)
+                send_fds(spare.sock, b"C", [fd])
                 os.close(fd)
+                spare.close()
+                spare = None
                 reply = (OK, None)
+                after = "spare"
             elif cmd == "promote":
                 fd = _recv_one_fd(chan)
-                reply = (OK, _spawn_pidns_init(fd, chan, server))
+                reply = (OK, _spawn_pidns_init(fd, server, chan, spare))
                 os.close(fd)
             elif cmd == "ping":
                 reply = (OK, host_pid())
@@ -172,13 +185,37 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
             chan.send(reply)
         except ChannelClosed:
             os._exit(0)
+        if after == "spare":
+            try:
+                spare = _fork_spare(chan, server)
+            except Exception:  # noqa: BLE001 - the next clone request forks on demand
+                spare = None
 
 
-def _spawn_pidns_init(fd: int, drop: Channel, server: EnvServer) -> int:
+def _fork_spare(frozen_chan: Channel, server: EnvServer) -> Channel | None:
+    """Fork a clone that waits (blocked in recvmsg) for the fd of its future channel."""
+    ours, theirs = socket.socketpair()
+    pid = _fork_child(theirs.fileno(), frozen_chan)
+    if pid == 0:
+        ours.close()
+        try:
+            _msg, fds = recv_fds(theirs, 1)
+        except OSError:
+            os._exit(0)
+        theirs.close()
+        if len(fds) != 1:
+            os._exit(0)  # the frozen snapshot went away
+        serve(Channel.from_fd(fds[0]), server)
+        os._exit(0)
+    theirs.close()
+    return Channel(ours)
+
+
+def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
     """A copy of this process as PID 1 of a new PID namespace, serving on ``fd``, to be dumped.
     Returns its host pid."""
     r, w = os.pipe()
-    mid = _fork_child(fd, drop)
+    mid = _fork_child(fd, *drop)
     if mid == 0:  # the intermediate: unshare() affects only its future children
         os.close(r)
         libc = ctypes.CDLL(None, use_errno=True)

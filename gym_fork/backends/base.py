@@ -88,6 +88,7 @@ class RemoteHandle(Handle):
         self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
+        self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
         self._status: str | None = None
 
     def request(self, cmd: str, *args: Any) -> Any:

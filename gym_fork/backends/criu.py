@@ -19,15 +19,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import signal
 import tempfile
 import threading
+import time
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gym_fork import store
 from gym_fork.backends.base import Backend, Handle, RemoteHandle
-from gym_fork.criu_support import criu_status, log_tail, new_client
+from gym_fork.criu_support import criu_status, criu_timeout, log_tail, new_client
 from gym_fork.errors import (
     BackendUnavailableError,
     CriuError,
@@ -59,17 +61,25 @@ class CriuPayload:
 class ForkPayload:
     """A copy-on-write snapshot: a frozen process holding the state, and optionally its image."""
 
-    __slots__ = ("chan", "pid", "image", "lock", "__weakref__")
+    __slots__ = ("chan", "_pid", "image", "lock", "__weakref__")
 
-    def __init__(self, chan: Channel, pid: int):
+    def __init__(self, chan: Channel, pid: int | None = None):
         self.chan = chan
-        self.pid = pid
+        self._pid = pid
         self.image: CriuPayload | None = None  # set once persisted
-        self.lock = threading.Lock()  # one request at a time on the frozen process's channel
+        self.lock = threading.RLock()  # one request at a time on the frozen process's channel
+
+    @property
+    def pid(self) -> int:
+        """Host pid of the frozen process (asked for lazily: snapshot() need not wait for it)."""
+        if self._pid is None:
+            with self.lock:
+                self._pid = RemoteHandle(self.chan, 0, 0).request("ping")
+        return self._pid
 
     def request_with_fd(self, cmd: str, fd: int) -> Any:
         with self.lock:
-            h = RemoteHandle(self.chan, self.pid, 0)
+            h = RemoteHandle(self.chan, self._pid or 0, 0)
             return h.request_with_fd(cmd, fd)
 
 
@@ -84,14 +94,21 @@ class CriuBackend(Backend):
     name = "criu"
 
     def __init__(self, *, verify: str = "full", worker_log: str | None = None,
-                 fork_tier: bool | str = "auto"):
+                 fork_tier: bool | str = "auto", allow_fork_only: bool = False):
         st = criu_status()
-        if not st.usable:
-            raise BackendUnavailableError(
-                "CRIU cannot be used here: " + "; ".join(st.reasons)
-                + (". To fix: " + "; ".join(st.advice) if st.advice else "")
-                + ". Run `gym-fork doctor` for details."
-            )
+        why = ("CRIU cannot be used here: " + "; ".join(st.reasons)
+               + (". To fix: " + "; ".join(st.advice) if st.advice else "")
+               + ". Run `gym-fork doctor` for details.")
+        # mode: "root" (workers are PID-namespace inits, criu in the host namespaces), "userns"
+        # (non-root: workers and criu inside the holder's user namespace, --unprivileged) or "fork"
+        # (no CRIU at all: plain worker processes, copy-on-write fork() snapshots only).
+        self.unavailable: str | None = None
+        if st.usable:
+            self.mode: str = st.mode or "root"
+        elif allow_fork_only and fork_tier is not False and hasattr(os, "fork"):
+            self.mode, self.unavailable = "fork", why
+        else:
+            raise BackendUnavailableError(why)
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', not {verify!r}")
         self.binary: str = st.binary  # type: ignore[assignment]
@@ -106,9 +123,15 @@ class CriuBackend(Backend):
         ours, theirs = socket.socketpair()
         ino = socket_inode(theirs.fileno())
         out = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL  # O_APPEND: see pitfall 14
+        holder = ""
+        if self.mode == "userns":  # the launcher joins the holder's namespaces, opens stdio there
+            from gym_fork.userns import get_holder
+
+            holder = str(get_holder().pid)
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno())],
+                [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno()), self.mode, holder,
+                 os.path.abspath(self.worker_log) if self.worker_log else "", store.session_dir()],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                 start_new_session=True, env=_worker_environ(),
             )
@@ -126,7 +149,7 @@ class CriuBackend(Backend):
             handle.kill()
             raise
         handle.pid = meta["pid"]  # the python inside the namespace, not the launcher
-        handle.ns_root = True
+        handle.ns_root = self.mode != "fork"
         handle.fork_tier = self._use_fork_tier(meta)
         return handle, meta
 
@@ -134,6 +157,11 @@ class CriuBackend(Backend):
         if self.fork_tier is False:
             return False
         unsafe = meta.get("threads", 1) > 1 or meta.get("torch_loaded")
+        if unsafe and self.mode == "fork":
+            log.warning("gym_fork: env worker has %s threads%s, so fork() snapshots are unsafe, and CRIU "
+                        "is unavailable (%s): snapshot() will fail for this env",
+                        meta.get("threads"), " and torch" if meta.get("torch_loaded") else "", self.unavailable)
+            return True  # snapshot() then refuses with the worker's own explanation
         if unsafe and self.fork_tier is True:
             raise BackendUnavailableError(
                 f"fork_tier=True, but the env worker has {meta.get('threads')} threads"
@@ -161,24 +189,101 @@ class CriuBackend(Backend):
             raise SnapshotError(f"fork snapshot failed: {e}; the env keeps running") from e
         finally:
             theirs.close()
-        chan = Channel(ours)
-        frozen = RemoteHandle(chan, 0, 0)
-        return ForkPayload(chan, frozen.request("ping"))
+        return ForkPayload(Channel(ours))
+
+    def _require_criu(self, what: str) -> None:
+        if self.mode == "fork":
+            raise BackendUnavailableError(
+                f"{what} needs CRIU images, and CRIU is unavailable for this user (only copy-on-write "
+                f"in-memory snapshots work): {self.unavailable}")
+
+    def _client(self, images_dir: str, dfd: int, workdir: str | None = None):
+        """A pycriu client for one dump/restore, set up for this mode."""
+        if self.mode != "userns":
+            c = new_client(self.binary)
+            c.opts.images_dir_fd = dfd
+            if workdir is not None:
+                c.opts.work_dir_fd = os.open(workdir, os.O_DIRECTORY)
+            return c
+        from gym_fork.userns import get_holder
+
+        c = new_client(get_holder().criu_wrapper(self.binary))
+        c.opts.unprivileged = True
+        # criu, inside the holder's user namespace, may not open /proc/<us>/fd/N (ptrace access
+        # into the parent namespace): hand it the fd itself and name it /proc/self/fd/N.
+        os.set_inheritable(dfd, True)
+        c.opts.images_dir_fd = -1
+        c.opts.images_dir = f"/proc/self/fd/{dfd}"
+        if workdir is not None:
+            cfg = os.path.join(workdir, "criu.conf")
+            with open(cfg, "w") as f:
+                f.write(f"work-dir {workdir}\n")
+            c.opts.config_file = cfg
+        return c
+
+    def _call(self, c, method: str, what: str, kill_ino: int | None = None):
+        """``c.<method>()`` under a timeout: past it, criu is SIGKILLed (and a half-restored worker,
+        found by its channel's inode ``kill_ino``), and TimeoutError is raised."""
+        timeout = criu_timeout()
+        done = threading.Event()
+        fired: list[int | None] = []
+
+        def watchdog() -> None:
+            if done.wait(timeout):
+                return
+            comm = c._comm
+            deadline = time.monotonic() + 5
+            while getattr(comm, "swrk", None) is None and not done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done.is_set():
+                return
+            pid = getattr(comm, "swrk", None)
+            fired.append(pid)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            sk = getattr(comm, "sk", None)
+            if sk is not None:
+                try:
+                    sk.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        threading.Thread(target=watchdog, daemon=True, name="gym_fork-criu-timeout").start()
+        try:
+            return getattr(c, method)()
+        except Exception as e:
+            if not fired:
+                raise
+            pid = fired[0]
+            if pid:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+            killed = _kill_socket_holders(kill_ino) if kill_ino is not None else []
+            raise TimeoutError(
+                f"{what} did not finish within {timeout:g} s ($GYM_FORK_CRIU_TIMEOUT): criu (pid {pid}) was "
+                f"killed" + (f", and the half-restored process(es) {killed}" if killed else "")) from e
+        finally:
+            done.set()
 
     def _dump(self, handle: RemoteHandle, snap_id: str, *, leave_running: bool) -> tuple[CriuPayload, int]:
+        self._require_criu("this snapshot" if leave_running else "persist()")
         root = store.session_dir()
         tmp = store.private_mkdir(os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
         dfd = os.open(tmp, os.O_DIRECTORY)
         try:
-            c = new_client(self.binary)
-            c.opts.images_dir_fd = dfd
+            c = self._client(tmp, dfd)
             c.opts.log_file = "dump.log"
             c.opts.log_level = 2
             c.opts.pid = handle.pid
             c.opts.leave_running = leave_running
             c.opts.external.append(f"unix[{handle.ino}]")
-            c.dump()
+            self._call(c, "dump", f"CRIU dump of worker {handle.pid}")
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
             shutil.rmtree(tmp, ignore_errors=True)
@@ -204,6 +309,7 @@ class CriuBackend(Backend):
             if payload.image is None:
                 raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
             payload = payload.image
+        self._require_criu("restoring a persisted snapshot")
         self._verify(payload)
         if n == 1:
             return [self._restore_verified(payload)]
@@ -236,7 +342,7 @@ class CriuBackend(Backend):
                 finally:
                     theirs.close()
                 h = RemoteHandle(Channel(ours), 0, ino, fork_tier=True)
-                h.pid = h.request("ping")
+                h.pid, *h.initial = h.request("hello")
                 handles.append(h)
         except BaseException:
             for h in handles:
@@ -248,6 +354,7 @@ class CriuBackend(Backend):
         """Write CRIU images of a copy-on-write snapshot (nothing else stops meanwhile)."""
         if isinstance(payload, CriuPayload) or payload.image is not None:
             return payload
+        self._require_criu("persist()")
         if payload.chan is None:
             raise SnapshotCorruptedError("the snapshot's frozen process is gone")
         ours, theirs = socket.socketpair()
@@ -293,18 +400,17 @@ class CriuBackend(Backend):
         os.set_inheritable(theirs.fileno(), True)  # criu swrk is fork+exec'd and must inherit it
         workdir = tempfile.mkdtemp(prefix="restore-", dir=store.session_dir())
         dfd = os.open(payload.path, os.O_DIRECTORY)
-        wfd = os.open(workdir, os.O_DIRECTORY)
+        c = None
         try:
-            c = new_client(self.binary)
-            c.opts.images_dir_fd = dfd
-            c.opts.work_dir_fd = wfd  # per restore: logs and stats of concurrent restores must not collide
+            # per restore work dir: logs and stats of concurrent restores must not collide
+            c = self._client(payload.path, dfd, workdir)
             c.opts.log_file = "restore.log"
             c.opts.log_level = 2
             c.opts.rst_sibling = True  # the restored worker becomes our child: waitpid works
             fd = c.opts.inherit_fd.add()
             fd.key = f"socket:[{payload.ino}]"
             fd.fd = theirs.fileno()
-            pid = c.restore().pid
+            pid = self._call(c, "restore", f"CRIU restore from {payload.path}", kill_ino=new_ino).pid
         except Exception as e:  # noqa: BLE001
             ours.close()
             tail = log_tail(os.path.join(workdir, "restore.log"))
@@ -312,12 +418,13 @@ class CriuBackend(Backend):
         finally:
             theirs.close()
             os.close(dfd)
-            os.close(wfd)
+            if c is not None and c.opts.HasField("work_dir_fd"):
+                os.close(c.opts.work_dir_fd)
             shutil.rmtree(workdir, ignore_errors=True)
         handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
                               fork_tier=payload.fork_tier and self.fork_tier is not False)
         try:
-            handle.request("ping")
+            _pid, *handle.initial = handle.request("hello")
         except WorkerDiedError as e:
             handle.kill()
             raise RestoreError(f"the restored worker did not answer: {e}") from e
@@ -347,17 +454,59 @@ def private_dirty_bytes(pid: int) -> int | None:
     return None
 
 
-# Runs the worker as PID 1 of a new PID namespace and exits the way the worker did (a signal
-# death is re-raised, so Popen.returncode says e.g. -9).  util-linux 2.38's `unshare --fork`
-# cannot do that (its sigprocmask call fails), hence this.  `-S`: no site import, tiny process.
+def _kill_socket_holders(ino: int) -> list[int]:
+    """SIGKILL every process of ours holding ``socket:[ino]`` (a restore that was cut short)."""
+    target, killed = f"socket:[{ino}]", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+            if any(os.readlink(f"/proc/{name}/fd/{fd}") == target for fd in fds):
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+        except OSError:
+            continue
+    for pid in killed:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return killed
+
+
+# Starts the worker and exits the way it did (a signal death is re-raised, so Popen.returncode
+# says e.g. -9).  util-linux 2.38's `unshare --fork` cannot do that (its sigprocmask call fails),
+# hence this.  `-S`: no site import, tiny process.  argv: FD MODE HOLDER_PID LOG WORKDIR.
+#   root:   the worker is PID 1 of a new PID namespace;
+#   userns: first join the holder's user + mount namespaces (gym_fork.userns), open stdio and
+#           chdir there (CRIU's parasite needs a writable cwd in that mount namespace), then as root;
+#   fork:   no namespaces at all (non-root without user namespaces: the fork tier needs none).
 _PIDNS_LAUNCHER = """
 import ctypes, os, signal, sys
-if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID
-    sys.stderr.write("gym_fork: unshare(CLONE_NEWPID) failed: %s\\n" % os.strerror(ctypes.get_errno()))
+fd, mode, holder, logpath, workdir = sys.argv[1:6]
+worker = [sys.executable, "-m", "gym_fork.worker", fd]
+if mode == "fork":
+    os.execv(sys.executable, worker)
+libc = ctypes.CDLL(None, use_errno=True)
+def die(what):
+    sys.stderr.write("gym_fork: %s failed: %s\\n" % (what, os.strerror(ctypes.get_errno())))
     os._exit(125)
+if mode == "userns":
+    for ns, flag in (("user", 0x10000000), ("mnt", 0x00020000)):
+        nsfd = os.open("/proc/%s/ns/%s" % (holder, ns), os.O_RDONLY)
+        if libc.setns(nsfd, flag) != 0:
+            die("setns(%s namespace of the holder %s)" % (ns, holder))
+        os.close(nsfd)
+    os.chdir(workdir)
+    out = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if logpath else os.open(os.devnull, os.O_WRONLY)
+    inp = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(inp, 0); os.dup2(out, 1); os.dup2(out, 2); os.close(inp); os.close(out)
+if libc.unshare(0x20000000) != 0:  # CLONE_NEWPID
+    die("unshare(CLONE_NEWPID)")
 pid = os.fork()
 if pid == 0:
-    os.execv(sys.executable, [sys.executable, "-m", "gym_fork.worker"] + sys.argv[1:])
+    os.execv(sys.executable, worker)
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)  # the worker decides; we only mirror its end
 _, st = os.waitpid(pid, 0)
