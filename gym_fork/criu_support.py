@@ -28,6 +28,10 @@ class CriuStatus:
     reasons: list[str] = field(default_factory=list)  # why it is not usable
     advice: list[str] = field(default_factory=list)  # what to do about it
     rejected: list[str] = field(default_factory=list)  # criu binaries passed over, and why
+    # How CRIU runs: "root" (host namespaces), "userns" (non-root: inside the holder's user +
+    # mount namespace with --unprivileged, see gym_fork.userns) or None when it cannot run.
+    mode: str | None = None
+    userns: object | None = None  # gym_fork.userns.UsernsSupport, for non-root users
 
 
 def binary_version(path: str) -> str | None:
@@ -101,9 +105,19 @@ def criu_status() -> CriuStatus:
     if st.binary is None:
         st.reasons.append("no criu >= 4.0 found (looked at $GYM_FORK_CRIU, PATH, /usr/local/sbin, /usr/sbin)")
         st.advice.append("run `sudo PYTHON=$(which python) scripts/install_criu.sh` to build CRIU 4.1.1")
-    if not st.is_root:
-        st.reasons.append("not running as root: CRIU needs CAP_SYS_ADMIN/CAP_CHECKPOINT_RESTORE here")
-        st.advice.append("run as root, or use backend='pickle' for pure-Python envs")
+    if not st.is_root and st.binary and not st.reasons:
+        # Non-root: CRIU works inside an unprivileged user + mount namespace (--unprivileged).
+        # `criu check` does not predict that; doctor probes it with a real dump/restore.
+        from gym_fork.userns import userns_support
+
+        st.userns = us = userns_support()
+        if us.ok:
+            st.mode = "userns"
+        else:
+            st.reasons.append(f"not root, and unprivileged user namespaces are unavailable ({us.error}"
+                              + (": " + "; ".join(us.blockers) if us.blockers else "") + ")")
+            st.advice.append("an administrator can: " + "; ".join(us.admin_fix) if us.admin_fix
+                             else "run as root, or allow unprivileged user namespaces")
     if st.binary and st.is_root:
         try:
             p = subprocess.run([st.binary, "check"], capture_output=True, text=True, timeout=60)
@@ -114,7 +128,17 @@ def criu_status() -> CriuStatus:
         except (OSError, subprocess.TimeoutExpired) as e:
             st.reasons.append(f"`criu check` did not run: {e}")
     st.usable = not st.reasons
+    if st.usable and st.mode is None:
+        st.mode = "root"
     return st
+
+
+def criu_timeout() -> float:
+    """Seconds any one CRIU dump/restore may take before it is killed ($GYM_FORK_CRIU_TIMEOUT, 60)."""
+    try:
+        return float(os.environ.get("GYM_FORK_CRIU_TIMEOUT", "60"))
+    except ValueError:
+        return 60.0
 
 
 def new_client(binary: str):

@@ -51,7 +51,9 @@ if [ -z "$existing" ] || [ ! -d "$SRC_DIR/lib/pycriu" ] || [ ! -f "$SRC_DIR/lib/
   if [ "$(id -u)" != 0 ]; then
     die "criu 4.x is not installed and building it needs root (apt build deps, $PREFIX/sbin).
   Ask an administrator to run:  sudo PYTHON=$PYTHON $0
-  or put a working criu >= 4.0 on PATH and re-run this script."
+  or put a working criu >= 4.0 on PATH and re-run this script (no root needed then: CRIU runs in an
+  unprivileged user namespace; check with \`gym-fork doctor\`).
+  Meanwhile gym_fork works for this user in fork-only mode (in-memory copy-on-write snapshots)."
   fi
   export DEBIAN_FRONTEND=noninteractive
   src_list=/etc/apt/sources.list.d/gym-fork-criu-trixie-src.sources

@@ -1,0 +1,252 @@
+"""Run as an unprivileged user by tests/test_nonroot.py (copied next to a venv that user can read).
+
+    python nonroot_driver.py userns     CRIU in a user namespace + fork tier: exactness, branching,
+                                        4 concurrent restores, CRIU timeout
+    python nonroot_driver.py nouserns   first disable user namespaces (user.max_user_namespaces=0 in
+                                        a fresh user namespace of our own, mapping only our own uid),
+                                        then exec itself as "forkonly": the fork-only checks
+
+Prints one JSON object as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+
+if __name__ == "__main__" and sys.argv[1:] == ["nouserns"]:
+    # before numpy starts threads: unshare(CLONE_NEWUSER) needs a single-threaded process
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _uid, _gid = os.getuid(), os.getgid()
+    if _libc.unshare(0x10000000) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+    for _path, _text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{_uid} {_uid} 1"),
+                         ("/proc/self/gid_map", f"{_gid} {_gid} 1"), ("/proc/sys/user/max_user_namespaces", "0")):
+        with open(_path, "w") as _f:
+            _f.write(_text)
+    # exec as the plain user: capabilities are dropped at exec (uid is not 0 in this namespace)
+    os.execv(sys.executable, [sys.executable, __file__, "forkonly"])
+
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+class CounterWalk(gym.Env):
+    """A custom env (pure NumPy, own RNG), shipped to the worker by value."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (2,), np.float64)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.x = 0, float(self.np_random.normal())
+        return np.array([self.t, self.x]), {}
+
+    def step(self, a):
+        self.t += 1
+        self.x += (a - 1) + float(self.np_random.normal())
+        return np.array([self.t, self.x]), -abs(self.x), abs(self.x) > 6, self.t >= 40, {"t": self.t}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return np.float64(a).tobytes() == np.float64(b).tobytes()
+    return type(a) is type(b) and a == b
+
+
+def run(env, actions):
+    traj, ends = [], 0
+    for a in actions:
+        obs, r, term, trunc, info = env.step(a)
+        traj.append((obs, r, term, trunc, info))
+        if term or trunc:
+            ends += 1
+            traj.append(("reset",) + tuple(env.reset()))
+    return traj, ends
+
+
+ENVS = {  # name -> (source, k steps before the snapshot, n actions after)
+    "CartPole-v1": ("CartPole-v1", 10, 80),
+    "LunarLander-v3": ("LunarLander-v3", 30, 60),
+    "CounterWalk": (CounterWalk, 5, 60),
+}
+
+
+def exactness(fork_tier) -> dict:
+    import gym_fork
+
+    out = {}
+    for name, (src, k, n) in ENVS.items():
+        env = gym_fork.ForkableEnv(src, backend="auto", fork_tier=fork_tier)
+        try:
+            env.reset(seed=3)
+            rng = np.random.default_rng(0)
+            for _ in range(k):
+                env.step(env.action_space.sample())
+            snap = env.snapshot()
+            acts = [env.action_space.sample() for _ in range(n)]
+            t1, ends = run(env, acts)
+            env.restore(snap)
+            snap2 = env.snapshot()  # a snapshot of the restored copy
+            t2, _ = run(env, acts)
+            env.restore(snap)
+            t3, _ = run(env, acts)
+            env.restore(snap2)
+            t4, _ = run(env, acts)
+            out[name] = {"same": same(t1, t2) and same(t1, t3) and same(t1, t4), "ends": ends,
+                         "snap_backend": snap.backend, "fork_tier": env._handle.fork_tier
+                         if hasattr(env, "_handle") else None}
+            del rng
+        finally:
+            env.close()
+    return out
+
+
+def branching() -> dict:
+    """4 concurrent CRIU restores of one image while the original keeps running."""
+    import gym_fork
+
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="auto", fork_tier=False)
+    try:
+        env.reset(seed=7)
+        for _ in range(40):
+            env.step(1)
+        t0 = time.perf_counter()
+        snap = env.snapshot()
+        dump_ms = (time.perf_counter() - t0) * 1e3
+        acts = [i % 4 for i in range(50)]
+        t0 = time.perf_counter()
+        kids = env.fork(snap, 4)
+        fork4_ms = (time.perf_counter() - t0) * 1e3
+        orig, _ = run(env, acts)  # the original runs on meanwhile
+        trajs = [run(k, acts)[0] for k in kids]
+        pids = [k._handle.pid for k in kids] if hasattr(kids[0], "_handle") else []
+        ok = all(same(orig, t) for t in trajs)
+        for k in kids:
+            k.close()
+        # the fork tier: snapshot, branch 4 copies, also exact
+        fsnap = gym_fork.ForkableEnv  # noqa: F841
+        return {"same": ok, "n": len(kids), "distinct_pids": len(set(pids)), "dump_ms": round(dump_ms, 1),
+                "fork4_ms": round(fork4_ms, 1), "size_bytes": snap.size_bytes}
+    finally:
+        env.close()
+
+
+def timeout_check() -> dict:
+    """A CRIU restore that overruns $GYM_FORK_CRIU_TIMEOUT is killed and reported; nothing leaks."""
+    import gym_fork
+    from gym_fork.errors import RestoreError
+
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="auto", fork_tier=False)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        before = _my_processes()
+        os.environ["GYM_FORK_CRIU_TIMEOUT"] = "0.001"
+        try:
+            env.restore(snap)
+            msg = None
+        except RestoreError as e:
+            msg = str(e)
+        finally:
+            os.environ.pop("GYM_FORK_CRIU_TIMEOUT")
+        time.sleep(0.3)
+        leaked = sorted(_my_processes() - before)
+        env.step(0)  # the env still works
+        env.restore(snap)  # and a normal restore still works
+        return {"message": msg, "leaked": leaked}
+    finally:
+        env.close()
+
+
+def _my_processes() -> set:
+    me = os.getuid()
+    out = set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.stat(f"/proc/{p}").st_uid == me:
+                    with open(f"/proc/{p}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            out.add(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def capture_log():
+    buf = io.StringIO()
+    h = logging.StreamHandler(buf)
+    lg = logging.getLogger("gym_fork")
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    return buf
+
+
+def main_userns() -> dict:
+    from gym_fork.criu_support import criu_status
+
+    logbuf = capture_log()
+    st = criu_status()
+    res = {"uid": os.getuid(), "mode": st.mode, "usable": st.usable, "reasons": st.reasons}
+    for key, fn in (("fork_tier", lambda: exactness("auto")), ("criu_dumps", lambda: exactness(False)),
+                    ("branching", branching), ("timeout", timeout_check)):
+        try:
+            res[key] = fn()
+        except Exception:  # noqa: BLE001
+            res[key] = {"error": traceback.format_exc()}
+    res["log"] = logbuf.getvalue()
+    return res
+
+
+def main_forkonly() -> dict:
+    import gym_fork
+    from gym_fork.criu_support import criu_status
+    from gym_fork.errors import BackendUnavailableError
+
+    logbuf = capture_log()
+    st = criu_status()
+    res = {"uid": os.getuid(), "max_user_namespaces": open("/proc/sys/user/max_user_namespaces").read().strip(),
+           "mode": st.mode, "usable": st.usable, "reasons": st.reasons, "advice": st.advice}
+    try:
+        res["fork_tier"] = exactness("auto")
+    except Exception:  # noqa: BLE001
+        res["fork_tier"] = {"error": traceback.format_exc()}
+    env = gym_fork.ForkableEnv("LunarLander-v3")
+    try:
+        env.reset(seed=1)
+        snap = env.snapshot()
+        try:
+            snap.persist()
+            res["persist"] = "no error"
+        except BackendUnavailableError as e:
+            res["persist"] = str(e)
+        kids = env.fork(snap, 4)
+        acts = [0, 1, 2, 3] * 10
+        orig, _ = run(env, acts)
+        res["fork4_same"] = all(same(orig, run(k, acts)[0]) for k in kids)
+        for k in kids:
+            k.close()
+    finally:
+        env.close()
+    res["log"] = logbuf.getvalue()
+    return res
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    result = main_userns() if mode == "userns" else main_forkonly()
+    print(json.dumps(result, default=str))
