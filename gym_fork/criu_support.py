@@ -87,10 +87,37 @@ def criu_candidates() -> list[dict]:
     return [dict(zip(("path", "version", "rejected"), (c, *_judge(c)))) for c in _candidate_paths()]
 
 
+KDAT_DIR = "/run/gym_fork-criu"  # scripts/install_criu.sh builds CRIU with RUNDIR=KDAT_DIR
+
+
+def ensure_kdat_cache(binary: str) -> bool:
+    """Mount the small root-only tmpfs where our CRIU build caches its kernel probe (criu.kdat).
+
+    CRIU keeps that cache only on a tmpfs; without it every dump and restore re-probes the kernel
+    (~35 ms here).  A mount does not survive a reboot, so gym_fork re-creates it on first use.
+    Returns True when the cache directory is usable."""
+    try:
+        with open(binary, "rb") as f:
+            if (KDAT_DIR + "/criu.kdat").encode() not in f.read():
+                return False  # not our build: its cache lives wherever its builder chose
+        if os.path.ismount(KDAT_DIR):
+            return True
+        if os.geteuid() != 0:
+            return False
+        os.makedirs(KDAT_DIR, mode=0o700, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "gym_fork-criu-kdat", KDAT_DIR],
+                           capture_output=True, timeout=10)
+        return r.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 @functools.lru_cache(maxsize=1)
 def criu_status() -> CriuStatus:
     st = CriuStatus(usable=False, is_root=os.geteuid() == 0)
     st.binary, st.version, notes = find_criu()
+    if st.binary and st.is_root:
+        ensure_kdat_cache(st.binary)
     st.rejected.extend(notes)
     if st.binary is None:  # a rejected binary only matters when no acceptable one was found
         st.reasons.extend(notes)

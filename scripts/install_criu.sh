@@ -20,7 +20,11 @@ PYTHON=${PYTHON:-python3}
 # make -C changes directory: a relative interpreter path must become absolute.
 case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON");; *) PYTHON=$(command -v "$PYTHON");; esac
 CACHE=${GYM_FORK_CACHE:-$HOME/.cache/gym_fork}
-SRC_DIR=$CACHE/criu-$CRIU_VERSION
+# CRIU caches its kernel-feature probe (criu.kdat) only on a tmpfs; /run is ext4 on some
+# machines, which costs ~35 ms on *every* dump and restore.  So our build keeps the cache in a
+# root-only tmpfs of its own (mounted here and, after a reboot, by gym_fork itself).
+KDAT_DIR=/run/gym_fork-criu
+SRC_DIR=$CACHE/criu-$CRIU_VERSION-kdat
 CRIU_BIN=$PREFIX/sbin/criu
 
 log() { echo "[install_criu] $*" >&2; }
@@ -37,12 +41,24 @@ criu_ok() {  # $1 = binary; true when it is 4.x and `criu check` passes
 
 pycriu_ok() { "$PYTHON" -c 'import pycriu, pycriu.rpc_pb2' >/dev/null 2>&1; }
 
+ensure_kdat_tmpfs() {  # root only; harmless when the binary was not built with our KDAT_DIR
+  [ "$(id -u)" = 0 ] || return 0
+  mkdir -p -m 0700 "$KDAT_DIR"
+  mountpoint -q "$KDAT_DIR" || mount -t tmpfs -o size=1m,mode=0700 gym_fork-criu-kdat "$KDAT_DIR" \
+    || log "note: could not mount a tmpfs at $KDAT_DIR; CRIU will re-probe the kernel on every call"
+}
+
 existing=""
 for cand in "$(command -v criu 2>/dev/null || true)" "$CRIU_BIN"; do
   if [ -n "$cand" ] && criu_ok "$cand"; then existing=$cand; break; fi
 done
+if [ "$existing" = "$CRIU_BIN" ] && [ "$(id -u)" = 0 ] && ! grep -qa "$KDAT_DIR/criu.kdat" "$CRIU_BIN"; then
+  log "$CRIU_BIN is an earlier gym_fork build without the kdat cache dir: rebuilding"
+  existing=""
+fi
 
 if [ -n "$existing" ] && pycriu_ok; then
+  ensure_kdat_tmpfs
   log "criu OK: $existing ($("$existing" --version | head -1)); pycriu imports"
   exit 0
 fi
@@ -97,7 +113,7 @@ if [ -z "$existing" ] || [ ! -d "$SRC_DIR/lib/pycriu" ] || [ ! -f "$SRC_DIR/lib/
     rm -rf "$SRC_DIR"; mkdir -p "$SRC_DIR"
     tar -xf "$tarball" -C "$SRC_DIR" --strip-components=1
     log "building criu $CRIU_VERSION (about 20 s)"
-    make -s -C "$SRC_DIR" -j"$(nproc)" PYTHON="$PYTHON" criu lib >"$CACHE/criu-build.log" 2>&1 \
+    make -s -C "$SRC_DIR" -j"$(nproc)" PYTHON="$PYTHON" RUNDIR="$KDAT_DIR" criu lib >"$CACHE/criu-build.log" 2>&1 \
       || { tail -30 "$CACHE/criu-build.log" >&2; die "criu build failed; full log: $CACHE/criu-build.log"; }
   fi
   if [ -z "$existing" ]; then
@@ -115,6 +131,7 @@ if ! pycriu_ok; then
   "$PYTHON" -m pip install -q --no-build-isolation "$SRC_DIR/lib"
 fi
 pycriu_ok || die "pycriu does not import in $PYTHON"
+ensure_kdat_tmpfs
 if [ "$(id -u)" = 0 ]; then
   "$existing" check >/dev/null 2>&1 || die "'$existing check' fails: $("$existing" check 2>&1 | tail -3)"
 fi
