@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from gym_fork import __version__
 from gym_fork.criu_support import criu_candidates, criu_status
+from gym_fork import snapshot_store as _store_cli
 
 INSTALL_CMD = "sudo PYTHON=$(which python) scripts/install_criu.sh"
 PROBE_ENV = "CartPole-v1"
@@ -115,6 +116,10 @@ def system_checks() -> tuple[list[Check], Any]:
                             fix=None if good else "read the full `criu check` output above (run it yourself as "
                             "root for details); a kernel without the needed features cannot be fixed from here",
                             data={"output": st.check_output}))
+    elif st.binary and not st.is_root:
+        checks.append(Check("criu_check", "criu check", None, "not run (as non-root, `criu check` does not "
+                            "predict whether CRIU works in a user namespace; the criu probe below decides)",
+                            data={"output": ""}))
     else:
         why = "no criu binary" if not st.binary else "needs root"
         checks.append(Check("criu_check", "criu check", False if st.binary else None, f"not run ({why})",
@@ -133,17 +138,40 @@ def system_checks() -> tuple[list[Check], Any]:
 
     # privileges
     euid = os.geteuid()
-    checks.append(Check("root", "root", euid == 0, "yes" if euid == 0 else f"no (euid {euid})",
-                        fix=None if euid == 0 else "run as root (sudo), or use backend='pickle' for "
-                        "pure-Python envs",
+    checks.append(Check("root", "root", True if euid == 0 else None,
+                        "yes" if euid == 0 else f"no (euid {euid}): CRIU runs in an unprivileged user namespace "
+                        "instead (see the userns line), the fork tier needs no privilege",
                         data={"euid": euid}))
+    if euid != 0:
+        from gym_fork.userns import userns_blockers
+
+        us = st.userns
+        found, admin_fix = userns_blockers()
+        if us is None:  # criu_status stopped earlier (no binary, no pycriu): test the namespace anyway
+            from gym_fork.userns import userns_support
+
+            us = userns_support()
+        checks.append(Check("userns", "user namespaces", us.ok,
+                            "unprivileged user + mount namespaces work (CRIU runs there with --unprivileged)"
+                            if us.ok else f"unavailable: {us.error}" + (f" ({'; '.join(us.blockers)})"
+                                                                          if us.blockers else ""),
+                            fix=None if us.ok else "an administrator can: " + "; ".join(us.admin_fix or admin_fix)
+                            + ". Until then only the fork tier (in-memory snapshots) works for this user",
+                            data={"ok": us.ok, "error": us.error, "blockers": list(us.blockers),
+                                  "admin_fix": list(us.admin_fix), "sysctls_found": found}))
+        checks.append(Check("nonroot_limits", "without root", None,
+                            "lazy-pages (post-copy) migration needs root: CRIU 4.1 disables userfaultfd with "
+                            "--unprivileged; CRIU snapshots, restores, fork() and save/load work in the user "
+                            "namespace (each worker is PID 1 of its own PID namespace there, so images restore "
+                            "concurrently); file-capability criu (setcap) is not needed",
+                            data={"lazy_pages": False}))
     caps, last = effective_caps(), _cap_last()
     docker_hint = ("in a container: run it with --privileged, or --cap-add SYS_ADMIN "
                    "--cap-add CHECKPOINT_RESTORE --security-opt seccomp=unconfined")
     has_admin = caps is not None and bool(caps >> CAP_SYS_ADMIN & 1)
     checks.append(Check("cap_sys_admin", "CAP_SYS_ADMIN", has_admin if caps is not None else None,
                         "unknown (no /proc/self/status)" if caps is None else ("yes" if has_admin else "no"),
-                        fix=None if has_admin or caps is None else "run as root (sudo)" if euid else docker_hint,
+                        fix=None if has_admin or caps is None or euid else docker_hint,
                         data={"present": has_admin, "cap_eff": None if caps is None else f"{caps:016x}"}))
     has_cr = caps is not None and bool(caps >> CAP_CHECKPOINT_RESTORE & 1)
     if caps is None:
@@ -156,8 +184,12 @@ def system_checks() -> tuple[list[Check], Any]:
         cr_ok, cr_val = (None if has_admin else False), "no"
     if cr_ok is None and has_admin and not has_cr:
         cr_val += "; not needed, CAP_SYS_ADMIN covers it"
+    if euid:  # not needed: CRIU runs in a user namespace where we have every capability
+        has_admin = has_admin or None  # type: ignore[assignment]
+        checks[-1].ok = None
+        cr_ok = None
     checks.append(Check("cap_checkpoint_restore", "CAP_CHECKPOINT_RESTORE", cr_ok, cr_val,
-                        fix=None if cr_ok is not False else "run as root (sudo)" if euid else docker_hint,
+                        fix=None if cr_ok is not False or euid else docker_hint,
                         data={"present": has_cr}))
 
     # system
@@ -186,7 +218,7 @@ def _same(a: Any, b: Any) -> bool:
 # probe name -> ForkableEnv arguments
 PROBE_KINDS = {
     "criu": {"backend": "criu", "fork_tier": False},  # every snapshot a CRIU dump
-    "fork": {"backend": "criu", "fork_tier": True},  # copy-on-write fork() snapshots
+    "fork": {"backend": "auto", "fork_tier": True},  # copy-on-write fork() snapshots (also fork-only, non-root)
     "pickle": {"backend": "pickle"},
 }
 
@@ -276,6 +308,8 @@ def doctor_report(probe_mode: bool | None = None) -> dict:
     else:
         criu_res = fork_res = None
         criu_skip = "--no-probe" if probe_mode is False else "CRIU is not usable here; --probe forces it"
+        if probe_mode is None and not st.is_root:
+            fork_res = probe("fork")  # non-root without CRIU: the fork tier still works
     checks.append(_probe_check(criu_res, "criu", criu_skip))
     checks.append(_probe_check(fork_res, "fork", criu_skip))
     checks.append(_probe_check(pickle_res, "pickle", "--no-probe"))
@@ -288,13 +322,24 @@ def doctor_report(probe_mode: bool | None = None) -> dict:
     }
 
     # what backend="auto" does (the same rule as gym_fork.backends.get_backend)
-    if st.usable:
+    if st.usable and st.mode == "userns":
+        auto = "criu"
+        because = (f"not root, but CRIU {st.version} at {st.binary} runs in an unprivileged user namespace "
+                   "(--unprivileged, through a holder process); in-memory snapshots use the copy-on-write fork "
+                   "tier when the env worker is single-threaded, CRIU images when persisted, saved or when it is "
+                   "not; lazy-pages migration needs root")
+    elif st.usable:
         auto = "criu"
         because = (f"CRIU {st.version} at {st.binary} is usable (criu check passed, running as root, "
                    "pycriu imports); in-memory snapshots use the copy-on-write fork tier when the env "
                    "worker is single-threaded, CRIU images when persisted or when it is not")
         if criu_res is not None and not criu_res["ok"]:
             because += "; BUT the criu probe failed, so envs will fail to snapshot: fix that, or pass backend='pickle'"
+    elif not st.is_root and hasattr(os, "fork"):
+        auto = "criu (fork-only)"
+        because = ("CRIU cannot run for this user (" + "; ".join(st.reasons) + "), but copy-on-write fork() "
+                   "snapshots need no privilege: in-memory snapshot/restore/fork() work for single-threaded "
+                   "env workers; persist(), save/load and torch-loaded workers do not")
     else:
         auto = "pickle"
         because = ("CRIU is not usable: " + "; ".join(st.reasons)
@@ -412,7 +457,37 @@ COMMANDS: dict[str, Command] = {
         configure=_configure_doctor,
         run=cmd_doctor,
     ),
-    # future: "snapshots" (list / inspect / remove stored snapshots), "agent", ...
+    "agent": Command(
+        help="node agent: receive checkpoints over TCP (authenticated) and restore them here",
+        description=(
+            "Listen for live migrations. Peers must pass an HMAC challenge-response with the shared "
+            "token (--token-file or $GYM_FORK_TOKEN); TLS with --cert/--key. Every checkpoint is "
+            "integrity-checked before anything is restored. Runs until SIGTERM/SIGINT; what it hosts "
+            "is stopped then."
+        ),
+        epilog="example:\n  gym-fork agent --host 10.0.0.2 --port 7000 --state-dir /var/lib/gym_fork --token-file tok",
+        configure=lambda p: __import__("gym_fork.migration.agent", fromlist=["x"]).configure(p),
+        run=lambda a: __import__("gym_fork.migration.agent", fromlist=["x"]).run(a),
+    ),
+    "run": Command(
+        help="run a training script as a managed job that can be live-migrated to another node",
+        description=(
+            "Start `python train.py ...` in its own PID namespace with stdio in O_APPEND log files "
+            "owned by this supervisor, so the whole job tree can be checkpointed. A "
+            "gym_fork.sb3.LiveMigrationCallback in the script asks this supervisor to move the job "
+            "to a `gym-fork agent`; this process exits once the target confirms."
+        ),
+        epilog="example:\n  gym-fork run --node A --log-dir logs -- python train.py",
+        configure=lambda p: __import__("gym_fork.migration.job", fromlist=["x"]).configure(p),
+        run=lambda a: __import__("gym_fork.migration.job", fromlist=["x"]).run(a),
+    ),
+    "snapshots": Command(
+        help=_store_cli.SNAPSHOTS_HELP,
+        description=_store_cli.SNAPSHOTS_DESCRIPTION,
+        epilog=_store_cli.SNAPSHOTS_EPILOG,
+        configure=_store_cli.configure_snapshots_cli,
+        run=_store_cli.run_snapshots_cli,
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from gym_fork.backends.base import Handle
 from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
 from gym_fork.server import make_source
 from gym_fork.snapshot import Snapshot
+from gym_fork.snapshot_store import materialized
 
 log = logging.getLogger("gym_fork")
 
@@ -90,6 +91,8 @@ class _WorkerEnv(gym.Env):
 
 
 class ForkableEnv(gym.Wrapper):
+    _store: Any = None
+    _workspace: Any = None
     """A Gymnasium env that runs in a worker process and can be snapshotted and restored.
 
     ``env`` is an env id (like :func:`gymnasium.make`), a zero-argument factory returning a
@@ -131,11 +134,18 @@ class ForkableEnv(gym.Wrapper):
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
                  record_actions: bool = True, worker_log: str | None = None,
-                 fork_tier: bool | Literal["auto"] = "auto"):
+                 fork_tier: bool | Literal["auto"] = "auto", store: Any = None,
+                 workspace: str | None = None):
         source = make_source(env, env_kwargs)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier)
         handle, meta = be.start(source)
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
+        self._store = store  # a gym_fork.SnapshotStore: budgets, persistence (snapshot_store.py)
+        if workspace is not None:  # files captured with each snapshot (workspace.py: the contract)
+            from gym_fork.workspace import Workspace
+
+            self._workspace = Workspace(workspace)
+            self._request("setattr", "workspace", self._workspace.path, "unwrapped")
 
     # --- construction shared with fork() -------------------------------------------------------
     def _setup(self, be: Backend, handle: Handle, meta: dict, *, lineage: str, record_actions: bool) -> None:
@@ -160,7 +170,8 @@ class ForkableEnv(gym.Wrapper):
         without first starting a fresh env."""
         payload = snapshot.payload()
         be = snapshot._backend
-        handle = be.restore(payload)
+        with materialized(payload):  # images kept in a SnapshotStore are reassembled first
+            handle = be.restore(payload)
         meta = handle.request("meta")
         env = cls.__new__(cls)
         env._setup(be, handle, meta, lineage=snapshot.lineage or uuid.uuid4().hex, record_actions=record_actions)
@@ -173,6 +184,7 @@ class ForkableEnv(gym.Wrapper):
         child = cls.__new__(cls)
         child._setup(parent._backend, handle, parent._meta, lineage=parent._lineage,
                      record_actions=parent._record_actions)
+        child._store = parent._store
         return child
 
     # --- Gymnasium API ---------------------------------------------------------------------------
@@ -259,6 +271,12 @@ class ForkableEnv(gym.Wrapper):
                         env_id=self.spec.id if self.spec else None,
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
+        if self._workspace is not None:
+            from gym_fork.workspace import attach
+
+            attach(snap, self._workspace)
+        if self._store is not None:
+            self._store.add(snap)  # may move older in-memory snapshots to disk (memory budget)
         self._parent_id = snap.id
         if self._actions is not None:
             self._actions = []
@@ -271,9 +289,15 @@ class ForkableEnv(gym.Wrapper):
         """
         self._check_open()
         payload = self._check_snapshot(snapshot)
-        new = self._backend.restore(payload)
+        with materialized(payload):
+            new = self._backend.restore(payload)
+        if snapshot._store is not None:
+            snapshot._store.touch(snapshot)
         self._switch_to(new, snapshot)
-        obs, info, _steps = self._handle.request("last")
+        if self._workspace is not None and getattr(snapshot, "workspace", None):
+            self._workspace.restore_from(snapshot.workspace)
+        initial = getattr(new, "initial", None)
+        obs, info, _steps = initial if initial else self._handle.request("last")
         return obs, info
 
     def fork(self, snapshot: Snapshot | None = None, n: int = 1, *, rng: Literal["same", "reseed"] = "same",
@@ -296,7 +320,9 @@ class ForkableEnv(gym.Wrapper):
         own = snapshot is None
         snap = self.snapshot() if own else snapshot
         try:
-            handles = self._backend.restore_many(self._check_snapshot(snap), n)
+            payload = self._check_snapshot(snap)
+            with materialized(payload):
+                handles = self._backend.restore_many(payload, n)
         finally:
             if own:
                 snap.release()
@@ -306,10 +332,24 @@ class ForkableEnv(gym.Wrapper):
             child._steps = snap.steps
             child._parent_id = None if own else snap.id
             children.append(child)
+            if self._workspace is not None and getattr(snap, "workspace", None):
+                child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8])
+                child._request("setattr", "workspace", child._workspace.path, "unwrapped")
             if rng == "reseed":
                 seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
                 child._request("reseed", seed)
         return children
+
+    def migrate(self, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
+                tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> dict:
+        """Move this env's worker to the ``gym-fork agent`` at ``target`` ("host:port"); from then
+        on steps go over the network (see :mod:`gym_fork.migration.client`). Token: ``token``,
+        ``token_file`` or ``$GYM_FORK_TOKEN``. On failure a ``gym_fork.migration`` error is raised
+        and the env keeps running locally, unchanged. Returns a report (bytes, timings)."""
+        from gym_fork.migration.client import migrate_env
+
+        return migrate_env(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
+                           netns=netns)
 
     # --- internals -----------------------------------------------------------------------------
     def _request(self, *args: Any) -> Any:

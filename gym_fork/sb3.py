@@ -442,3 +442,6 @@ class BranchExplorationCallback(BaseCallback):
             if b.snapshot is not None:
                 b.snapshot.release()
         res.root.release()
+
+
+from gym_fork.migration.callback import LiveMigrationCallback  # noqa: E402,F401  (live migration, issue 6)

@@ -1,0 +1,57 @@
+"""A PPO job for `gym-fork run` that can be live-migrated (used by live_migration_demo.py and the
+tests). Prints one JSON line per finished episode and a final line with a hash of the policy.
+
+    gym-fork run --log-dir logs -- python examples/migration_train.py --target HOST:PORT --at 1500
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import torch
+
+torch.set_num_threads(1)
+from stable_baselines3 import PPO  # noqa: E402
+from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
+
+from gym_fork.sb3 import LiveMigrationCallback  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--target", default=None)
+p.add_argument("--at", type=int, default=None, help="migrate at this timestep")
+p.add_argument("--notice-file", default=None)
+p.add_argument("--total", type=int, default=3072)
+p.add_argument("--seed", type=int, default=0)
+args = p.parse_args()
+
+
+class Progress(BaseCallback):
+    def __init__(self, mig):
+        super().__init__()
+        self.mig, self.ep_ret, self.node = mig, 0.0, os.environ.get("GYM_FORK_NODE", "local")
+
+    def _on_step(self):
+        if self.mig is not None and self.mig.history and self.mig.history[-1].get("status") == "arrived":
+            self.node = self.mig.history[-1]["node"]
+        self.ep_ret += float(self.locals["rewards"][0])
+        if self.locals["dones"][0]:
+            print(json.dumps({"t": self.num_timesteps, "ret": self.ep_ret, "node": self.node, "wall": time.time()}), flush=True)
+            self.ep_ret = 0.0
+        return True
+
+
+model = PPO("MlpPolicy", "LunarLander-v3", n_steps=512, batch_size=128, n_epochs=2, seed=args.seed,
+            device="cpu", verbose=0)
+cbs = []
+mig = None
+if args.target:
+    trig = ["SIGUSR1"] + ([args.at] if args.at is not None else []) + ([f"file:{args.notice_file}"] if args.notice_file else [])
+    mig = LiveMigrationCallback(args.target, trigger=trig)
+    cbs.append(mig)
+cbs.append(Progress(mig))
+model.learn(args.total, callback=cbs)
+h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.policy.parameters())).hexdigest()[:16]
+print(json.dumps({"done": True, "timesteps": model.num_timesteps, "policy_sha": h,
+                  "migrations": [{k: v for k, v in m.items() if k in ("status", "node", "source", "downtime_s", "bytes", "timestep", "error", "timeline")} for m in (mig.history if mig else [])]}), flush=True)

@@ -1,0 +1,166 @@
+"""``ForkableEnv.migrate(target)``: move one env worker to another node's agent.
+
+1. snapshot (copy-on-write fork tier when available: the worker is not stopped), persisted
+   and saved as a bundle signed with the token-derived key;
+2. connect + mutual challenge-response, stream the bundle as a tar;
+3. the agent verifies and restores it and answers; only then is the local worker stopped and
+   the env's handle switched to a :class:`NetworkHandle` over the same TCP connection.
+
+Any failure before step 3's answer leaves the env exactly as it was (same worker, same step
+count and action record) and raises a typed :mod:`gym_fork.migration.errors` error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from typing import Any
+
+from gym_fork import store
+from gym_fork.backends.base import Backend, RemoteHandle
+from gym_fork.migration import wire
+from gym_fork.migration.errors import MigratedEnvError, MigrationError, RemoteRestoreError
+from gym_fork.protocol import Channel
+
+
+class NetworkHandle(RemoteHandle):
+    """A worker on another node, reached through its agent's relay (same protocol as locally)."""
+
+    def __init__(self, sock: socket.socket, remote_pid: int, node: str, target: str):
+        super().__init__(Channel(sock), remote_pid, 0)
+        self.node = node
+        self.target = target
+
+    def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
+        raise MigratedEnvError(f"{cmd!r} needs a local worker; this env's worker runs on node {self.node} ({self.target})")
+
+    def exit_status(self) -> str:
+        return f"the connection to agent {self.node} ({self.target}) closed"
+
+    def kill(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.chan.close()  # the agent stops the worker when the connection ends
+
+
+class MigratedBackend(Backend):
+    """Stands in for the backend of a migrated env: snapshots are refused with a clear error."""
+
+    name = "criu"
+
+    def __init__(self, node: str, target: str):
+        self.node, self.target = node, target
+
+    def _refuse(self, what: str):
+        raise MigratedEnvError(
+            f"{what} is not supported on an env whose worker was migrated to node {self.node} "
+            f"({self.target}); step/reset/render/attributes/close work")
+
+    def start(self, source):  # pragma: no cover - never called
+        self._refuse("start")
+
+    def snapshot(self, handle, snap_id):
+        self._refuse("snapshot()")
+
+    def restore(self, payload):
+        self._refuse("restore()")
+
+    def restore_many(self, payload, n):
+        self._refuse("restore()/fork()")
+
+    def release(self, payload) -> None:
+        pass
+
+
+def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
+    """The bundle :func:`gym_fork.bundle.save_snapshot` writes (same bundle.json, read back by
+    ``load_snapshot`` on the agent), minus what only a *kept* bundle needs: the images are
+    hard-linked, not re-hashed (their manifest was written when CRIU dumped them, a moment ago,
+    in our private dir) and nothing is fsynced (the bundle only lives until it is sent)."""
+    import platform
+    import sys
+
+    from gym_fork import bundle as B
+    from gym_fork import keys
+    from gym_fork.criu_support import criu_status
+
+    payload = snap._backend.persist(snap.payload())
+    image = getattr(payload, "image", None) or payload
+    man = store.read_manifest(image.path)
+    meta: dict[str, Any] = {
+        "format": B.FORMAT, "backend": snap.backend, "id": snap.id, "steps": snap.steps,
+        "parent_id": snap.parent_id, "created": snap.created, "saved": time.time(),
+        "env_id": snap.env_id, "actions": B._json_actions(snap.actions),
+        "python": sys.executable, "python_version": platform.python_version(),
+        "kernel": platform.release(), "machine": platform.machine(),
+        "criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
+        "images": man["files"], "files": B._mapped_files(image.path),
+    }
+    meta["hmac"] = keys.sign(B._canonical(meta), key)
+    os.makedirs(path, mode=0o700)
+    B._copy_tree(image.path, os.path.join(path, "images"))
+    import json
+
+    with open(os.path.join(path, "bundle.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
+                tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> dict:
+    """Move ``env``'s worker to the agent at ``target`` ("host:port"); returns a report dict
+    (node, pid, bytes, timings in seconds). Raises a MigrationError subclass on failure, with the
+    env unchanged."""
+    env._check_open()
+    if isinstance(env._handle, NetworkHandle):
+        raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
+    if env._backend.name != "criu":
+        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    tok = wire.load_token(token, token_file)
+    t_start = time.monotonic()
+    timings: dict[str, float] = {}
+    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
+    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"mig-{os.urandom(4).hex()}"))
+    sock = None
+    snap = None
+    try:
+        t0 = time.monotonic()
+        snap = env.snapshot()
+        timings["snapshot_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
+        timings["save_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        sock, hello = wire.connect(target, tok, tls=tls, timeout=timeout, netns=netns)
+        timings["connect_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        reply, nbytes = wire.send_bundle(sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, tmp, target)
+        timings["transfer_restore_s"] = time.monotonic() - t0
+        if not reply.get("ok"):
+            raise RemoteRestoreError(
+                f"agent {hello.get('node')!r} at {target} did not restore the env: "
+                f"{reply.get('error')}: {reply.get('message')}", reply.get("error", ""))
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        env._parent_id, env._actions = saved_state
+        raise
+    finally:
+        if snap is not None:
+            snap.release()
+        shutil.rmtree(tmp, ignore_errors=True)
+    # The target runs the env: switch over (the local worker is stopped only now).
+    sock.settimeout(None)
+    node = hello.get("node", target)
+    new = NetworkHandle(sock, reply["pid"], node, target)
+    old, env._handle = env._handle, new
+    env._box[0] = new
+    old.kill()
+    env._backend = MigratedBackend(node, target)
+    env._parent_id, env._actions = saved_state
+    timings["total_s"] = time.monotonic() - t_start
+    remote = reply.get("timings", {})
+    return {"node": node, "target": target, "pid": reply["pid"], "bytes": nbytes,
+            "timings": timings, "remote_timings": remote}

@@ -1,0 +1,392 @@
+"""Managed jobs (``gym-fork run -- python train.py``) and whole-job live migration.
+
+Processes::
+
+    gym-fork run (supervisor, node A)          gym-fork agent (node B)
+     └─ launcher: unshare(CLONE_NEWPID), fork   └─ J' restored job tree (rst_sibling: agent's child)
+         └─ J  python train.py: PID 1 of its namespace, setsid(), stdin /dev/null,
+               stdout/stderr O_APPEND log files; its ForkableEnv workers / threads are its tree
+
+The job talks to whoever supervises it through one unix socket (fd ``$GYM_FORK_CONTROL_FD``),
+strictly request/reply, like env workers.  ``LiveMigrationCallback`` sends ``("migrate", {...})``
+at a step boundary and blocks in ``recv``; the supervisor then
+
+1. dumps J's whole tree with CRIU (``leave_running``: J stays blocked in recv; the control socket
+   is external ``unix[INO]``),
+2. writes a manifest (sha256 of every image) and ``job.json`` (HMAC with the token-derived key),
+   ships it as a tar to the target agent, which verifies everything, restores the tree with a
+   fresh socket in place of the control socket (``inherit_fd``), answers the *restored* job
+   ``{"status": "arrived", ...}`` and only then confirms to us;
+3. on the confirmation kills J (its PID namespace) and exits 0.  On any failure J gets
+   ``{"status": "failed", "error": ...}`` and simply continues.
+
+The agent then supervises J' with the same loop (:class:`JobHost`), so it can move again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from gym_fork import keys, store
+from gym_fork.migration import wire
+from gym_fork.migration.errors import MigrationError, RemoteRestoreError
+from gym_fork.protocol import Channel, ChannelClosed, socket_inode
+
+log = logging.getLogger("gym_fork.job")
+CONTROL_ENV = "GYM_FORK_CONTROL_FD"
+
+_LAUNCHER = """
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:
+    sys.stderr.write("gym-fork run: unshare(CLONE_NEWPID) failed: %s\\n" % os.strerror(ctypes.get_errno()))
+    os._exit(125)
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    os.execvp(sys.argv[1], sys.argv[1:])
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+_, st = os.waitpid(pid, 0)
+os._exit(os.waitstatus_to_exitcode(st) & 0xFF)
+"""
+
+
+# --- job side ---------------------------------------------------------------------------------------
+def request_migration(target: str, **info: Any) -> dict:
+    """Ask this job's supervisor to move the whole job to ``target``; blocks until the job runs
+    on the target (returns ``{"status": "arrived", ...}`` *there*) or the move failed (returns
+    ``{"status": "failed", "error": ...}`` here)."""
+    fd = os.environ.get(CONTROL_ENV)
+    if not fd:
+        raise MigrationError("this process is not a managed job: start it with `gym-fork run -- python ...`")
+    sock = socket.socket(fileno=int(fd))
+    try:
+        chan = Channel(sock)
+        chan.send(("migrate", dict(info, target=target)))
+        return chan.recv()
+    finally:
+        sock.detach()  # the fd stays open: it is the job's control channel for good
+
+
+# --- supervisor side (both `gym-fork run` and the agent) -------------------------------------------
+def _job_files(images: str) -> list[list]:
+    """Regular files the job maps or holds open, except O_APPEND ones (its logs grow)."""
+    import pycriu
+
+    try:
+        with open(os.path.join(images, "files.img"), "rb") as f:
+            entries = pycriu.images.load(f)["entries"]
+    except Exception:  # noqa: BLE001
+        return []
+    import stat
+
+    out = []
+    for e in entries:
+        r = e.get("reg") or {}
+        if e.get("type") != "REG" or not r.get("name", "").startswith("/") or not stat.S_ISREG(r.get("mode", 0)):
+            continue
+        flags = r.get("flags", 0)
+        if isinstance(flags, str):
+            flags = int(flags, 0)
+        if flags & os.O_APPEND:
+            continue
+        out.append([r["name"], r.get("size", 0)])
+    return sorted(out)
+
+
+class JobHost:
+    """Supervises one job process (PID 1 of its namespace) over its control channel."""
+
+    def __init__(self, chan: Channel, pid: int, ino: int, *, token: bytes, node: str,
+                 popen: subprocess.Popen | None = None, tls: bool | str = False, netns: str | None = None):
+        self.chan, self.pid, self.ino = chan, pid, ino
+        self.token, self.node, self.popen, self.tls, self.netns = token, node, popen, tls, netns
+        self.returncode: int | None = None
+
+    def _exited(self) -> bool:
+        if self.returncode is not None:
+            return True
+        if self.popen is not None:
+            rc = self.popen.poll()
+            if rc is not None:
+                self.returncode = rc
+        else:
+            try:
+                wpid, st = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+                return True
+            if wpid:
+                self.returncode = os.waitstatus_to_exitcode(st)
+        return self.returncode is not None
+
+    def serve(self) -> str:
+        """Until the job exits ("exited") or moved away ("migrated")."""
+        chan_open = True
+        while True:
+            if self._exited():
+                self.chan.close()
+                return "exited"
+            if not chan_open:
+                time.sleep(0.1)
+                continue
+            r, _, _ = select.select([self.chan.sock], [], [], 0.1)
+            if not r:
+                continue
+            try:
+                msg = self.chan.recv()
+            except (ChannelClosed, OSError):
+                chan_open = False
+                continue
+            if msg[0] == "migrate":
+                ok = self.migrate_out(msg[1])
+                if ok:
+                    self.kill()
+                    return "migrated"
+            else:
+                self.chan.send({"status": "failed", "error": f"unknown request {msg[0]!r}"})
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # PID 1 of its namespace: the whole tree ends
+        except ProcessLookupError:
+            pass
+        if self.popen is not None:
+            self.popen.wait()
+        else:
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+        self.returncode = self.returncode if self.returncode is not None else -9
+        self.chan.close()
+
+    def migrate_out(self, req: dict) -> bool:
+        from gym_fork.criu_support import criu_status, log_tail, new_client
+
+        target = req.get("target", "")
+        t_freeze = time.time()
+        tl: dict[str, float] = {}
+        tmp = store.private_mkdir(os.path.join(store.session_dir(), f"job-{os.urandom(4).hex()}"))
+        images = store.private_mkdir(os.path.join(tmp, "bundle", "images"))
+        try:
+            st = criu_status()
+            dfd = os.open(images, os.O_DIRECTORY)
+            try:
+                c = new_client(st.binary)
+                c.opts.images_dir_fd = dfd
+                c.opts.log_file = "dump.log"
+                c.opts.log_level = 2
+                c.opts.pid = self.pid
+                c.opts.leave_running = True
+                c.opts.external.append(f"unix[{self.ino}]")
+                try:
+                    c.dump()
+                except Exception as e:  # noqa: BLE001
+                    raise MigrationError(f"CRIU dump of the job failed ({e}): {log_tail(os.path.join(images, 'dump.log'))}") from e
+            finally:
+                os.close(dfd)
+            tl["dump_s"] = time.time() - t_freeze
+            t0 = time.time()
+            size = store.write_manifest(images, {"kind": "job", "ino": self.ino})
+            import platform
+
+            meta = {"format": 1, "kind": "job", "ino": self.ino, "source": self.node, "t_freeze": t_freeze,
+                    "criu_version": st.version, "machine": platform.machine(),
+                    "files": _job_files(images), "images": store.read_manifest(images)["files"],
+                    "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
+            meta["hmac"] = keys.sign(_canonical(meta), wire.bundle_key(self.token))
+            with open(os.path.join(tmp, "bundle", "job.json"), "w") as f:
+                json.dump(meta, f)
+            tl["pack_s"] = time.time() - t0
+            t0 = time.time()
+            sock, hello = wire.connect(target, self.token, tls=self.tls, netns=self.netns)
+            try:
+                reply, nbytes = wire.send_bundle(sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl}, tmp, target)
+            finally:
+                sock.close()
+            tl["transfer_restore_s"] = time.time() - t0
+            if not reply.get("ok"):
+                raise RemoteRestoreError(f"agent {hello.get('node')!r} at {target} did not restore the job: "
+                                         f"{reply.get('error')}: {reply.get('message')}", reply.get("error", ""))
+            log.info("job %d moved to %s (%s): %d bytes, dump %.3fs, pack %.3fs, transfer+restore %.3fs",
+                     self.pid, hello.get("node"), target, nbytes, tl["dump_s"], tl["pack_s"], tl["transfer_restore_s"])
+            return True
+        except Exception as e:  # noqa: BLE001 - the job continues; tell it why
+            log.warning("migration of job %d to %s failed: %s: %s", self.pid, target, type(e).__name__, e)
+            try:
+                self.chan.send({"status": "failed", "error": f"{type(e).__name__}: {e}", "target": target})
+            except OSError:
+                pass
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _canonical(meta: dict) -> bytes:
+    return json.dumps({k: v for k, v in meta.items() if k != "hmac"}, sort_keys=True).encode()
+
+
+# --- agent side ---------------------------------------------------------------------------------------
+def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> None:
+    import threading
+
+    from gym_fork.bundle import check_compatible
+    from gym_fork.criu_support import criu_status, log_tail, new_client
+
+    d = None
+    try:
+        try:
+            d, timings = agent.receive_bundle(conn, req, who)
+        except EOFError as e:
+            log.warning("%s: %s; nothing restored", who, e)
+            agent_log = logging.getLogger("gym_fork.agent")
+            agent_log.warning("%s: %s; nothing restored", who, e)
+            return
+        t0 = time.time()
+        path = os.path.join(d, "bundle")
+        try:
+            with open(os.path.join(path, "job.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise MigrationError(f"the job checkpoint has no readable job.json: {e}") from e
+        if not keys.verify(_canonical(meta), meta.get("hmac", ""), agent.key):
+            raise MigrationError("the job checkpoint's HMAC does not verify with this agent's token; nothing restored")
+        check_compatible(meta, path)
+        images = os.path.join(path, "images")
+        if store.verify(images, full=True)["files"] != meta["images"]:
+            raise MigrationError("the job's image manifest does not match job.json")
+        timings["verify_s"] = time.time() - t0
+        t0 = time.time()
+        ours, theirs = socket.socketpair()
+        new_ino = socket_inode(theirs.fileno())
+        os.set_inheritable(theirs.fileno(), True)
+        dfd = os.open(images, os.O_DIRECTORY)
+        try:
+            c = new_client(criu_status().binary)
+            c.opts.images_dir_fd = dfd
+            c.opts.log_file = "restore.log"
+            c.opts.log_level = 2
+            c.opts.rst_sibling = True
+            x = c.opts.inherit_fd.add()
+            x.key = f"socket:[{meta['ino']}]"
+            x.fd = theirs.fileno()
+            try:
+                pid = c.restore().pid
+            except Exception as e:  # noqa: BLE001
+                ours.close()
+                raise MigrationError(f"CRIU restore of the job failed ({e}): {log_tail(os.path.join(images, 'restore.log'))}") from e
+        finally:
+            theirs.close()
+            os.close(dfd)
+        timings["restore_s"] = time.time() - t0
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("gym_fork.agent").warning("%s: job checkpoint refused/failed: %s: %s", who, type(e).__name__, e)
+        try:
+            wire.send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
+        except OSError:
+            pass
+        return
+    finally:
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
+    chan = Channel(ours)
+    host = JobHost(chan, pid, new_ino, token=agent.token, node=agent.node)
+    arrived = {"status": "arrived", "node": agent.node, "source": meta.get("source"), "t_freeze": meta["t_freeze"],
+               "t_resume": time.time(), "bytes": timings["bytes"], "timeline": dict(req.get("timeline", {}), **timings)}
+    try:
+        chan.send(arrived)  # the restored job continues now
+    except OSError as e:
+        host.kill()
+        wire.send_msg(conn, {"ok": False, "error": "RestoreError", "message": f"the restored job did not take its reply: {e}"})
+        return
+    with agent._lock:
+        agent.hosted[pid] = host
+    try:
+        wire.send_msg(conn, {"ok": True, "node": agent.node, "pid": pid, "timings": timings})
+    except OSError:
+        pass  # the source is gone; the job runs here anyway (it was told it arrived)
+    logging.getLogger("gym_fork.agent").info("%s: job restored as pid %d from %s", who, pid, meta.get("source"))
+
+    def supervise() -> None:
+        how = host.serve()
+        with agent._lock:
+            agent.hosted.pop(pid, None)
+        logging.getLogger("gym_fork.agent").info("job %d %s (code %s)", pid, how, host.returncode)
+
+    threading.Thread(target=supervise, daemon=True, name=f"job-{pid}").start()
+
+
+# --- `gym-fork run` ---------------------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node", default=socket.gethostname(), help="this node's name (logged; default hostname)")
+    p.add_argument("--log-dir", default=".", help="where the job's stdout.log/stderr.log go (O_APPEND)")
+    p.add_argument("--token-file", help="shared token for the agents (else $GYM_FORK_TOKEN)")
+    p.add_argument("--tls-ca", help="CA/cert file of TLS agents")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gym-fork run %(levelname)s %(message)s", stream=sys.stderr)
+    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+    if not cmd:
+        print("gym-fork run: give the command after --", file=sys.stderr)
+        return 2
+    try:
+        token = wire.load_token(None, args.token_file)
+    except (OSError, ValueError) as e:
+        print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
+        return 2
+    os.makedirs(args.log_dir, exist_ok=True)
+    out = open(os.path.join(os.path.abspath(args.log_dir), "stdout.log"), "ab")  # O_APPEND: pitfall 14
+    err = open(os.path.join(os.path.abspath(args.log_dir), "stderr.log"), "ab")
+    ours, theirs = socket.socketpair()
+    ino = socket_inode(theirs.fileno())
+    env = dict(os.environ, **{CONTROL_ENV: str(theirs.fileno()), "GYM_FORK_NODE": args.node})
+    popen = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, *cmd], pass_fds=[theirs.fileno()],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True, env=env)
+    theirs.close()
+    out.close()
+    err.close()
+    pid = None
+    deadline = time.monotonic() + 10
+    while pid is None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{popen.pid}/task/{popen.pid}/children") as f:
+                kids = f.read().split()
+            pid = int(kids[0]) if kids else None
+        except OSError:
+            break
+        if pid is None:
+            time.sleep(0.005)
+    if pid is None:
+        rc = popen.wait()
+        print(f"gym-fork run: the job did not start (launcher exit {rc})", file=sys.stderr)
+        return 1
+    print(f"gym-fork run: job pid {pid} on node {args.node}", flush=True)
+
+    def forward(sig, _f):  # SIGUSR1 to the supervisor = SIGUSR1 to the job (a migration trigger)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGUSR1, forward)
+    host = JobHost(Channel(ours), pid, ino, token=token, node=args.node, popen=popen, tls=args.tls_ca or False)
+    how = host.serve()
+    if how == "migrated":
+        print("gym-fork run: the job now runs on the target agent; this supervisor exits", flush=True)
+        return 0
+    return host.returncode if host.returncode is not None else 1

@@ -1,0 +1,341 @@
+"""The agent's wire protocol: authenticated control messages, bundle streaming, netns helpers.
+
+One TCP connection (optionally TLS) per migration::
+
+    agent  -> client   {"hello": "gym_fork-agent", "v": 1, "node": NAME, "nonce": A}
+    client -> agent    {"nonce": C, "mac": HMAC(token, "client|A|C")}
+    agent  -> client   {"ok": true, "mac": HMAC(token, "agent|C|A")}     (mutual: the client checks it)
+    client -> agent    {"op": "env" | "job" | "ping", "size": N, ...}
+    agent  -> client   {"ok": true, "ready": true}  or an error (e.g. not enough disk space)
+    client -> agent    N bytes: an uncompressed tar of the bundle
+    agent  -> client   {"ok": true, ...} or {"ok": false, "error": TYPE, "message": ...}
+    ("env" only)       from here on the connection carries the env worker's own channel bytes
+
+Control messages are 4-byte big-endian length + UTF-8 JSON (at most 1 MiB).  The bundle inside
+the tar is signed with a key derived from the token (:func:`bundle_key`), so the agent checks
+the HMAC and every image's sha256 (``gym_fork.load_snapshot``) before anything is restored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import io
+import json
+import os
+import re
+import socket
+import ssl
+import struct
+import tarfile
+import threading
+import time
+from typing import Any
+
+from gym_fork.migration.errors import AgentUnreachableError, AuthenticationError, TransferError
+
+PROTOCOL = 1
+MAX_CONTROL = 1 << 20
+_LEN = struct.Struct("!I")
+CLONE_NEWNET = 0x40000000
+
+
+# --- token and keys ---------------------------------------------------------------------------
+def load_token(token: str | bytes | None = None, token_file: str | None = None) -> bytes:
+    """The shared token: explicit, else ``token_file``, else ``$GYM_FORK_TOKEN``, else
+    ``$GYM_FORK_TOKEN_FILE``. Raises ValueError when there is none (agents never run without)."""
+    if token:
+        return token if isinstance(token, bytes) else token.encode()
+    path = token_file or os.environ.get("GYM_FORK_TOKEN_FILE")
+    if token_file is None and os.environ.get("GYM_FORK_TOKEN"):
+        return os.environ["GYM_FORK_TOKEN"].encode()
+    if path:
+        with open(path, "rb") as f:
+            data = f.read().strip()
+        if not data:
+            raise ValueError(f"token file {path} is empty")
+        return data
+    raise ValueError("no token: pass --token-file FILE or set $GYM_FORK_TOKEN")
+
+
+def bundle_key(token: bytes) -> bytes:
+    """The HMAC key for bundles shipped between agents (derived, so the token itself never
+    signs data an attacker chose)."""
+    return hmac.new(token, b"gym_fork bundle key v1", hashlib.sha256).digest()
+
+
+def _mac(token: bytes, *parts: str) -> str:
+    return hmac.new(token, "|".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+# --- framing ------------------------------------------------------------------------------------
+def send_msg(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        k = sock.recv_into(view)
+        if k == 0:
+            raise EOFError(f"connection closed after {n - len(view)} of {n} bytes")
+        view = view[k:]
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > MAX_CONTROL:
+        raise ValueError(f"control message of {n} bytes refused (limit {MAX_CONTROL})")
+    obj = json.loads(recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise ValueError("control message is not a JSON object")
+    return obj
+
+
+# --- handshake ----------------------------------------------------------------------------------
+def server_handshake(sock: socket.socket, token: bytes, node: str) -> None:
+    """Raises AuthenticationError (after telling the peer) unless the peer knows the token."""
+    nonce_a = os.urandom(32).hex()
+    send_msg(sock, {"hello": "gym_fork-agent", "v": PROTOCOL, "node": node, "nonce": nonce_a})
+    msg = recv_msg(sock)
+    nonce_c, mac = str(msg.get("nonce", "")), str(msg.get("mac", ""))
+    if len(nonce_c) < 32 or not hmac.compare_digest(_mac(token, "client", nonce_a, nonce_c), mac):
+        try:
+            send_msg(sock, {"ok": False, "error": "AuthenticationError",
+                            "message": "the agent refused the token (challenge-response failed)"})
+        except OSError:
+            pass
+        raise AuthenticationError("peer failed the challenge-response (wrong token or not a gym_fork client)")
+    send_msg(sock, {"ok": True, "mac": _mac(token, "agent", nonce_c, nonce_a)})
+
+
+def client_handshake(sock: socket.socket, token: bytes) -> dict:
+    """Authenticates both ways; returns the agent's hello (has ``node``)."""
+    hello = recv_msg(sock)
+    if hello.get("hello") != "gym_fork-agent" or hello.get("v") != PROTOCOL:
+        raise AuthenticationError(f"the peer is not a gym_fork agent of protocol {PROTOCOL}: {hello!r:.200}")
+    nonce_c = os.urandom(32).hex()
+    send_msg(sock, {"nonce": nonce_c, "mac": _mac(token, "client", hello["nonce"], nonce_c)})
+    reply = recv_msg(sock)
+    if not reply.get("ok"):
+        raise AuthenticationError(f"agent {hello.get('node')!r} refused us: {reply.get('message')}")
+    if not hmac.compare_digest(_mac(token, "agent", nonce_c, hello["nonce"]), str(reply.get("mac", ""))):
+        raise AuthenticationError(f"agent {hello.get('node')!r} could not prove it knows the token")
+    return hello
+
+
+# --- network namespaces -------------------------------------------------------------------------
+def _setns(path: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"setns({path}): {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def netns_path(netns: str) -> str:
+    return netns if netns.startswith("/") else f"/run/netns/{netns}"
+
+
+def in_netns(netns: str | None, fn, *args: Any) -> Any:
+    """Run ``fn(*args)`` in a short-lived thread that joined network namespace ``netns``, so the
+    sockets it creates belong there (setns only affects the calling thread)."""
+    if not netns:
+        return fn(*args)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            _setns(netns_path(netns))
+            box["v"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+
+    t = threading.Thread(target=run, name="gym_fork-netns")
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
+
+
+# --- client connection --------------------------------------------------------------------------
+def parse_target(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"target must be 'host:port', not {target!r}")
+    return host.strip("[]"), int(port)
+
+
+def connect(target: str, token: bytes, *, tls: bool | str = False, timeout: float = 10.0,
+            netns: str | None = None) -> tuple[socket.socket, dict]:
+    """Connect and authenticate. ``tls``: False, True (system CAs) or a CA file path."""
+    host, port = parse_target(target)
+
+    def mk() -> socket.socket:
+        return socket.create_connection((host, port), timeout=timeout)
+
+    try:
+        sock = in_netns(netns, mk)
+    except OSError as e:
+        raise AgentUnreachableError(f"no gym_fork agent reachable at {target}: {e}") from e
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls:
+            ctx = ssl.create_default_context(cafile=tls if isinstance(tls, str) else None)
+            if isinstance(tls, str):
+                ctx.check_hostname = False  # pinned CA file: the peer is the cert's holder
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        hello = client_handshake(sock, token)
+    except AuthenticationError:
+        sock.close()
+        raise
+    except (OSError, EOFError, ValueError, ssl.SSLError) as e:
+        sock.close()
+        raise AgentUnreachableError(f"agent at {target} did not complete the handshake: {e}") from e
+    return sock, hello
+
+
+def _tar_members(path: str) -> list[tuple[str, str, int]]:
+    out = []
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if len(rel) >= 100:
+                raise ValueError(f"bundle member name too long for a plain tar header: {rel}")
+            out.append((full, rel, os.path.getsize(full)))
+    return out
+
+
+def tar_size(members: list[tuple[str, str, int]]) -> int:
+    """Exact size of the GNU-format tar :func:`send_bundle` writes (names < 100 chars, no dirs)."""
+    n = sum(512 + (size + 511) // 512 * 512 for _f, _r, size in members) + 1024
+    return (n + tarfile.RECORDSIZE - 1) // tarfile.RECORDSIZE * tarfile.RECORDSIZE
+
+
+def send_bundle(sock: socket.socket, header: dict, path: str, target: str) -> tuple[dict, int]:
+    """Send ``header`` (+ size), wait for the agent's go, stream a tar of the files under ``path``
+    straight into the socket (headers from ``tarfile``, contents by ``sendfile``: no copy in
+    memory), wait for the verdict. Returns (reply, bytes); raises TransferError when the
+    connection breaks."""
+    members = _tar_members(path)
+    size = tar_size(members)
+    sent = 0
+    try:
+        send_msg(sock, dict(header, size=size))
+        go = recv_msg(sock)  # the agent checks space etc. before we stream
+        if not go.get("ok"):
+            return go, size
+        for full, rel, fsize in members:
+            ti = tarfile.TarInfo(rel)
+            ti.size, ti.mode, ti.mtime = fsize, 0o600, int(time.time())
+            hdr = ti.tobuf(tarfile.GNU_FORMAT)
+            sock.sendall(hdr)
+            sent += len(hdr)
+            with open(full, "rb") as f:
+                if isinstance(sock, ssl.SSLSocket):  # no sendfile through TLS
+                    while chunk := f.read(1 << 20):
+                        sock.sendall(chunk)
+                        sent += len(chunk)
+                else:
+                    sent += sock.sendfile(f)
+            pad = -fsize % 512
+            sock.sendall(b"\0" * pad)
+            sent += pad
+        sock.sendall(b"\0" * (size - sent))  # end-of-archive blocks and record padding
+        sent = size
+        return recv_msg(sock), size
+    except (OSError, EOFError, ValueError) as e:
+        raise TransferError(
+            f"the connection to the agent at {target} broke after {sent} of {size} bytes "
+            f"({type(e).__name__}: {e}); nothing was restored there"
+            if sent < size else
+            f"the connection to the agent at {target} broke while waiting for its confirmation "
+            f"({type(e).__name__}: {e})") from e
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+){0,3}$")
+
+
+def receive_tar(sock: socket.socket, size: int, dest: str) -> None:
+    """Unpack exactly ``size`` bytes of tar from ``sock`` into ``dest``: regular files only,
+    plain relative names (no '..', no absolute paths, no links, no devices), mode 0600.
+    Raises EOFError when the stream ends early, tarfile.TarError on a malformed archive."""
+    left = size
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+
+    def read_exact(n: int) -> bytes:
+        nonlocal left
+        if n > left:
+            raise tarfile.ReadError(f"tar member runs past the announced {size} bytes")
+        try:
+            out = recv_exact(sock, n)
+        except EOFError:
+            raise EOFError(f"transfer cut after {size - left} of {size} bytes") from None
+        left -= n
+        return out
+
+    while left >= 512:
+        hdr = read_exact(512)
+        if hdr == b"\0" * 512:
+            break
+        ti = tarfile.TarInfo.frombuf(hdr, "utf-8", "strict")
+        name = ti.name
+        if not ti.isreg() or not _SAFE_NAME.match(name) or any(p in (".", "..") for p in name.split("/")):
+            raise tarfile.ReadError(f"refusing tar member {name!r} (type {ti.type!r})")
+        full = os.path.join(dest, name)
+        os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+        n = ti.size
+        padded = n + (-n % 512)
+        if padded > left:
+            raise tarfile.ReadError(f"tar member {name!r} runs past the announced {size} bytes")
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            todo = padded
+            while todo:
+                k = sock.recv_into(view[: min(len(buf), todo)])
+                if k == 0:
+                    raise EOFError(f"transfer cut after {size - left} of {size} bytes")
+                left -= k
+                real = min(k, max(0, n - (padded - todo)))
+                chunk = view[:real]
+                while chunk:
+                    chunk = chunk[os.write(fd, chunk):]
+                todo -= k
+        finally:
+            os.close(fd)
+    while left:  # end-of-archive blocks and record padding
+        k = sock.recv_into(view[: min(len(buf), left)])
+        if k == 0:
+            raise EOFError(f"transfer cut after {size - left} of {size} bytes")
+        left -= k
+
+
+class LimitedReader(io.RawIOBase):
+    """Reads exactly ``n`` bytes from a socket, then EOF; raises EOFError when the peer goes early."""
+
+    def __init__(self, sock: socket.socket, n: int):
+        self.sock, self.left, self.total = sock, n, n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self.left <= 0:
+            return 0
+        view = memoryview(b)[: min(len(b), self.left)]
+        k = self.sock.recv_into(view)
+        if k == 0:
+            raise EOFError(f"transfer cut after {self.total - self.left} of {self.total} bytes")
+        self.left -= k
+        return k

@@ -1,0 +1,300 @@
+"""Live migration of one env worker to a `gym-fork agent` (real CRIU, real agents as separate
+processes, in network namespaces gfm* joined by a veth pair, or on loopback for fault proxies)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+import gym_fork
+from gym_fork.migration import AgentUnreachableError, AuthenticationError, RemoteRestoreError, TransferError
+from gym_fork.migration.errors import MigratedEnvError
+from gym_fork.migration.nodes import Nodes
+from tests.conftest import assert_same_traj, run_actions
+
+pytestmark = pytest.mark.criu
+ENV = "LunarLander-v3"
+
+
+def _actions(n: int, seed: int = 0) -> list[int]:
+    return [int(a) for a in np.random.default_rng(seed).integers(0, 4, size=n)]
+
+
+def _pair(prefix_actions: list[int]):
+    """An env and a local reference, both stepped through the same prefix (mid-episode)."""
+    envs = [gym_fork.make(ENV), gym_fork.make(ENV)]
+    for e in envs:
+        e.reset(seed=3)
+        for a in prefix_actions:
+            e.step(a)
+    return envs
+
+
+@pytest.fixture(scope="module")
+def netnodes():
+    with Nodes(["A", "B"]) as n:
+        yield n
+    assert not any(ns.startswith(n.prefix) for ns in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+@pytest.fixture(scope="module")
+def lo():
+    with Nodes(["B"], use_netns=False) as n:
+        yield n
+
+
+def _clean(agent) -> None:
+    """Nothing left behind on the agent: no child process, no received files."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while agent.children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert agent.children() == []
+    assert [d for d in os.listdir(agent.state_dir) if d.startswith("in-")] == []
+
+
+def test_migrate_mid_episode_bit_identical_across_netns(netnodes):
+    env, ref = _pair(_actions(60))
+    try:
+        rep = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"])
+        assert rep["node"] == "B" and rep["bytes"] > 1_000_000 and env.steps == 60
+        if netnodes.use_netns:  # the restored worker lives in node B's network namespace
+            assert os.stat(f"/proc/{rep['pid']}/ns/net").st_ino == os.stat(f"/run/netns/{netnodes.netns['B']}").st_ino
+        acts = _actions(150, seed=1)  # crosses episode ends: resets go over the network too
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        assert env.unwrapped.continuous is False  # attribute access is relayed as well
+        with pytest.raises(MigratedEnvError):
+            env.snapshot()
+    finally:
+        env.close()
+        ref.close()
+    _clean(netnodes.agents["B"])
+
+
+def test_agent_down_env_keeps_running():
+    env, ref = _pair(_actions(30))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    try:
+        with pytest.raises(AgentUnreachableError, match=f"127.0.0.1:{port}"):
+            env.migrate(f"127.0.0.1:{port}", token="x")
+        acts = _actions(40, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        env.snapshot()  # still a local, snapshottable env
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_wrong_token_refused_and_logged(lo):
+    env, ref = _pair(_actions(30))
+    try:
+        with pytest.raises(AuthenticationError, match="refused"):
+            env.migrate(lo.target["B"], token="not-the-token")
+        acts = _actions(40, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    assert "REFUSED" in lo.agents["B"].log()
+    _clean(lo.agents["B"])
+
+
+class _Proxy:
+    """One-connection TCP proxy that cuts the client->agent stream after ``limit`` bytes
+    (``mode="cut"``) or flips one byte there (``mode="flip"``)."""
+
+    def __init__(self, upstream: str, limit: int, mode: str):
+        host, port = upstream.rsplit(":", 1)
+        self.up = (host, int(port))
+        self.limit, self.mode = limit, mode
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self.srv.getsockname()[1]}"
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        c, _ = self.srv.accept()
+        u = socket.create_connection(self.up)
+
+        def back() -> None:
+            try:
+                while data := u.recv(65536):
+                    c.sendall(data)
+            except OSError:
+                pass
+            c.close()
+
+        threading.Thread(target=back, daemon=True).start()
+        seen = 0
+        try:
+            while data := c.recv(65536):
+                if seen <= self.limit < seen + len(data):
+                    if self.mode == "cut":
+                        u.sendall(data[: self.limit - seen])
+                        break
+                    i = self.limit - seen
+                    data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+                seen += len(data)
+                u.sendall(data)
+        except OSError:
+            pass
+        for s in (u, c):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self.srv.close()
+
+
+def test_transfer_cut_midway(lo):
+    env, ref = _pair(_actions(30))
+    proxy = _Proxy(lo.target["B"], 3_000_000, "cut")
+    try:
+        with pytest.raises(TransferError, match="broke"):
+            env.migrate(proxy.target, token=lo.token)
+        acts = _actions(40, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(lo.agents["B"])
+    assert "transfer cut" in lo.agents["B"].log()
+
+
+def test_image_corrupted_in_transfer_is_not_restored(lo):
+    env, ref = _pair(_actions(30))
+    proxy = _Proxy(lo.target["B"], 12_000_000, "flip")  # inside the pages image
+    try:
+        with pytest.raises(RemoteRestoreError, match="sha256|corrupt") as ei:
+            env.migrate(proxy.target, token=lo.token)
+        assert ei.value.remote_type in ("SnapshotCorruptedError", "ReadError", "HeaderError")
+        acts = _actions(40, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(lo.agents["B"])
+
+
+def test_no_disk_space_on_target(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "gfm-tmpfs", str(mnt)], check=True)
+    try:
+        with Nodes(["B"], use_netns=False) as n:
+            ag = n.agents["B"]
+            ag.stop()
+            from gym_fork.migration.nodes import AgentProcess
+
+            ag = AgentProcess("B", str(mnt / "state"), n.token_file, log_path=str(tmp_path / "b.log"))
+            env, ref = _pair(_actions(30))
+            try:
+                with pytest.raises(RemoteRestoreError, match="bytes free") as ei:
+                    env.migrate(ag.target, token=n.token)
+                assert ei.value.remote_type == "NoSpaceError"
+                acts = _actions(40, seed=2)
+                assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+            finally:
+                env.close()
+                ref.close()
+                _clean(ag)
+                ag.stop()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_tls_agent():
+    with Nodes(["B"], use_netns=False, tls=True) as n:
+        env, ref = _pair(_actions(20))
+        try:
+            with pytest.raises(AgentUnreachableError):  # a plain-TCP client cannot talk to a TLS agent
+                env.migrate(n.target["B"], token=n.token, timeout=3)
+            env.migrate(n.target["B"], token=n.token, tls=n.cert)
+            acts = _actions(30, seed=4)
+            assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        finally:
+            env.close()
+            ref.close()
+        _clean(n.agents["B"])
+
+
+# --- whole-job live migration (gym-fork run + LiveMigrationCallback) ---------------------------------
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "migration_train.py")
+TOTAL = 1536
+
+
+def _lines(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(x) for x in f if x.startswith("{")]
+    except OSError:
+        return []
+
+
+def _run_job(nodes, target: str, logd: str, at: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd,
+           "--token-file", nodes.token_file, "--", sys.executable, TRAIN, "--target", target,
+           "--at", str(at), "--total", str(TOTAL)]
+    if nodes.netns.get("A"):
+        cmd = ["nsenter", f"--net=/run/netns/{nodes.netns['A']}", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(x.get("done") for x in _lines(f"{logd}/stdout.log")):
+        time.sleep(0.2)
+    return r, _lines(f"{logd}/stdout.log")
+
+
+@pytest.fixture(scope="module")
+def reference_job(tmp_path_factory):
+    """The same PPO job without migration: its final policy hash and timesteps."""
+    out = subprocess.run([sys.executable, TRAIN, "--total", str(TOTAL)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+
+
+def test_job_live_migration_zero_lost_timesteps(netnodes, reference_job, tmp_path):
+    r, lines = _run_job(netnodes, netnodes.target["B"], str(tmp_path / "logs"), at=700)
+    assert r.returncode == 0, r.stderr
+    assert "now runs on the target agent" in r.stdout
+    src_pid = int(re.search(r"job pid (\d+)", r.stdout).group(1))
+    assert not os.path.exists(f"/proc/{src_pid}")  # the source stopped (after the target confirmed)
+    done = [x for x in lines if x.get("done")]
+    assert done, lines[-3:]
+    mig = done[0]["migrations"]
+    assert [m["status"] for m in mig] == ["arrived"] and mig[0]["node"] == "B" and mig[0]["source"] == "A"
+    assert mig[0]["timestep"] == 700 and mig[0]["bytes"] > 0 and mig[0]["downtime_s"] > 0
+    # Zero lost timesteps, RNG and optimizer state continue exactly: same result as never moving.
+    ref = [x for x in reference_job if x.get("done")][0]
+    assert done[0]["timesteps"] == ref["timesteps"] == TOTAL
+    assert done[0]["policy_sha"] == ref["policy_sha"]
+    eps = [x for x in lines if "ret" in x]
+    assert [(x["t"], x["ret"]) for x in eps] == [(x["t"], x["ret"]) for x in reference_job if "ret" in x]
+    assert {x["node"] for x in eps if x["t"] > 700} == {"B"}
+    _clean(netnodes.agents["B"])
+
+
+def test_job_migration_failure_keeps_training(netnodes, reference_job, tmp_path):
+    host = netnodes.target["B"].rsplit(":", 1)[0]
+    r, lines = _run_job(netnodes, f"{host}:1", str(tmp_path / "logs"), at=500)  # no agent on port 1
+    assert r.returncode == 0, r.stderr
+    assert "failed" in r.stderr and "AgentUnreachableError" in r.stderr
+    done = [x for x in lines if x.get("done")][0]
+    assert done["migrations"][0]["status"] == "failed" and "AgentUnreachableError" in done["migrations"][0]["error"]
+    ref = [x for x in reference_job if x.get("done")][0]
+    assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
