@@ -10,6 +10,7 @@ from gym_fork.branching import Branch, ExploreResult, explore
 from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError
 from gym_fork.snapshot import Snapshot
+from gym_fork.snapshot_store import SnapshotStore
 
 
 
@@ -22,5 +23,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
 
 
-__all__ = ["ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
+__all__ = ["SnapshotStore", "ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
 __version__ = "0.1.0"

@@ -49,6 +49,20 @@ class Snapshot:
         self._backend = backend
         self._finalizer = weakref.finalize(self, backend.release, payload)
 
+    pinned: bool = False  # protected from a SnapshotStore's disk budget (see pin())
+    _store: Any = None  # the SnapshotStore tracking this snapshot, if any
+
+    def pin(self, pinned: bool = True) -> "Snapshot":
+        """Protect this snapshot from eviction by its :class:`~gym_fork.snapshot_store.SnapshotStore`'s
+        disk budget (``pin(False)`` / :meth:`unpin` undoes it). Returns the snapshot."""
+        self.pinned = bool(pinned)
+        if self._store is not None:
+            self._store.set_pinned(self.id, self.pinned)
+        return self
+
+    def unpin(self) -> "Snapshot":
+        return self.pin(False)
+
     @property
     def released(self) -> bool:
         return not self._finalizer.alive

