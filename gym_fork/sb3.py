@@ -148,6 +148,10 @@ class BranchExplorationCallback(BaseCallback):
             ``SeedSequence(seed)``; every ``Branch.seed`` is recorded), for reproducibility.
             The policy's own sampling follows torch's global RNG, as in SB3.
         verbose: 1 prints one line per fork point.
+        pool: a :class:`gym_fork.ray.RayBranchPool`: the branches run on its cluster (the fork
+            point's snapshot travels as a bundle, the model's weights once per fork point);
+            modes ``"buffer"`` and ``"evaluate"`` (``"return_to_best"`` needs the branches'
+            end states here, which a pool does not bring back).
 
     Attributes:
         last_result: the latest fork point's :class:`~gym_fork.ExploreResult`. Its root
@@ -164,8 +168,9 @@ class BranchExplorationCallback(BaseCallback):
 
     def __init__(self, every: int | None = 10_000, n_branches: int = 8, horizon: int = 64,
                  mode: Mode = "buffer", *, when: WhenPredicate | None = None, env_index: int | None = None,
-                 seed: int | None = None, verbose: int = 0):
+                 seed: int | None = None, verbose: int = 0, pool: Any = None):
         super().__init__(verbose)
+        self.pool = pool  # a gym_fork.ray.RayBranchPool: branches run on the cluster
         self.every = every
         self.n_branches = n_branches
         self.horizon = horizon
@@ -197,6 +202,9 @@ class BranchExplorationCallback(BaseCallback):
                 raise TypeError(f"every must be an int or None, not {type(self.every).__name__}")
             if self.every < 1:
                 raise ValueError(f"every must be >= 1 (or None), got {self.every}")
+        if self.pool is not None and self.mode == "return_to_best":
+            raise ValueError("mode='return_to_best' cannot use a pool (branch end states stay on the "
+                             "nodes); use 'buffer' or 'evaluate', or no pool")
         if self.when is not None and not callable(self.when):
             raise TypeError("when must be a callable when(obs, info, locals) -> bool")
         if self.every is None and self.when is None:
@@ -295,9 +303,17 @@ class BranchExplorationCallback(BaseCallback):
         root = self.venv.snapshot(slot)
         seeds = [int(s) for s in self._seedseq.spawn(1)[0].generate_state(self.n_branches, np.uint64) % (2**63)]
         recorder = _RecordingPolicy(self.model)
-        result = explore(env, root, recorder, n_branches=self.n_branches, horizon=self.horizon,
-                         rng="reseed", seeds=seeds, return_snapshots=self.mode == "return_to_best",
-                         stop_at_done=True, deterministic=False, progress=False)
+        if self.pool is not None:
+            result = self.pool.explore(root, self.model, n_branches=self.n_branches, horizon=self.horizon,
+                                       rng="reseed", seeds=seeds, stop_at_done=True, deterministic=False,
+                                       record_obs=True)
+            live_at = range(max((b.length for b in result.branches), default=0))
+            recorder.calls = [np.stack([b.observations[t] for b in result.branches if b.length > t])
+                              for t in live_at]
+        else:
+            result = explore(env, root, recorder, n_branches=self.n_branches, horizon=self.horizon,
+                             rng="reseed", seeds=seeds, return_snapshots=self.mode == "return_to_best",
+                             stop_at_done=True, deterministic=False, progress=False)
         self.last_result, self.last_slot = result, slot
         self.total_steps_simulated += result.steps
         returns = result.returns()

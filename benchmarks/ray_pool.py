@@ -1,0 +1,147 @@
+"""RayBranchPool vs local explore(): branches/s, Ray's cost per branch, first restore per node.
+
+    .venv/bin/python benchmarks/ray_pool.py [--reps 3] [--horizon 100] [--address ADDR]
+
+Without ``--address`` a ``ray.cluster_utils.Cluster`` (head + 2 worker nodes) is started on this
+machine: all "nodes" share its CPUs, so the Ray columns show what Ray *costs*, not a speed-up.
+Env: LunarLander-v3 (a ~25 MB worker), snapshot after 50 steps, branches of ``--horizon`` steps
+(``stop_at_done=False``: every branch is full length), policy = a cheap function of the obs.
+
+* local, c concurrent: ``gym_fork.explore(n_branches=c)`` repeated to M = max(16, 4c) branches
+  (c branches in lockstep, forks of the copy-on-write tier);
+* Ray, c in flight: ``pool.explore(n_branches=M, branches_per_call=1, max_in_flight=c)``:
+  one actor call per branch, c calls at a time, spread over the nodes;
+* Ray, batched: ``pool.explore(n_branches=M)``: one call per node (lockstep there);
+* Ray cost per branch: round trip minus the time inside the actor, per call (c=1);
+* first restore: per node, the first use of a new snapshot (object-store pull, write-out,
+  ``load_snapshot`` verification, CRIU restore, fork-tier snapshot), plus the driver's
+  ``save`` + ``ray.put``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import busy_check, print_table, save_results  # noqa: E402
+
+
+def policy(obs):
+    return zlib.crc32(np.asarray(obs).tobytes()) % 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--horizon", type=int, default=100)
+    ap.add_argument("--address", default=None, help="an existing Ray cluster (default: start head + 2 nodes here)")
+    ap.add_argument("--conc", default="1,2,4,8")
+    args = ap.parse_args()
+    load_before = busy_check()
+
+    import ray
+
+    import gym_fork
+    from gym_fork.ray import RayBranchPool
+
+    cluster = None
+    t0 = time.perf_counter()
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        from ray.cluster_utils import Cluster
+
+        kw = dict(num_cpus=1, object_store_memory=128 << 20, include_dashboard=False)
+        cluster = Cluster(initialize_head=True, head_node_args=dict(kw))
+        cluster.add_node(**kw)
+        cluster.add_node(**kw)
+        cluster.wait_for_nodes()
+        cluster.connect()
+    t_cluster = time.perf_counter() - t0
+    pool = RayBranchPool()
+    t_pool = time.perf_counter() - t0 - t_cluster
+    out: dict = {"horizon": args.horizon, "reps": args.reps, "nodes": len(pool.nodes),
+                 "cluster_start_s": t_cluster, "pool_start_s": t_pool, "load_before": load_before}
+    env = gym_fork.make("LunarLander-v3")
+    try:
+        env.reset(seed=0)
+        for _ in range(50):
+            env.step(0)
+        H = args.horizon
+
+        # --- first restore per node (3 fresh snapshots) ---------------------------------------
+        firsts, puts = [], []
+        for _ in range(args.reps):
+            s = env.snapshot()
+            t = time.perf_counter()
+            pool.put(s)
+            puts.append(time.perf_counter() - t)
+            firsts.extend(pool.prepare(s).values())
+            pool.forget(s)
+            s.release()
+        keys = ["get_s", "write_s", "verify_s", "restore_s", "fork_snapshot_s", "total_s"]
+        out["first_restore"] = {k: statistics.median(f[k] for f in firsts) for k in keys}
+        out["first_restore_range"] = {k: (min(f[k] for f in firsts), max(f[k] for f in firsts)) for k in keys}
+        out["save_put_s"] = statistics.median(puts)
+        out["bundle_bytes"] = firsts[0]["bytes"]
+
+        snap = env.snapshot()
+        pool.prepare(snap)  # the throughput runs below measure warm nodes
+        gym_fork.explore(env, snap, policy, n_branches=2, horizon=H, rng="same", stop_at_done=False)  # warm-up
+        pool.explore(snap, policy, n_branches=6, horizon=H, rng="same", stop_at_done=False, branches_per_call=1)
+
+        rows, table = [], []
+        for c in [int(x) for x in args.conc.split(",")]:
+            M = max(16, 4 * c)
+            loc, rc, rb, over = [], [], [], []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                done = 0
+                while done < M:
+                    gym_fork.explore(env, snap, policy, n_branches=c, horizon=H, rng="reseed", stop_at_done=False)
+                    done += c
+                loc.append(done / (time.perf_counter() - t))
+                t = time.perf_counter()
+                r = pool.explore(snap, policy, n_branches=M, horizon=H, rng="reseed", stop_at_done=False,
+                                 branches_per_call=1, max_in_flight=c)
+                rc.append(M / (time.perf_counter() - t))
+                over.append(r.ray_overhead_s / M)
+                t = time.perf_counter()
+                pool.explore(snap, policy, n_branches=M, horizon=H, rng="reseed", stop_at_done=False)
+                rb.append(M / (time.perf_counter() - t))
+            row = {"c": c, "M": M, "local_bps": statistics.median(loc), "ray_inflight_bps": statistics.median(rc),
+                   "ray_batched_bps": statistics.median(rb), "ray_cost_ms_per_branch": 1e3 * statistics.median(over)}
+            rows.append(row)
+            table.append([c, M, f"{row['local_bps']:.1f}", f"{row['ray_inflight_bps']:.1f}",
+                          f"{row['ray_batched_bps']:.1f}", f"{row['ray_cost_ms_per_branch']:.2f}"])
+        out["throughput"] = rows
+        out["load_after"] = busy_check()
+        print_table(["c", "M", "local explore", "Ray, c calls in flight", "Ray, one call per node",
+                     "Ray cost / branch (ms)"], table,
+                    title=f"branches/s (LunarLander-v3, H={H}, {len(pool.nodes)} nodes on one machine)",
+                    note="Ray cost = call round trip minus the time spent inside the actor (c calls in flight).")
+        fr, rg = out["first_restore"], out["first_restore_range"]
+        print_table(["phase", "median ms", "range ms"],
+                    [[k[:-2], f"{fr[k] * 1e3:.1f}", f"{rg[k][0] * 1e3:.1f}-{rg[k][1] * 1e3:.1f}"] for k in keys]
+                    + [["driver save + ray.put (once per snapshot)", f"{out['save_put_s'] * 1e3:.1f}", ""]],
+                    title=f"first use of a snapshot on a node ({out['bundle_bytes'] / 1e6:.1f} MB bundle)")
+        print(f"\ncluster start {t_cluster:.1f} s, pool start (3 host actors) {t_pool:.2f} s")
+        print("results:", save_results("ray_pool", out))
+    finally:
+        env.close()
+        pool.close()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
