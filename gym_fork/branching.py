@@ -81,7 +81,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             horizon: int = 100, *, rng: Literal["same", "reseed"] = "reseed",
             seeds: Sequence[int] | None = None, return_snapshots: bool = False,
             stop_at_done: bool = True, deterministic: bool = False,
-            progress: bool | None = None) -> ExploreResult:
+            progress: bool | None = None, actions: Sequence[Sequence[Any]] | None = None) -> ExploreResult:
     """Run ``n_branches`` branches of up to ``horizon`` steps from ``snapshot``, in parallel.
 
     Args:
@@ -96,6 +96,10 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             ``env`` afterwards and are released with it.
         stop_at_done: a branch stops at its first episode end (else it auto-resets and goes on).
         progress: show a progress bar (default: when ``n_branches * horizon >= 20000``).
+        actions: open-loop branches instead of a policy (pass ``policy=None``): branch ``i``
+            runs ``actions[i][:horizon]``, entirely inside its worker (one round trip per
+            branch instead of one per step: the fast path for random or planned action
+            sequences).
 
     Example:
         >>> import gym_fork
@@ -108,7 +112,11 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
     """
     if n_branches < 1 or horizon < 1:
         raise ValueError(f"n_branches and horizon must be >= 1 (got {n_branches}, {horizon})")
-    act = as_policy(policy, deterministic)
+    if (policy is None) == (actions is None):
+        raise ValueError("pass either a policy or open-loop `actions`, not both or neither")
+    if actions is not None and len(actions) != n_branches:
+        raise ValueError(f"actions needs one sequence per branch ({n_branches}), got {len(actions)}")
+    act = as_policy(policy, deterministic) if policy is not None else None
     t0 = time.perf_counter()
     own_root = snapshot is None
     root = env.snapshot() if own_root else snapshot
@@ -117,35 +125,10 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
     kids = env.fork(root, n_branches, rng=rng, seeds=seeds)
     branches = [Branch(i, None if seeds is None else int(seeds[i])) for i in range(n_branches)]
     try:
-        obs0, _info0, _ = kids[0]._request("last")
-        obs = [obs0] * n_branches
-        live = list(range(n_branches))
-        bar = _progress(horizon, progress if progress is not None else n_branches * horizon >= 20000)
-        for _t in range(horizon):
-            if not live:
-                break
-            actions = act([obs[i] for i in live])
-            for i, a in zip(live, actions):
-                kids[i].step_send(a)
-            still = []
-            for i, a in zip(live, actions):
-                o, r, term, trunc, info = kids[i].step_receive()
-                b = branches[i]
-                b.actions.append(a)
-                b.rewards.append(float(r))
-                b.final_obs, b.final_info = o, info
-                if term or trunc:
-                    b.terminated, b.truncated = bool(term), bool(trunc)
-                    if stop_at_done:
-                        continue
-                    o, _ = kids[i].reset()
-                obs[i] = o
-                still.append(i)
-            live = still
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+        if actions is not None:
+            _run_open_loop(kids, branches, actions, horizon, stop_at_done)
+        else:
+            _run_closed_loop(kids, branches, act, horizon, stop_at_done, progress)
         if return_snapshots:
             for k, b in zip(kids, branches):
                 b.snapshot = k.snapshot()
@@ -159,6 +142,52 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         if own_root:
             root.release()
     return ExploreResult(root, branches, time.perf_counter() - t0)
+
+
+def _run_open_loop(kids: list, branches: list[Branch], actions: Sequence[Sequence[Any]], horizon: int,
+                   stop_at_done: bool) -> None:
+    for k, seq in zip(kids, actions):  # every worker starts at once ...
+        k.rollout_send(list(seq)[:horizon], stop_at_done=stop_at_done)
+    for k, b, seq in zip(kids, branches, actions):  # ... and we collect in order
+        out = k.rollout_receive()
+        n = len(out["rewards"])
+        b.actions, b.rewards = list(seq)[:n], out["rewards"]
+        b.terminated, b.truncated = out["terminated"], out["truncated"]
+        b.final_obs, b.final_info = out["final_obs"], out["final_info"]
+
+
+def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon: int, stop_at_done: bool,
+                     progress: bool | None) -> None:
+    n_branches = len(kids)
+    obs0, _info0, _ = kids[0]._request("last")
+    obs = [obs0] * n_branches
+    live = list(range(n_branches))
+    bar = _progress(horizon, progress if progress is not None else n_branches * horizon >= 20000)
+    for _t in range(horizon):
+        if not live:
+            break
+        actions = act([obs[i] for i in live])
+        for i, a in zip(live, actions):
+            kids[i].step_send(a)
+        still = []
+        for i, a in zip(live, actions):
+            o, r, term, trunc, info = kids[i].step_receive()
+            b = branches[i]
+            b.actions.append(a)
+            b.rewards.append(float(r))
+            b.final_obs, b.final_info = o, info
+            if term or trunc:
+                b.terminated, b.truncated = bool(term), bool(trunc)
+                if stop_at_done:
+                    continue
+                o, _ = kids[i].reset()
+            obs[i] = o
+            still.append(i)
+        live = still
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
 
 
 def _progress(total: int, enabled: bool):

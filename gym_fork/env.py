@@ -210,6 +210,36 @@ class ForkableEnv(gym.Wrapper):
     def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
         return self._handle.receive()
 
+    def rollout(self, actions: Sequence[Any], *, stop_at_done: bool = True) -> dict:
+        """Step through a whole action sequence inside the worker, in one round trip.
+
+        Returns ``{"rewards", "terminated", "truncated", "final_obs", "final_info", "steps"}``;
+        it stops at the first episode end, or (``stop_at_done=False``) resets and goes on.
+        Much cheaper than ``len(actions)`` calls to :meth:`step` when the actions do not depend
+        on the observations (open-loop branches, replaying a recorded path)."""
+        self.rollout_send(actions, stop_at_done=stop_at_done)
+        return self.rollout_receive()
+
+    def rollout_send(self, actions: Sequence[Any], *, stop_at_done: bool = True) -> None:
+        if self._closed:
+            raise EnvClosedError("rollout() on a closed ForkableEnv; create a new one")
+        self._pending_rollout = list(actions)
+        self._handle.send("rollout", self._pending_rollout, stop_at_done)
+
+    def rollout_receive(self) -> dict:
+        out = self._handle.receive()
+        acts, self._pending_rollout = self._pending_rollout, None
+        n = len(out["rewards"])
+        if out["steps"] == self._steps + n:  # no reset inside: the same timeline goes on
+            if self._actions is not None:
+                self._actions.extend(acts[:n])
+        else:  # the worker reset at an episode end: like reset(), a new timeline
+            self._parent_id = None
+            if self._actions is not None:
+                self._actions = acts[n - out["steps"]:n]
+        self._steps = out["steps"]
+        return out
+
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         obs_info = self._request("reset", seed, options)
         self._steps = 0

@@ -88,6 +88,24 @@ class EnvServer:
         self.steps += 1
         return obs, reward, terminated, truncated, info
 
+    def cmd_rollout(self, actions: list, stop_at_done: bool) -> dict:
+        """Step through ``actions`` here in the worker: one round trip for a whole open-loop
+        branch. At an episode end it stops, or (``stop_at_done=False``) resets and goes on."""
+        rewards: list[float] = []
+        done: tuple[bool, bool] = (False, False)
+        obs, info = self.last_obs, self.last_info
+        for a in actions:
+            obs, r, term, trunc, info = self.cmd_step(a)
+            rewards.append(float(r))
+            if term or trunc:
+                done = (bool(term), bool(trunc))
+                if stop_at_done:
+                    break
+                self.last_obs, self.last_info = self.env.reset()
+                self.steps = 0
+        return {"rewards": rewards, "terminated": done[0], "truncated": done[1], "final_obs": obs,
+                "final_info": info, "steps": self.steps}
+
     def cmd_reset(self, seed: int | None, options: dict | None) -> tuple:
         obs, info = self.env.reset(seed=seed, options=options)
         self.last_obs, self.last_info, self.steps = obs, info, 0

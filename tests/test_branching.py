@@ -133,3 +133,44 @@ def test_explore_with_sb3_model_and_random_policy():
             gym_fork.explore(env, None, "not a policy", n_branches=1, horizon=1)
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("stop_at_done", [True, False])
+def test_open_loop_explore_equals_stepping(stop_at_done):
+    env = gym_fork.make("LunarLander-v3", backend="criu")
+    try:
+        env.reset(seed=1)
+        for _ in range(10):
+            env.step(0)
+        root = env.snapshot()
+        rng = np.random.default_rng(0)
+        seqs = [[int(a) for a in rng.integers(0, 4, 150)] for _ in range(4)]
+        fast = gym_fork.explore(env, root, None, n_branches=4, horizon=150, rng="same", actions=seqs,
+                                stop_at_done=stop_at_done, return_snapshots=True)
+        for seq, b in zip(seqs, fast.branches):
+            k = env.fork(root, 1)[0]  # the same branch, stepped one call at a time
+            try:
+                rewards, last, ended = [], None, (False, False)
+                for a in seq:
+                    last = k.step(a)
+                    rewards.append(float(last[1]))
+                    if last[2] or last[3]:
+                        ended = (bool(last[2]), bool(last[3]))  # the last episode end seen
+                        if stop_at_done:
+                            break
+                        k.reset()
+                assert rewards == b.rewards and b.actions == seq[: len(rewards)]
+                assert same(last[0], b.final_obs) and (b.terminated, b.truncated) == ended
+                assert b.snapshot.steps == k.steps
+            finally:
+                k.close()
+        with pytest.raises(ValueError, match="either a policy"):
+            gym_fork.explore(env, root, lambda o: 0, n_branches=4, actions=seqs)
+        with pytest.raises(ValueError, match="one sequence per branch"):
+            gym_fork.explore(env, root, None, n_branches=3, actions=seqs)
+        # rollout keeps the env's step counter and action path consistent
+        env.restore(root)
+        out = env.rollout(seqs[0][:5])
+        assert env.steps == root.steps + 5 == out["steps"] and len(env.snapshot().actions) == 5
+    finally:
+        env.close()
