@@ -15,7 +15,14 @@ Env: LunarLander-v3 (a ~25 MB worker), snapshot after 50 steps, branches of ``--
 * Ray cost per branch: round trip minus the time inside the actor, per call (c=1);
 * first restore: per node, the first use of a new snapshot (object-store pull, write-out,
   ``load_snapshot`` verification, CRIU restore, fork-tier snapshot), plus the driver's
-  ``save`` + ``ray.put``.
+  ``save`` + ``ray.put``;
+* migration downtime per hop (``env.migrate(RayNode(id))``, ``--hops`` hops round the nodes,
+  head -> node1 -> node2 -> head ..., after one warm-up round that starts the host actors): from
+  the call until the reply to the first step on the target, with where the time goes (export on
+  the source: fork-tier snapshot, CRIU dump of the copy, bundle, pack, ``ray.put``; receive on the
+  target: ``ray.get``, write-out, ``load_snapshot`` verification, CRIU restore; attach: TCP +
+  challenge-response), and the per-step latency through the host's TCP bridge.
+    ``--only-migration`` skips the branch sections.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ def main() -> None:
     ap.add_argument("--horizon", type=int, default=100)
     ap.add_argument("--address", default=None, help="an existing Ray cluster (default: start head + 2 nodes here)")
     ap.add_argument("--conc", default="1,2,4,8")
+    ap.add_argument("--hops", type=int, default=9, help="migration hops measured (>= 5)")
+    ap.add_argument("--only-migration", action="store_true")
     args = ap.parse_args()
     load_before = busy_check()
 
@@ -76,6 +85,10 @@ def main() -> None:
         for _ in range(50):
             env.step(0)
         H = args.horizon
+        if args.only_migration:
+            out["migration"] = migration_hops(env, args.hops)
+            print("results:", save_results("ray_migration", out))
+            return
 
         # --- first restore per node (3 fresh snapshots) ---------------------------------------
         firsts, puts = [], []
@@ -134,6 +147,7 @@ def main() -> None:
                     + [["driver save + ray.put (once per snapshot)", f"{out['save_put_s'] * 1e3:.1f}", ""]],
                     title=f"first use of a snapshot on a node ({out['bundle_bytes'] / 1e6:.1f} MB bundle)")
         print(f"\ncluster start {t_cluster:.1f} s, pool start (3 host actors) {t_pool:.2f} s")
+        out["migration"] = migration_hops(env, args.hops)
         print("results:", save_results("ray_pool", out))
     finally:
         env.close()
@@ -141,6 +155,64 @@ def main() -> None:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+
+
+def migration_hops(env, hops: int) -> dict:
+    """Move ``env``'s worker round the nodes; downtime per hop and where it goes."""
+    import ray
+
+    from gym_fork.ray import RayNode
+    from gym_fork.ray.migration import close_hosts
+
+    head = ray.get_runtime_context().get_node_id()
+    ring = [head] + sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)
+    obs = env.step(0)[0]
+
+    def steps_ms(n: int = 200) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            env.step(policy(obs))
+        return 1e3 * (time.perf_counter() - t) / n
+
+    local_step = steps_ms()
+    try:
+        for nid in ring[1:] + ring[:1]:  # warm-up round: starts each node's host actor
+            env.migrate(RayNode(nid))
+            env.step(0)
+        recs, bridge = [], []
+        for i in range(hops):
+            nid = ring[(i + 1) % len(ring)]
+            t = time.perf_counter()
+            rep = env.migrate(RayNode(nid))
+            env.step(0)
+            down = time.perf_counter() - t
+            recs.append(dict(rep["timings"], **rep["host_timings"], downtime_s=down, bytes=rep["bytes"]))
+            bridge.append(steps_ms(100))
+    finally:
+        close_hosts()
+    keys = [k for k in recs[0] if k.endswith("_s")]
+    med = {k: statistics.median(r.get(k, 0.0) for r in recs) for k in keys}
+    rng = {k: (min(r.get(k, 0.0) for r in recs), max(r.get(k, 0.0) for r in recs)) for k in keys}
+    res = {"hops": hops, "bytes": recs[0]["bytes"], "median": med, "range": rng, "per_hop": recs,
+           "step_ms_local": local_step, "step_ms_bridge": statistics.median(bridge)}
+    labels = {
+        "downtime_s": "**downtime** (migrate() + first step on the target)",
+        "export_s": "export (driver view)", "export_pause_s": "  pause the source bridge",
+        "export_snapshot_s": "  fork-tier snapshot", "export_dump_s": "  CRIU dump of the copy + manifest",
+        "export_bundle_s": "  bundle.json (+ mapped files, HMAC), links", "export_pack_s": "  pack into arrays",
+        "export_put_s": "  ray.put (source node)", "export_in_actor_s": "  (all of export inside the actor)",
+        "receive_s": "receive (driver view, Ray call)", "receive_get_s": "  ray.get (cross-node pull)",
+        "receive_write_s": "  write-out", "receive_verify_s": "  load_snapshot: HMAC, compat, sha256",
+        "receive_restore_s": "  CRIU restore + ping", "receive_in_actor_s": "  (all of receive inside the actor)", "attach_s": "attach: TCP + challenge-response",
+        "switch_s": "switch handles, release the source", "total_s": "migrate() total"}
+    print_table(["phase", "median ms", "range ms"],
+                [[labels.get(k, k), f"{med[k] * 1e3:.1f}", f"{rng[k][0] * 1e3:.1f}-{rng[k][1] * 1e3:.1f}"]
+                 for k in labels if k in med],
+                title=f"migration by Ray node: {hops} hops round {len(ring)} nodes ({res['bytes'] / 1e6:.1f} MB bundle)",
+                note=f"step latency: local {local_step:.3f} ms, through the host's TCP bridge "
+                     f"{res['step_ms_bridge']:.3f} ms (median over hops). Export rows of hops that start "
+                     "on the driver's own worker (none after the warm-up round: every hop starts on a host).")
+    return res
 
 
 if __name__ == "__main__":

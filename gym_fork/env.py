@@ -129,6 +129,12 @@ class ForkableEnv(gym.Wrapper):
             ``fork()`` copies of the worker (milliseconds), written as CRIU images only by
             ``Snapshot.persist()``; used when the worker is single-threaded. ``False``: every
             snapshot is a CRIU dump. ``True``: require the fork tier.
+        store: a :class:`~gym_fork.SnapshotStore` (memory and disk budgets; snapshots written
+            there survive the process).
+        workspace: a directory the env works in; every snapshot also captures its files (SQLite
+            databases consistently), ``restore()`` puts them back, each ``fork()`` child gets its
+            own copy (``DIR.branch-<id>``, deleted when the child is closed), and ``Snapshot.save``
+            / a store keep them.  The contract with the env: :mod:`gym_fork.workspace`.
     """
 
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
@@ -165,9 +171,18 @@ class ForkableEnv(gym.Wrapper):
         super().__init__(_WorkerEnv(self, meta))
 
     @classmethod
-    def from_snapshot(cls, snapshot: Snapshot, *, record_actions: bool = True) -> "ForkableEnv":
+    def from_snapshot(cls, snapshot: Snapshot, *, record_actions: bool = True, store: Any = None,
+                      workspace: str | None = None) -> "ForkableEnv":
         """A new env that starts exactly at ``snapshot`` (e.g. one from :func:`gym_fork.load_snapshot`),
-        without first starting a fresh env."""
+        without first starting a fresh env.
+
+        ``store``: a :class:`~gym_fork.SnapshotStore` for the new env's snapshots.  ``workspace``:
+        the directory the new env works in; required when the snapshot captured a workspace (its
+        content is replaced by the snapshot's files, and the env's ``workspace`` attribute set to
+        it)."""
+        if getattr(snapshot, "workspace", None) and workspace is None:
+            raise ValueError(f"snapshot {snapshot.id} captured a workspace: pass workspace=DIR, the "
+                             "directory its files are put back into")
         payload = snapshot.payload()
         be = snapshot._backend
         with materialized(payload):  # images kept in a SnapshotStore are reassembled first
@@ -177,6 +192,18 @@ class ForkableEnv(gym.Wrapper):
         env._setup(be, handle, meta, lineage=snapshot.lineage or uuid.uuid4().hex, record_actions=record_actions)
         env._steps = snapshot.steps
         env._parent_id = snapshot.id
+        env._store = store
+        if workspace is not None:
+            from gym_fork.workspace import Workspace
+
+            try:
+                env._workspace = Workspace(workspace)
+                if getattr(snapshot, "workspace", None):
+                    env._workspace.restore_from(snapshot.workspace)
+                env._request("setattr", "workspace", env._workspace.path, "unwrapped")
+            except BaseException:
+                env.close()
+                raise
         return env
 
     @classmethod
@@ -251,7 +278,10 @@ class ForkableEnv(gym.Wrapper):
     def render(self) -> Any:
         return self._request("render")
 
-    def close(self) -> None:
+    def close(self, *, keep_workspace: bool | None = None) -> None:
+        """Stop the worker and release this env's snapshots.  A fork branch's workspace directory
+        (``DIR.branch-*``, made by :meth:`fork`) is deleted too, unless ``keep_workspace=True``
+        here or in ``fork()``; a workspace the user passed in is never deleted."""
         if self._closed:
             return
         self._closed = True
@@ -259,6 +289,12 @@ class ForkableEnv(gym.Wrapper):
             snap.release()
         self._handle.close()
         self._finalizer.detach()
+        if self._workspace is not None:
+            if keep_workspace is not None:
+                self._workspace.keep = bool(keep_workspace)
+            fin = getattr(self, "_ws_finalizer", None)
+            if fin is not None:
+                fin()  # Workspace.discard: deletes only a gym_fork-made branch directory
 
     @property
     def spec(self) -> gym.envs.registration.EnvSpec | None:  # type: ignore[override]
@@ -326,12 +362,14 @@ class ForkableEnv(gym.Wrapper):
         self._switch_to(new, snapshot)
         if self._workspace is not None and getattr(snapshot, "workspace", None):
             self._workspace.restore_from(snapshot.workspace)
+            if snapshot.workspace_path != self._workspace.path:  # taken by another branch / process
+                self._request("setattr", "workspace", self._workspace.path, "unwrapped")
         initial = getattr(new, "initial", None)
         obs, info, _steps = initial if initial else self._handle.request("last")
         return obs, info
 
     def fork(self, snapshot: Snapshot | None = None, n: int = 1, *, rng: Literal["same", "reseed"] = "same",
-             seeds: Sequence[int] | None = None) -> list["ForkableEnv"]:
+             seeds: Sequence[int] | None = None, keep_workspace: bool = False) -> list["ForkableEnv"]:
         """``n`` new, independent envs that each start exactly at ``snapshot``.
 
         With ``snapshot=None`` a snapshot of the current state is taken (and released after).
@@ -339,6 +377,10 @@ class ForkableEnv(gym.Wrapper):
         the same trajectories); ``rng="reseed"`` reseeds each copy's ``np_random`` (and ALE's RNG)
         from ``seeds[i]`` or fresh entropy, leaving the simulated state untouched.
         This env is not changed. Close the returned envs when done.
+
+        With a ``workspace``, each child works in its own new directory ``DIR.branch-<id>`` holding
+        the snapshot's files; it is deleted when the child is closed (or garbage-collected) unless
+        ``keep_workspace=True`` (or ``child.close(keep_workspace=True)``).
         """
         self._check_open()
         if n < 1:
@@ -363,19 +405,26 @@ class ForkableEnv(gym.Wrapper):
             child._parent_id = None if own else snap.id
             children.append(child)
             if self._workspace is not None and getattr(snap, "workspace", None):
-                child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8])
+                child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8],
+                                                          keep=keep_workspace)
+                child._ws_finalizer = weakref.finalize(child, child._workspace.discard)
                 child._request("setattr", "workspace", child._workspace.path, "unwrapped")
             if rng == "reseed":
                 seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
                 child._request("reseed", seed)
         return children
 
-    def migrate(self, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
+    def migrate(self, target: Any, *, token: str | bytes | None = None, token_file: str | None = None,
                 tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> dict:
         """Move this env's worker to the ``gym-fork agent`` at ``target`` ("host:port"); from then
         on steps go over the network (see :mod:`gym_fork.migration.client`). Token: ``token``,
         ``token_file`` or ``$GYM_FORK_TOKEN``. On failure a ``gym_fork.migration`` error is raised
-        and the env keeps running locally, unchanged. Returns a report (bytes, timings)."""
+        and the env keeps running locally, unchanged. Returns a report (bytes, timings).
+
+        ``target`` may also be ``gym_fork.ray.RayNode(node_id)``: the worker moves to that Ray
+        node's host actor, and can move on from there (:mod:`gym_fork.ray.migration`)."""
+        if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
+            return target._gym_fork_migrate(self, token=token, timeout=max(timeout, 60.0))
         from gym_fork.migration.client import migrate_env
 
         return migrate_env(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
@@ -415,6 +464,9 @@ class ForkableEnv(gym.Wrapper):
                 f"snapshot {snapshot.id} was taken by backend {snapshot.backend!r}, this env uses "
                 f"{self._backend.name!r}"
             )
+        if getattr(snapshot, "workspace", None) and self._workspace is None:
+            raise ValueError(f"snapshot {snapshot.id} captured a workspace but this env has none; use "
+                             "ForkableEnv.from_snapshot(snapshot, workspace=DIR)")
         return snapshot.payload()  # raises SnapshotReleasedError
 
     def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
@@ -437,10 +489,13 @@ def _kill_boxed(box: list) -> None:
 
 def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "size"] = "full",
          record_actions: bool = True, worker_log: str | None = None,
-         fork_tier: bool | Literal["auto"] = "auto", **kwargs: Any) -> ForkableEnv:
+         fork_tier: bool | Literal["auto"] = "auto", store: Any = None, workspace: str | None = None,
+         **kwargs: Any) -> ForkableEnv:
     """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
 
-    Keyword arguments other than gym_fork's own go to ``gymnasium.make`` in the worker.
+    ``store`` and ``workspace`` are :class:`ForkableEnv`'s.  Keyword arguments other than
+    gym_fork's own go to ``gymnasium.make`` in the worker.
     """
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
-                       record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier)
+                       record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
+                       store=store, workspace=workspace)

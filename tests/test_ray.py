@@ -241,3 +241,83 @@ def test_branch_exploration_callback_with_pool(pool):
         cb.release() if hasattr(cb, "release") else None
     finally:
         venv.close()
+
+
+# --- migration targets named by Ray node (gym_fork.ray.migration) -------------------------------
+def _run_crc(env, obs, n, traj):
+    for _ in range(n):
+        obs, r, term, trunc, _info = env.step(crc_policy(obs))
+        traj.append((np.asarray(obs).tobytes(), float(r), bool(term), bool(trunc)))
+        if term or trunc:
+            obs, _info = env.reset(seed=len(traj))
+    return obs
+
+
+def test_migrate_across_nodes_and_back_bit_identical(cluster):
+    from gym_fork.migration import MigratedEnvError, RemoteRestoreError
+    from gym_fork.ray import RayNode
+    from gym_fork.ray.migration import close_hosts, host_for
+
+    head = ray.get_runtime_context().get_node_id()
+    others = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head]
+    assert len(others) == 2
+    moved, ref = gym_fork.make("LunarLander-v3"), gym_fork.make("LunarLander-v3")
+    try:
+        om, _ = moved.reset(seed=7)
+        orf, _ = ref.reset(seed=7)
+        tm, tr = [], []
+        om, orf = _run_crc(moved, om, 20, tm), _run_crc(ref, orf, 20, tr)
+        # a bundle signed with another token's key is refused before anything is restored
+        with pytest.raises(RemoteRestoreError, match="HMAC"):
+            moved.migrate(RayNode(others[0]), token="not-the-token")
+        om, orf = _run_crc(moved, om, 5, tm), _run_crc(ref, orf, 5, tr)  # still local, unchanged
+        hops = []
+        for nid in [head, others[0], others[1], head]:  # A -> B -> C -> A, mid-episode
+            rep = moved.migrate(RayNode(nid))
+            assert rep["node_id"] == nid and moved._handle.node_id == nid
+            hops.append(rep)
+            om, orf = _run_crc(moved, om, 25, tm), _run_crc(ref, orf, 25, tr)
+        assert tm == tr, "the migrated worker diverged from the one that never moved"
+        assert [h["source"] for h in hops[1:]] == [head, others[0], others[1]]
+        with pytest.raises(MigratedEnvError, match="Ray node"):
+            moved.snapshot()
+        # only the current host holds the worker; the others released theirs
+        time.sleep(0.3)
+        held = {n: ray.get(host_for(n).info.remote())["hosted"] for n in [head] + others}
+        assert [len(v) for v in held.values()] == [1, 0, 0]
+        host = host_for(head)
+        moved.close()
+        deadline = time.monotonic() + 5
+        while ray.get(host.info.remote())["hosted"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ray.get(host.info.remote())["hosted"] == {}
+    finally:
+        moved.close()
+        ref.close()
+        close_hosts()
+
+
+def test_killed_migration_host_leaves_nothing_and_env_raises(cluster):
+    from gym_fork.errors import WorkerDiedError
+    from gym_fork.ray import RayNode
+    from gym_fork.ray.migration import close_hosts, host_for
+
+    head = ray.get_runtime_context().get_node_id()
+    nid = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)
+    env = gym_fork.make("LunarLander-v3")
+    try:
+        obs, _ = env.reset(seed=1)
+        env.migrate(RayNode(nid))
+        env.step(0)
+        host = host_for(nid)
+        info = ray.get(host.info.remote())
+        wpid = list(info["hosted"].values())[0]
+        assert wpid in info["descendants"]
+        ray.kill(host, no_restart=True)
+        assert _wait_dead([info["pid"], *info["descendants"]]) == [], "the migrated worker outlived its host"
+        with pytest.raises(WorkerDiedError, match=f"Ray node {nid}.*host actor is gone"):
+            env.step(0)
+        env.close()  # closing a dead remote env is not an error
+    finally:
+        env.close()
+        close_hosts()

@@ -1,0 +1,555 @@
+"""Migration targets named by Ray node: ``env.migrate(RayNode(node_id))``.
+
+One :class:`MigrationHost` actor per node (named ``gym_fork-mhost-<node id>``, pinned with
+``NodeAffinitySchedulingStrategy(soft=False)``, created on first use by the driver that migrates,
+so it lives as long as that driver's job). A hop:
+
+1. **Export** the worker as a signed bundle and put it into Ray's object store *on the source
+   node*: the driver does it for a local env (``env.snapshot()`` -- copy-on-write fork tier, the
+   worker keeps running -- then :func:`~gym_fork.migration.client.write_transient_bundle`); for an
+   env that already runs on a host, that host pauses its TCP bridge (nothing is in flight: the
+   protocol is strictly request/reply and the driver is inside ``migrate``), snapshots its own
+   worker the same way and puts the bundle (:meth:`MigrationHost.export`).
+2. **Receive** on the target host: ``ray.get`` (object store to object store, never through the
+   driver when the source is another host), write-out, ``load_snapshot`` (HMAC with the
+   token-derived bundle key, CRIU/arch/mapped-file compatibility, every image's sha256), CRIU
+   restore as the host's child (the host is a child subreaper), ping.
+3. **Attach**: the driver connects to the target host's TCP bridge, passes the agent's mutual
+   challenge-response (:mod:`gym_fork.migration.wire`) and names the one-shot worker id; from
+   then on the bridge relays bytes between that TCP connection and the worker's unix channel,
+   and the driver steps it through a :class:`RayNetworkHandle` (the ordinary worker protocol).
+4. **Switch**: only now is the source stopped (local worker killed, or the source host told to
+   release its paused worker). Any failure before that resumes the source unchanged.
+
+Because the worker keeps its unix channel (external ``unix[INO]`` for CRIU) and the TCP side
+lives in the host, a migrated worker can be exported again: hops chain (A -> B -> C -> A).
+
+Token: ``token=`` / ``$GYM_FORK_TOKEN`` / ``$GYM_FORK_TOKEN_FILE`` where set, else a token derived
+from the gym_fork HMAC key (``gym_fork.keys``), which every node must share anyway to verify
+bundles. Hosts resolve theirs on their own node the same way (an explicit ``token=`` on the
+driver must therefore also be in the hosts' environment, e.g. ``runtime_env={"env_vars": ...}``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import select
+import shutil
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from gym_fork.migration.client import MigratedBackend, NetworkHandle
+from gym_fork.migration.errors import MigratedEnvError, MigrationError, RemoteRestoreError
+from gym_fork.ray.host import BranchHost, pack_dir, unpack_dir
+from gym_fork.ray.node import RayNode
+
+log = logging.getLogger("gym_fork.ray.migration")
+
+ATTACH_TIMEOUT_S = 60.0  # a received worker nobody attaches to within this is stopped
+HOST_NAME = "gym_fork-mhost-{}"
+
+
+def resolve_token(token: str | bytes | None = None) -> bytes:
+    """The bridge token (see module doc)."""
+    from gym_fork.migration import wire
+
+    try:
+        return wire.load_token(token)
+    except (ValueError, OSError):
+        from gym_fork import keys
+
+        return hmac.new(keys.get_key(), b"gym_fork ray bridge token v1", hashlib.sha256).hexdigest().encode()
+
+
+# --- the host actor ---------------------------------------------------------------------------------
+def _unnice_thread() -> None:
+    """Ray runs worker processes at nice 15; a migration hop blocks the learner, so the threads
+    that dump, restore and relay (and the criu processes they start, which inherit it) run at 0.
+    Linux: PRIO_PROCESS with a thread id sets that thread only. Needs root (or CAP_SYS_NICE)."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) > 0:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+    except OSError:
+        pass
+
+
+class _Hosted:
+    def __init__(self, wid: str, env: Any):
+        self.wid, self.env = wid, env
+        self.conn: socket.socket | None = None
+        self.attached = threading.Event()
+        self.paused = threading.Event()
+        self.ctl_r, self.ctl_w = os.pipe()
+        self.thread: threading.Thread | None = None
+        self.created = time.monotonic()
+        self.gone = False
+
+    @property
+    def pid(self) -> int:
+        return self.env._handle.pid
+
+
+
+class MigrationHost(BranchHost):
+    """The per-node host of migrated env workers (also a :class:`BranchHost`). Not used directly:
+    ``env.migrate(RayNode(id))`` creates and drives these (:func:`host_for`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from gym_fork.migration import wire
+
+        self._token = resolve_token()
+        self._key = wire.bundle_key(self._token)
+        self._hosted: dict[str, _Hosted] = {}
+        self._mlock = threading.Lock()
+        self._server: socket.socket | None = None
+        self._address: str | None = None
+        threading.Thread(target=self._watchdog, daemon=True, name="gym_fork-mhost-watchdog").start()
+
+    # --- introspection -------------------------------------------------------------------------
+    def info(self) -> dict:
+        out = super().info()
+        with self._mlock:
+            out["hosted"] = {w: h.pid for w, h in self._hosted.items()}
+        out["bridge"] = self._address
+        return out
+
+    # --- bridge ---------------------------------------------------------------------------------
+    def _bridge(self) -> str:
+        with self._mlock:
+            if self._address is None:
+                import ray
+
+                ip = ray.util.get_node_ip_address()
+                self._server = socket.create_server((ip, 0))
+                self._address = f"{ip}:{self._server.getsockname()[1]}"
+                threading.Thread(target=self._accept_loop, daemon=True, name="gym_fork-mhost-accept").start()
+            return self._address
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn, peer), daemon=True,
+                             name=f"gym_fork-bridge-{peer[1]}").start()
+
+    def _connection(self, conn: socket.socket, peer: tuple) -> None:
+        from gym_fork.migration import wire
+        from gym_fork.migration.errors import AuthenticationError
+
+        try:
+            conn.settimeout(10.0)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.server_handshake(conn, self._token, self.node_id)
+            req = wire.recv_msg(conn)
+            wid = str(req.get("id", ""))
+            with self._mlock:
+                h = self._hosted.get(wid)
+                ok = req.get("op") == "attach" and h is not None and h.conn is None and not h.gone
+                if ok:
+                    h.conn = conn
+            if not ok:
+                wire.send_msg(conn, {"ok": False, "error": "KeyError",
+                                     "message": f"no unattached worker {wid!r} on node {self.node_id}"})
+                conn.close()
+                return
+            wire.send_msg(conn, {"ok": True, "node": self.node_id, "pid": h.pid})
+            conn.settimeout(None)
+        except (AuthenticationError, OSError, EOFError, ValueError) as e:
+            log.warning("REFUSED %s:%s: %s: %s", peer[0], peer[1], type(e).__name__, e)
+            conn.close()
+            return
+        h.attached.set()
+        self._start_relay(h)
+
+    def _start_relay(self, h: _Hosted) -> None:
+        h.paused.clear()
+        h.thread = threading.Thread(target=self._relay, args=(h,), daemon=True, name=f"gym_fork-relay-{h.wid}")
+        h.thread.start()
+
+    def _relay(self, h: _Hosted) -> None:
+        """Bytes both ways between the driver's TCP connection and the worker's unix channel, until
+        either closes (then the worker is stopped) or a pause is requested (export)."""
+        _unnice_thread()
+        a, b = h.conn, h.env._handle.chan.sock
+        pair = {a: b, b: a}
+        try:
+            while True:
+                ready = select.select([a, b, h.ctl_r], [], [])[0]
+                if h.ctl_r in ready:
+                    os.read(h.ctl_r, 64)
+                    h.paused.set()
+                    return
+                for s in ready:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        raise EOFError
+                    pair[s].sendall(data)
+        except (OSError, EOFError):
+            pass
+        self._drop(h.wid)
+
+    def _pause(self, h: _Hosted, timeout: float = 10.0) -> None:
+        if h.thread is None or not h.thread.is_alive():
+            if h.gone:
+                raise RuntimeError(f"worker {h.wid} on node {self.node_id} is gone")
+            return
+        os.write(h.ctl_w, b"p")
+        if not h.paused.wait(timeout):
+            raise TimeoutError(f"the bridge of worker {h.wid} did not pause")
+        h.thread.join(timeout)
+
+    def _drop(self, wid: str) -> None:
+        with self._mlock:
+            h = self._hosted.pop(wid, None)
+        if h is None:
+            return
+        h.gone = True
+        if h.conn is not None:
+            try:
+                h.conn.close()
+            except OSError:
+                pass
+        try:
+            h.env._handle.kill()  # SIGKILL of the namespace init (or retire: fork tier)
+        except Exception:  # noqa: BLE001
+            pass
+        for fd in (h.ctl_r, h.ctl_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(2.0)
+            now = time.monotonic()
+            with self._mlock:
+                stale = [w for w, h in self._hosted.items()
+                         if not h.attached.is_set() and now - h.created > ATTACH_TIMEOUT_S]
+            for w in stale:
+                log.warning("worker %s was never attached; stopping it", w)
+                self._drop(w)
+
+    # --- the migration steps --------------------------------------------------------------------
+    def receive(self, refs: list, steps: int) -> dict:
+        """Pull the bundle ``refs[0]``, verify it, restore its worker here; returns where to attach."""
+        import ray
+
+        from gym_fork.bundle import load_snapshot
+        from gym_fork.env import ForkableEnv
+
+        _unnice_thread()
+        t0 = time.perf_counter()
+        files = ray.get(refs[0])
+        t1 = time.perf_counter()
+        wid = uuid.uuid4().hex
+        path = os.path.join(self.session, f"in-{wid}")
+        unpack_dir(files, path)
+        del files
+        t2 = time.perf_counter()
+        try:
+            snap = load_snapshot(path, key=self._key)  # HMAC, compatibility, sha256 of every image
+            t3 = time.perf_counter()
+            handle = snap._backend._restore_verified(snap.payload())  # CRIU restore + ping
+            t4 = time.perf_counter()
+            try:
+                env = ForkableEnv.__new__(ForkableEnv)
+                env._setup(snap._backend, handle, handle.request("meta"), lineage=uuid.uuid4().hex,
+                           record_actions=False)
+                env._steps = steps
+            except BaseException:
+                handle.kill()
+                raise
+            snap.release()
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        with self._mlock:
+            self._hosted[wid] = _Hosted(wid, env)
+        address = self._bridge()
+        return {"wid": wid, "pid": handle.pid, "node_id": self.node_id, "address": address,
+                "timings": {"get_s": t1 - t0, "write_s": t2 - t1, "verify_s": t3 - t2, "restore_s": t4 - t3,
+                            "in_actor_s": time.perf_counter() - t0}}
+
+    def export(self, wid: str, steps: int) -> dict:
+        """Pause the bridge of ``wid``, snapshot its worker (it keeps running, paused) and put the
+        signed bundle into this node's object store. :meth:`resume` or :meth:`release` follow."""
+        import ray
+
+        from gym_fork.migration.client import write_transient_bundle
+
+        with self._mlock:
+            h = self._hosted.get(wid)
+        if h is None:
+            raise KeyError(f"no worker {wid!r} on node {self.node_id} (its host was restarted or it was stopped)")
+        _unnice_thread()
+        t0 = time.perf_counter()
+        self._pause(h)
+        t1 = time.perf_counter()
+        tmp = os.path.join(self.session, f"out-{uuid.uuid4().hex}")
+        snap = None
+        try:
+            h.env._steps = steps
+            snap = h.env.snapshot()
+            t2 = time.perf_counter()
+            snap._backend.persist(snap.payload())  # CRIU dump of the frozen copy (+ sha256 manifest)
+            t2b = time.perf_counter()
+            write_transient_bundle(snap, tmp, self._key)
+            t3 = time.perf_counter()
+            files = pack_dir(tmp)
+            nbytes = int(sum(a.nbytes for a in files.values()))
+            t4 = time.perf_counter()
+            ref = ray.put(files)
+            t5 = time.perf_counter()
+        except BaseException:
+            self._start_relay(h)
+            raise
+        finally:
+            if snap is not None:
+                snap.release()
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"refs": [ref], "bytes": nbytes,
+                "timings": {"pause_s": t1 - t0, "snapshot_s": t2 - t1, "dump_s": t2b - t2, "bundle_s": t3 - t2b,
+                            "pack_s": t4 - t3, "put_s": t5 - t4, "in_actor_s": time.perf_counter() - t0}}
+
+    def resume(self, wid: str) -> bool:
+        with self._mlock:
+            h = self._hosted.get(wid)
+        if h is None or (h.thread is not None and h.thread.is_alive()):
+            return False
+        self._start_relay(h)
+        return True
+
+    def release(self, wid: str) -> bool:
+        """Stop worker ``wid`` (it moved on)."""
+        with self._mlock:
+            h = self._hosted.get(wid)
+        if h is None:
+            return False
+        if h.thread is not None and h.thread.is_alive():
+            self._pause(h)
+        self._drop(wid)
+        return True
+
+    def close(self) -> None:
+        with self._mlock:
+            wids = list(self._hosted)
+        for w in wids:
+            self._drop(w)
+        if self._server is not None:
+            self._server.close()
+        super().close()
+
+
+# --- driver side ----------------------------------------------------------------------------------
+_host_cls = None
+_host_lock = threading.Lock()
+
+
+def host_for(node_id: str) -> Any:
+    """The migration host actor of ``node_id`` (created on first use, one per node and job)."""
+    global _host_cls
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    with _host_lock:
+        if _host_cls is None:
+            _host_cls = ray.remote(MigrationHost)
+    return _host_cls.options(
+        name=HOST_NAME.format(node_id), get_if_exists=True, num_cpus=0, max_concurrency=16, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+
+
+def close_hosts() -> None:
+    """Stop every migration host of this job (their workers end, their directories go)."""
+    import ray
+
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        try:
+            h = ray.get_actor(HOST_NAME.format(n["NodeID"]))
+        except ValueError:
+            continue
+        try:
+            ray.get(h.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        ray.kill(h, no_restart=True)
+
+
+class RayNetworkHandle(NetworkHandle):
+    """A worker hosted by the migration host of a Ray node, reached through its TCP bridge."""
+
+    def __init__(self, sock: socket.socket, pid: int, node_id: str, host: Any, wid: str):
+        super().__init__(sock, pid, node_id[:12], f"ray:{node_id}")
+        self.node_id, self.host, self.wid = node_id, host, wid
+
+    def exit_status(self) -> str:
+        import ray
+
+        try:
+            ray.get(self.host.info.remote(), timeout=2)
+            why = "its host actor is alive but the worker or the bridge ended"
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            why = "its host actor is gone (killed, crashed, or its node died)"
+        except Exception as e:  # noqa: BLE001
+            why = f"its host actor did not answer ({type(e).__name__})"
+        return f"the connection to Ray node {self.node_id} closed: {why}"
+
+
+class RayMigratedBackend(MigratedBackend):
+    """Stands in for the backend of an env migrated to a Ray node."""
+
+    def __init__(self, node_id: str):
+        super().__init__(node_id[:12], f"ray:{node_id}")
+        self.node_id = node_id
+
+    def _refuse(self, what: str):
+        raise MigratedEnvError(
+            f"{what} is not supported on an env whose worker was migrated to Ray node {self.node_id}; "
+            "step/reset/render/attributes/close and migrate(RayNode(...)) work")
+
+
+def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = None,
+                        timeout: float = 60.0) -> dict:
+    """Move ``env``'s worker to ``node``'s migration host (see module doc). Returns a report
+    (node ids, pid, bytes, driver- and host-side timings in seconds). On failure raises a
+    :mod:`gym_fork.migration.errors` error and the env keeps running where it was, unchanged."""
+    import ray
+
+    from gym_fork import store
+    from gym_fork.migration import wire
+    from gym_fork.migration.client import write_transient_bundle
+
+    env._check_open()
+    cur = env._handle
+    if isinstance(cur, NetworkHandle) and not hasattr(cur, "wid"):
+        raise MigratedEnvError(f"this env runs on agent node {cur.node}; it cannot move on to a Ray node")
+    if not isinstance(cur, NetworkHandle) and env._backend.name != "criu":
+        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    if node.node_id not in alive:
+        raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
+    source = getattr(cur, "node_id", None) or ray.get_runtime_context().get_node_id()
+    if getattr(cur, "node_id", None) == node.node_id:
+        return {"node_id": node.node_id, "source": source, "pid": cur.pid, "bytes": 0, "timings": {},
+                "noop": True}
+    tok = resolve_token(token)
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    host_timings: dict[str, float] = {}
+    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
+    target = host_for(node.node_id)
+    sock = None
+    exported = False
+    try:
+        # 1. export
+        t0 = time.perf_counter()
+        if isinstance(cur, RayNetworkHandle):
+            try:
+                out = ray.get(cur.host.export.remote(cur.wid, env._steps), timeout=timeout)
+            except ray.exceptions.RayError as e:
+                raise MigrationError(f"the host on Ray node {cur.node_id} could not export the worker: "
+                                     f"{_cause(e)}") from e
+            exported = True
+            ref, nbytes = out["refs"][0], out["bytes"]
+            host_timings.update({f"export_{k}": v for k, v in out["timings"].items()})
+        else:
+            tmp = store.private_mkdir(os.path.join(store.session_dir(), f"rmig-{os.urandom(4).hex()}"))
+            snap = env.snapshot()
+            try:
+                t1 = time.perf_counter()
+                snap._backend.persist(snap.payload())
+                t2 = time.perf_counter()
+                write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
+                t3 = time.perf_counter()
+                files = pack_dir(os.path.join(tmp, "bundle"))
+                nbytes = int(sum(a.nbytes for a in files.values()))
+                t4 = time.perf_counter()
+                ref = ray.put(files)
+                del files
+                host_timings.update({"export_snapshot_s": t1 - t0, "export_dump_s": t2 - t1,
+                                     "export_bundle_s": t3 - t2, "export_pack_s": t4 - t3,
+                                     "export_put_s": time.perf_counter() - t4})
+            finally:
+                snap.release()
+                shutil.rmtree(tmp, ignore_errors=True)
+        timings["export_s"] = time.perf_counter() - t0
+        # 2. receive (verify + restore) on the target
+        t0 = time.perf_counter()
+        try:
+            rep = ray.get(target.receive.remote([ref], env._steps), timeout=timeout)
+        except ray.exceptions.RayError as e:
+            raise RemoteRestoreError(f"Ray node {node.node_id} did not restore the env: {_cause(e)}",
+                                     _cause_type(e)) from e
+        finally:
+            del ref
+        timings["receive_s"] = time.perf_counter() - t0
+        host_timings.update({f"receive_{k}": v for k, v in rep["timings"].items()})
+        # 3. attach through the bridge
+        t0 = time.perf_counter()
+        try:
+            sock, hello = wire.connect(rep["address"], tok, timeout=min(timeout, 30.0))
+            wire.send_msg(sock, {"op": "attach", "id": rep["wid"]})
+            reply = wire.recv_msg(sock)
+        except (OSError, EOFError, ValueError) as e:
+            target.release.remote(rep["wid"])
+            raise MigrationError(f"could not attach to the worker on Ray node {node.node_id}: {e}") from e
+        except BaseException:
+            target.release.remote(rep["wid"])
+            raise
+        if not reply.get("ok"):
+            target.release.remote(rep["wid"])
+            raise RemoteRestoreError(f"Ray node {node.node_id} refused the attach: {reply.get('message')}",
+                                     reply.get("error", ""))
+        timings["attach_s"] = time.perf_counter() - t0
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        if exported:  # the source host keeps serving the env
+            try:
+                ray.get(cur.host.resume.remote(cur.wid), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        env._parent_id, env._actions = saved_state
+        raise
+    # 4. switch: the source stops only now
+    t0 = time.perf_counter()
+    sock.settimeout(None)
+    new = RayNetworkHandle(sock, rep["pid"], node.node_id, target, rep["wid"])
+    old, env._handle = env._handle, new
+    env._box[0] = new
+    if isinstance(old, RayNetworkHandle):
+        old.closed = True
+        old.chan.close()
+        old.host.release.remote(old.wid)  # no wait: the worker is paused there, not in our way
+    else:
+        old.kill()
+    env._backend = RayMigratedBackend(node.node_id)
+    env._parent_id, env._actions = saved_state
+    timings["switch_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_start
+    return {"node_id": node.node_id, "source": source, "pid": rep["pid"], "bytes": nbytes,
+            "timings": timings, "host_timings": host_timings}
+
+
+def _cause(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def _cause_type(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    return type(cause).__name__ if cause is not None else type(e).__name__
