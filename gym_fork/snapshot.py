@@ -50,6 +50,8 @@ class Snapshot:
         self._finalizer = weakref.finalize(self, backend.release, payload)
 
     pinned: bool = False  # protected from a SnapshotStore's disk budget (see pin())
+    workspace: str | None = None  # private copy of the env's workspace at this moment (workspace.py)
+    workspace_path: str | None = None  # the live workspace directory it was captured from
     _store: Any = None  # the SnapshotStore tracking this snapshot, if any
 
     def pin(self, pinned: bool = True) -> "Snapshot":
@@ -84,7 +86,8 @@ class Snapshot:
     def save(self, path: str, *, key: bytes | None = None) -> str:
         """Write a self-contained bundle (images or pickle payload, metadata, checksums, an
         HMAC) to the new directory ``path``; :func:`gym_fork.load_snapshot` reads it back, in
-        another process or on another machine with the same Python and libraries."""
+        another process or on another machine with the same Python and libraries.  A snapshot of
+        an env with a ``workspace`` carries its captured files in the bundle (``workspace/``)."""
         from gym_fork.bundle import save_snapshot
 
         return save_snapshot(self, path, key=key)

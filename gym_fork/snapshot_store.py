@@ -18,7 +18,9 @@ Layout (everything 0700/0600)::
     DIR/lock                flock: one writer at a time (also across processes)
     DIR/index.json          id -> steps, env id, sizes, created, last used, pinned (atomic rewrite)
     DIR/snaps/<id>/         bundle.json (as Snapshot.save, with HMAC), images/ (small CRIU images
-                            + MANIFEST.json), recipe.json (pages-*.img as a list of chunks), PINNED
+                            + MANIFEST.json), recipe.json (pages-*.img as a list of chunks), PINNED,
+                            workspace/ (the env's workspace files, when it has one; listed with
+                            sha256 and mode in bundle.json, whole files, not deduplicated)
     DIR/chunks/ab/<sha256>  content-addressed chunks of page images, shared by all snapshots
     DIR/.tmp-*              snapshots being written (removed by gc once their writer is gone)
 
@@ -106,7 +108,7 @@ def _atomic_write_json(path: str, obj: Any) -> None:
 def _file_bytes(path: str) -> int:
     """Bytes a file really occupies (allocated blocks)."""
     try:
-        return os.stat(path).st_blocks * 512
+        return os.lstat(path).st_blocks * 512  # never follow a workspace symlink
     except OSError:
         return 0
 
@@ -340,6 +342,11 @@ class SnapshotStore:
                     "criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
                     "images": man["files"], "files": _mapped_files(image.path),
                 }
+                if snap.workspace is not None:  # the env's files at the snapshot moment
+                    from gym_fork.workspace import pack
+
+                    meta["workspace"] = pack(snap.workspace, os.path.join(tmp, "workspace"))
+                    meta["workspace_path"] = snap.workspace_path
                 meta["hmac"] = keys.sign(_canonical(meta))
                 with open(os.path.join(tmp, "recipe.json"), "w") as f:
                     json.dump(recipe, f)
@@ -619,6 +626,9 @@ class SnapshotStore:
             snap.bundle_path = d
             snap._store = self
             snap.pinned = os.path.exists(os.path.join(d, "PINNED"))
+            from gym_fork.workspace import adopt
+
+            adopt(snap, os.path.join(d, "workspace"), meta.get("workspace"), meta.get("workspace_path"), d)
             self._handles[snap_id] = snap
             return snap
 

@@ -22,6 +22,17 @@ captured with SQLite's online backup API, which yields a consistent, self-contai
 (committed data only, WAL folded in) even if the env left a connection or transaction open;
 their ``-wal``/``-shm``/``-journal`` files are not copied.  Captures live in the private session
 directory and are deleted when their snapshot is released.
+
+Branch directories: a ``fork()`` child's ``DIR.branch-<id>`` is deleted when that child is closed
+(or garbage-collected without ``close()``), unless ``fork(..., keep_workspace=True)`` or
+``child.close(keep_workspace=True)``.  The directory passed as ``workspace=`` is never deleted.
+
+Persistence: ``Snapshot.save`` and a ``SnapshotStore`` entry hold the capture in ``workspace/``,
+listed (size, sha256, mode of every file; directories; symlink targets) in the HMAC-covered
+``bundle.json``; a loaded snapshot gets a verified private copy, which ``env.restore(snap)`` or
+``ForkableEnv.from_snapshot(snap, workspace=DIR)`` puts into the env's workspace (a restored
+process whose workspace was elsewhere is pointed at the env's directory).  Inside a bundle the
+files are 0600 and directories 0700; the original modes are put back when loading.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import sqlite3
 import subprocess
 
 from gym_fork import store
+from gym_fork.errors import SnapshotCorruptedError
 
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 SQLITE_SIDE = ("-wal", "-shm", "-journal")
@@ -85,11 +97,21 @@ def clear_dir(path: str) -> None:
 
 
 class Workspace:
-    """The live directory of one env (see the module docstring for the contract)."""
+    """The live directory of one env (see the module docstring for the contract).
 
-    def __init__(self, path: str):
+    ``owned``: gym_fork made this directory (a fork branch) and deletes it when the env that
+    works in it is closed, unless ``keep`` is set."""
+
+    def __init__(self, path: str, *, owned: bool = False, keep: bool = False):
         self.path = os.path.abspath(path)
+        self.owned = owned
+        self.keep = keep
         os.makedirs(self.path, exist_ok=True)
+
+    def discard(self) -> None:
+        """Delete the directory if gym_fork made it (a branch) and nobody asked to keep it."""
+        if self.owned and not self.keep:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def capture(self, snap_id: str) -> str:
         dst = os.path.join(store.session_dir(), f"ws-{store.check_id(snap_id)}")
@@ -104,12 +126,13 @@ class Workspace:
         clear_dir(self.path)
         copy_tree(captured, self.path)
 
-    def branch(self, captured: str, tag: str) -> "Workspace":
-        """A new directory next to this one, holding a copy of ``captured``."""
+    def branch(self, captured: str, tag: str, *, keep: bool = False) -> "Workspace":
+        """A new directory next to this one, holding a copy of ``captured`` (deleted when the
+        branch env is closed unless ``keep``)."""
         path = f"{self.path}.branch-{tag}"
         shutil.rmtree(path, ignore_errors=True)
         copy_tree(captured, path)
-        return Workspace(path)
+        return Workspace(path, owned=True, keep=keep)
 
 
 def attach(snap, ws: Workspace) -> None:
@@ -117,4 +140,112 @@ def attach(snap, ws: Workspace) -> None:
     import weakref
 
     snap.workspace = ws.capture(snap.id)
+    snap.workspace_path = ws.path
+    weakref.finalize(snap, shutil.rmtree, snap.workspace, True)
+
+
+# --- persistence: a capture inside a bundle or a SnapshotStore entry --------------------------------
+#
+# ``pack`` copies a capture into ``DIR/workspace`` (files 0600, directories 0700: bundles are
+# private) and returns its manifest, which goes into bundle.json and so is covered by its HMAC:
+#
+#     {"files": {rel: {"size", "sha256", "mode"}}, "dirs": {rel: mode}, "links": {rel: target}}
+#
+# ``unpack`` copies it back out into a new private directory and checks that copy against the
+# manifest (exactly the listed entries, every sha256) before anything uses it; original modes are
+# restored.  Entries other than files, directories and symlinks (FIFOs, sockets, devices) are not
+# persisted.
+
+
+def _check_rel(rel: str) -> str:
+    if (not rel or rel.startswith("/") or "\0" in rel or os.path.normpath(rel) != rel
+            or rel.split(os.sep)[0] == ".."):
+        raise SnapshotCorruptedError(f"workspace entry {rel!r} is not a plain relative path")
+    return rel
+
+
+def _walk(root: str) -> dict:
+    """The manifest of ``root`` as it is on disk (modes as found)."""
+    import stat
+
+    out: dict = {"files": {}, "dirs": {}, "links": {}, "other": []}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            rel = os.path.relpath(p, root)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                out["links"][rel] = os.readlink(p)
+            elif stat.S_ISDIR(st.st_mode):
+                out["dirs"][rel] = stat.S_IMODE(st.st_mode)
+            elif stat.S_ISREG(st.st_mode):
+                out["files"][rel] = {"size": st.st_size, "sha256": store.file_digest(p),
+                                     "mode": stat.S_IMODE(st.st_mode)}
+            else:
+                out["other"].append(rel)
+    return out
+
+
+def pack(captured: str, dest: str) -> dict:
+    """Copy the capture ``captured`` into the new directory ``dest``; returns its manifest."""
+    store.private_mkdir(dest)
+    names = os.listdir(captured)
+    if names:
+        subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(captured, n) for n in names], dest],
+                       check=True, capture_output=True)
+    man = _walk(dest)
+    for rel in man.pop("other"):  # FIFOs, sockets, devices: not persisted
+        os.unlink(os.path.join(dest, rel))
+    for rel in man["files"]:
+        os.chmod(os.path.join(dest, rel), 0o600)
+    for rel in man["dirs"]:
+        os.chmod(os.path.join(dest, rel), 0o700)
+    return man
+
+
+def unpack(src: str, manifest: dict, what: str) -> str:
+    """Copy a packed workspace out of ``src`` into a new private capture directory, verified
+    against ``manifest`` (from HMAC-checked metadata); returns the capture's path.
+
+    Raises SnapshotCorruptedError when anything differs (the copy is removed)."""
+    for rel in [*manifest.get("files", {}), *manifest.get("dirs", {}), *manifest.get("links", {})]:
+        _check_rel(rel)
+    if not os.path.isdir(src) or os.path.islink(src):
+        raise SnapshotCorruptedError(f"{what}: the workspace directory {src} is missing")
+    dst = os.path.join(store.session_dir(), f"ws-load-{os.urandom(6).hex()}")
+    tmp = dst + ".tmp"
+    try:
+        store.private_mkdir(tmp)
+        names = os.listdir(src)
+        if names:
+            subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(src, n) for n in names], tmp],
+                           check=True, capture_output=True)
+        got = _walk(tmp)  # check the copy, not the source: what is verified is what is used
+        if got["other"] or set(got["dirs"]) != set(manifest.get("dirs", {})) \
+                or got["links"] != manifest.get("links", {}) or set(got["files"]) != set(manifest.get("files", {})):
+            raise SnapshotCorruptedError(f"{what}: the workspace files differ from the signed list "
+                                         "(entries added, removed or changed type)")
+        for rel, want in manifest["files"].items():
+            have = got["files"][rel]
+            if have["size"] != want["size"] or have["sha256"] != want["sha256"]:
+                raise SnapshotCorruptedError(f"{what}: workspace file {rel} fails its sha256 check")
+        for rel, want in manifest["files"].items():
+            os.chmod(os.path.join(tmp, rel), int(want["mode"]) & 0o7777)
+        for rel in sorted(manifest.get("dirs", {}), key=len, reverse=True):
+            os.chmod(os.path.join(tmp, rel), int(manifest["dirs"][rel]) & 0o7777)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def adopt(snap, src: str, manifest: dict | None, origin: str | None, what: str) -> None:
+    """Give a loaded ``snap`` the workspace packed at ``src`` (if ``manifest``), verified."""
+    if manifest is None:
+        return
+    import weakref
+
+    snap.workspace = unpack(src, manifest, what)
+    snap.workspace_path = origin
     weakref.finalize(snap, shutil.rmtree, snap.workspace, True)

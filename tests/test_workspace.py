@@ -71,3 +71,209 @@ def test_fork_branches_are_isolated(tmp_path):
     for k in kids:
         k.close()
     env.close()
+
+
+# --- persistence: bundles and store entries carry the workspace --------------------------------------
+
+@pytest.fixture(autouse=True)
+def _private_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYM_FORK_KEY_FILE", str(tmp_path / "key"))
+    monkeypatch.delenv("GYM_FORK_KEY", raising=False)
+
+
+FRESH = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import gym_fork
+from agent_workspace import snapshot_of_files
+kind, src, ws = sys.argv[2], sys.argv[3], sys.argv[4]
+snap = (gym_fork.load_snapshot(src) if kind == "bundle"
+        else gym_fork.SnapshotStore(src).load(sys.argv[5]))
+env = gym_fork.ForkableEnv.from_snapshot(snap, workspace=ws)
+out = {"files": snapshot_of_files(ws), "attr": env.unwrapped.workspace, "steps": env.steps,
+       "mode": oct(os.stat(os.path.join(ws, "run.sh")).st_mode & 0o777)}
+obs, *_ = env.step(9)  # the restored process works in ws: its tests see the restored files/rows
+out["obs"] = [float(x) for x in obs]
+print(json.dumps(out))
+env.close()
+"""
+
+
+def _fresh(*args: str) -> dict:
+    import json
+    import subprocess
+
+    from gym_fork import keys
+
+    ex = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    out = subprocess.run([sys.executable, "-c", FRESH, ex, *args], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "GYM_FORK_KEY_FILE": keys.key_file()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _as_json(d: dict) -> dict:
+    return {"files": d["files"], "rows": [list(r) for r in d["rows"]]}
+
+
+@pytest.mark.parametrize("backend", ["criu", "pickle"])
+def test_workspace_survives_the_process_in_bundles_and_stores(tmp_path, backend):
+    import stat
+
+    ws = str(tmp_path / "ws")
+    st = gym_fork.SnapshotStore(str(tmp_path / "store")) if backend == "criu" else None
+    env = gym_fork.ForkableEnv(WebAppAgentEnv, workspace=ws, store=st, backend=backend)
+    env.reset(seed=0)
+    for a in [0, 8, 1, 8, 9]:
+        env.step(a)
+    with open(os.path.join(ws, "run.sh"), "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(os.path.join(ws, "run.sh"), 0o750)
+    snap = env.snapshot()
+    want = snapshot_of_files(ws)
+    bundle = snap.save(str(tmp_path / "bundle"))
+    if st is not None:  # (stores hold CRIU snapshots only)
+        st.put(snap)  # written into the store (its frozen process ends)
+    # the live workspace moves on; the saved copies must not follow
+    for a in [2, 3, 8, 9]:
+        env.step(a)
+    with open(os.path.join(ws, "routes", "home.py"), "a") as f:
+        f.write("# edited in place\n")
+    assert snapshot_of_files(ws) != want
+
+    for path in (bundle, st._snap_dir(snap.id)) if st else (bundle,):
+        wdir = os.path.join(path, "workspace")
+        assert os.path.isfile(os.path.join(wdir, "app.db")) and os.path.isfile(os.path.join(wdir, "run.sh"))
+        for r, ds, fs in os.walk(wdir):  # private inside the bundle/store
+            assert all(stat.S_IMODE(os.stat(os.path.join(r, n)).st_mode) == 0o600 for n in fs)
+            assert all(stat.S_IMODE(os.stat(os.path.join(r, n)).st_mode) == 0o700 for n in ds)
+
+    # a fresh interpreter gets exactly the files and rows of the snapshot moment
+    for kind, src, extra in (("bundle", bundle, []), ("store", st.path if st else "", [snap.id]))[:2 if st else 1]:
+        new_ws = str(tmp_path / f"ws-{kind}")
+        got = _fresh(kind, src, new_ws, *extra)
+        assert got["files"] == _as_json(want), kind
+        assert got["attr"] == new_ws and got["steps"] == 5 and got["mode"] == "0o750"
+        assert got["obs"] == [2.0, 2.0, 3.0]  # 2 routes, 2 users; tests: 2 handlers + users
+        assert snapshot_of_files(ws) != want  # the original workspace was not touched
+
+    # and in this process, into the running env
+    loaded = gym_fork.load_snapshot(bundle)
+    env.restore(loaded)
+    assert snapshot_of_files(ws) == want
+    assert env.unwrapped.workspace == ws
+    env.close()
+
+
+def test_tampered_or_misused_workspace_is_refused(tmp_path):
+    import json
+    import shutil
+
+    from gym_fork.bundle import BundleError
+    from gym_fork.errors import SnapshotCorruptedError
+
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(WebAppAgentEnv, workspace=ws)
+    env.reset(seed=0)
+    for a in [0, 8]:
+        env.step(a)
+    snap = env.snapshot()
+    good = snap.save(str(tmp_path / "b"))
+
+    def variant(name, change):
+        p = str(tmp_path / name)
+        shutil.copytree(good, p, symlinks=True)
+        change(os.path.join(p, "workspace"), p)
+        return p
+
+    def flip(w, _p):
+        f = os.path.join(w, "routes", "home.py")
+        data = open(f).read()
+        open(f, "w").write(data.replace("home", "evil"))
+
+    def extra(w, _p):
+        open(os.path.join(w, "routes", "backdoor.py"), "w").write("x = 1\n")
+
+    def link(w, _p):
+        os.symlink("/etc/passwd", os.path.join(w, "passwd"))
+
+    def manifest(_w, p):
+        meta = json.load(open(os.path.join(p, "bundle.json")))
+        meta["workspace"]["files"].pop("routes/home.py")
+        json.dump(meta, open(os.path.join(p, "bundle.json"), "w"))
+
+    for name, change in (("flip", flip), ("extra", extra), ("link", link)):
+        with pytest.raises(SnapshotCorruptedError, match="workspace"):
+            gym_fork.load_snapshot(variant(name, change))
+    with pytest.raises(BundleError, match="HMAC"):
+        gym_fork.load_snapshot(variant("manifest", manifest))
+
+    loaded = gym_fork.load_snapshot(good)
+    with pytest.raises(ValueError, match="workspace=DIR"):
+        gym_fork.ForkableEnv.from_snapshot(loaded)
+    plain = gym_fork.ForkableEnv(WebAppAgentEnv)
+    try:
+        with pytest.raises(ValueError, match="captured a workspace"):
+            plain.restore(loaded)  # the snapshot's worker would write into another env's directory
+    finally:
+        plain.close()
+    env.close()
+
+
+def test_branch_directories_are_deleted_on_close(tmp_path):
+    import gc
+
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(WebAppAgentEnv, workspace=ws)
+    env.reset(seed=0)
+    for a in [0, 8]:
+        env.step(a)
+    snap = env.snapshot()
+    base = snapshot_of_files(ws)
+    kids = env.fork(snap, 3)
+    paths = [k.unwrapped.workspace for k in kids]
+    assert all(os.path.isdir(p) and ".branch-" in p for p in paths)
+    kids[0].close()
+    assert not os.path.exists(paths[0])
+    kids[1].close(keep_workspace=True)
+    assert os.path.isdir(paths[1]) and snapshot_of_files(paths[1]) == base
+    k2 = kids.pop(2)
+    del kids, k2  # never closed: the directory goes with the env
+    gc.collect()
+    assert not os.path.exists(paths[2])
+    [kept] = env.fork(snap, 1, keep_workspace=True)
+    kept_path = kept.unwrapped.workspace
+    kept.step(3)
+    kept.close()
+    assert os.path.isdir(kept_path) and "profile.py" in snapshot_of_files(kept_path)["files"]
+
+    # a branch restoring its parent's snapshot keeps working in its own directory
+    [kid] = env.fork(snap, 1)
+    kid_path = kid.unwrapped.workspace
+    kid.step(4)
+    kid.restore(snap)
+    assert kid.unwrapped.workspace == kid_path and snapshot_of_files(kid_path) == base
+    kid.step(5)
+    assert "cart.py" in snapshot_of_files(kid_path)["files"]
+    assert snapshot_of_files(ws) == base  # nothing leaked into the parent's directory
+    kid.close()
+    assert not os.path.exists(kid_path)
+    env.close()
+    assert os.path.isdir(ws)  # the user's own directory is never deleted
+
+
+def test_make_passes_store_and_workspace(tmp_path):
+    st = gym_fork.SnapshotStore(str(tmp_path / "store"))
+    ws = str(tmp_path / "ws")
+    env = gym_fork.make("CartPole-v1", backend="criu", store=st, workspace=ws)
+    try:
+        env.reset(seed=0)
+        assert env.unwrapped.workspace == ws
+        open(os.path.join(ws, "note.txt"), "w").write("at snapshot")
+        snap = env.snapshot()
+        assert snap._store is st and snap in st.in_memory()
+        open(os.path.join(ws, "note.txt"), "w").write("later")
+        env.restore(snap)
+        assert open(os.path.join(ws, "note.txt")).read() == "at snapshot"
+    finally:
+        env.close()
