@@ -105,16 +105,17 @@ def main(argv=None) -> dict:
         rows = bench_env(n, a.n, a.mb)
         res["env_worker"] = summarize(f"(a) env worker with {a.mb} MB", rows, {
             "A: snapshot (fork tier)": lambda r: r["timings"]["snapshot_s"],
-            "A: persist (CRIU dump + sha256 manifest)": lambda r: r["timings"]["save_s"],
-            "A->B: connect + handshake": lambda r: r["timings"]["connect_s"],
-            "B: receive + unpack": lambda r: r["remote_timings"]["receive_s"],
-            "B: verify (HMAC, compat, sha256)": lambda r: r["remote_timings"]["verify_s"],
+            "A: CRIU dump of the frozen copy": lambda r: r["timings"]["save_s"],
+            "A->B: connect + handshake (overlaps dump)": lambda r: r["timings"]["connect_s"],
+            "A: wait for the connection": lambda r: r["timings"].get("connect_wait_s", 0.0),
+            "A->B: stream+hash / B: receive+hash": lambda r: r["remote_timings"]["receive_s"],
+            "B: verify (HMAC, session, compat, digests)": lambda r: r["remote_timings"]["verify_s"],
             "B: CRIU restore + ping": lambda r: r["remote_timings"]["restore_s"],
         })
         if a.jobs:
             rows = bench_job(n, a.jobs)
             res["ppo_job"] = summarize("(b) whole PPO job (trainer + torch, 1 process tree)", rows, {
-                f"A: {k}": (lambda r, k=k: r["timeline"][k]) for k in ("dump_s", "pack_s")} | {
+                f"A: {k}": (lambda r, k=k: r["timeline"].get(k, 0.0)) for k in ("dump_s", "pack_s", "connect_wait_s")} | {
                 f"B: {k}": (lambda r, k=k: r["timeline"][k]) for k in ("receive_s", "verify_s", "restore_s")})
     if a.json:
         with open(a.json, "w") as f:

@@ -6,6 +6,9 @@ A bundle is a directory (mode 0700)::
                    restore depends on, the files the process maps (path, size), an HMAC
     images/        CRIU images + MANIFEST.json (sha256 of each)      -- criu backend
     payload.pkl    the cloudpickle payload                            -- pickle backend
+    workspace/     the env's workspace files at the snapshot moment   -- envs with a workspace
+                   (SQLite databases as online backups); bundle.json lists every file's size,
+                   sha256 and mode, so the HMAC covers them (:mod:`gym_fork.workspace`)
 
 It is written aside and renamed into place (files fsynced first), so a crash leaves either the
 complete bundle or none.  ``bundle.json`` carries an HMAC-SHA256 (key: :mod:`gym_fork.keys`)
@@ -18,6 +21,7 @@ shared libraries: CRIU needs them identical) or backend do not fit this machine.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import platform
@@ -82,6 +86,8 @@ def _copy_tree(src: str, dst: str) -> None:
 def _fsync_tree(path: str) -> None:
     for root, _dirs, files in os.walk(path):
         for name in files:
+            if os.path.islink(os.path.join(root, name)):  # a workspace symlink: not ours to open
+                continue
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -127,12 +133,18 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
             meta["payload_sha256"] = hashlib.sha256(payload).hexdigest()
         else:
             raise BundleError(f"backend {snap.backend!r} cannot be saved as a bundle")
+        if snap.workspace is not None:  # the env's files at the snapshot moment
+            from gym_fork.workspace import pack
+
+            meta["workspace"] = pack(snap.workspace, os.path.join(tmp, "workspace"))
+            meta["workspace_path"] = snap.workspace_path
         meta["hmac"] = keys.sign(_canonical(meta), key)
         with open(os.path.join(tmp, "bundle.json"), "w") as f:
             json.dump(meta, f, indent=1)
         for root, dirs, files in os.walk(tmp):
             for name in files:
-                os.chmod(os.path.join(root, name), 0o600)
+                if not os.path.islink(os.path.join(root, name)):  # chmod would follow the link
+                    os.chmod(os.path.join(root, name), 0o600)
         _fsync_tree(tmp)
         os.rename(tmp, path)
     except BaseException:
@@ -189,9 +201,15 @@ def check_compatible(meta: dict, path: str) -> None:
         )
 
 
-def load_snapshot(path: str, *, key: bytes | None = None) -> Any:
+def load_snapshot(path: str, *, key: bytes | None = None, received: dict | None = None,
+                  session: str | None = None) -> Any:
     """Load a bundle written by ``Snapshot.save``; restore it with ``env.restore(snap)`` (an env
     with the same env id) or ``ForkableEnv.from_snapshot(snap)``.
+
+    ``received`` (live migration): the images' sizes and sha256 as computed while they arrived;
+    they must equal the HMAC-covered list exactly, and the files are not hashed again.
+    ``session``: the signed ``session`` field must equal it (a bundle streamed for another
+    connection, i.e. a replay, is refused).
 
     Raises BundleError (does not fit here / HMAC fails) or SnapshotCorruptedError.
     """
@@ -200,12 +218,18 @@ def load_snapshot(path: str, *, key: bytes | None = None) -> Any:
 
     path = os.path.abspath(path)
     meta = read_bundle_meta(path, key=key)
+    if session is not None and not hmac.compare_digest(str(meta.get("session", "")), session):
+        raise BundleError(f"{path}: the bundle was signed for another session (replayed?); nothing was loaded")
     if meta["backend"] == "criu":
         check_compatible(meta, path)
         images = os.path.join(path, "images")
-        man = store.verify(images, full=True)
-        if man["files"] != meta["images"]:
-            raise SnapshotCorruptedError(f"{path}: image manifest does not match bundle.json")
+        if received is not None:
+            store.verify_received(received, meta["images"], path)
+            man = {"files": meta["images"]}
+        else:
+            man = store.verify(images, full=True)
+            if man["files"] != meta["images"]:
+                raise SnapshotCorruptedError(f"{path}: image manifest does not match bundle.json")
         from gym_fork.backends.criu import CriuPayload
 
         backend = get_backend("criu")
@@ -225,4 +249,7 @@ def load_snapshot(path: str, *, key: bytes | None = None) -> Any:
                     snap_id=meta["id"], env_id=meta.get("env_id"))
     snap.created = meta.get("created", snap.created)
     snap.bundle_path = path
+    from gym_fork.workspace import adopt
+
+    adopt(snap, os.path.join(path, "workspace"), meta.get("workspace"), meta.get("workspace_path"), path)
     return snap

@@ -99,6 +99,23 @@ def verify(dirpath: str, full: bool = True) -> dict:
     return man
 
 
+def verify_received(received: dict, signed: dict, what: str) -> None:
+    """Images hashed as they arrived (name -> {size, sha256}, see ``wire.receive_tar``) must be
+    exactly the signed ones: same names, sizes and digests, nothing missing, nothing extra.
+    Raises SnapshotCorruptedError; the files are not read again."""
+    import hmac
+
+    if set(received) != set(signed):
+        extra, missing = sorted(set(received) - set(signed)), sorted(set(signed) - set(received))
+        raise SnapshotCorruptedError(f"{what}: the received images differ from the signed list "
+                                     f"(extra {extra[:3]}, missing {missing[:3]}); nothing restored")
+    for name, want in signed.items():
+        got = received[name]
+        if got["size"] != want.get("size") or not hmac.compare_digest(got["sha256"], str(want.get("sha256"))):
+            raise SnapshotCorruptedError(f"{what}: image {name} fails its sha256 check (corrupted in transfer); "
+                                         "nothing restored")
+
+
 def commit(tmp: str, final: str) -> None:
     """Make a fully written snapshot directory visible in one step."""
     dfd = os.open(tmp, os.O_DIRECTORY)

@@ -298,3 +298,96 @@ def test_job_migration_failure_keeps_training(netnodes, reference_job, tmp_path)
     assert done["migrations"][0]["status"] == "failed" and "AgentUnreachableError" in done["migrations"][0]["error"]
     ref = [x for x in reference_job if x.get("done")][0]
     assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+
+
+# --- streamed images (hashed in one pass on each side; trailer signed for this session) -----------
+def _streamed(lo, mutate):
+    """Dump a snapshot, stream it to agent B with the trailer ``mutate(meta, digests, hello)``
+    returns (signed with the right key), and return the agent's reply."""
+    from gym_fork import bundle as B
+    from gym_fork import keys, store
+    from gym_fork.migration import client, wire
+
+    env = gym_fork.make(ENV)
+    env.reset(seed=3)
+    snap = env.snapshot()
+    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"t-{os.urandom(3).hex()}"))
+    try:
+        image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
+        assert not os.path.exists(os.path.join(image.path, store.MANIFEST))  # no manifest pass, no fsync
+        base = client._bundle_meta(snap, image)
+        tok = lo.token.encode()
+        sock, hello = wire.connect(lo.target["B"], tok)
+
+        def trailer(digests):
+            meta = mutate(dict(base, images=digests, session=hello["nonce"]), digests, hello)
+            meta["hmac"] = keys.sign(B._canonical(meta), wire.bundle_key(tok))
+            return meta
+
+        try:
+            reply, _n = wire.send_images(sock, {"op": "env"}, image.path, lo.target["B"], trailer)
+        finally:
+            sock.close()
+        return reply
+    finally:
+        snap.release()
+        env.close()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_streamed_bundle_signed_for_another_session_is_refused(lo):
+    reply = _streamed(lo, lambda m, d, h: dict(m, session=os.urandom(32).hex()))  # a replay's session
+    assert not reply["ok"] and reply["error"] == "BundleError" and "another session" in reply["message"]
+    _clean(lo.agents["B"])
+
+
+def test_streamed_image_not_in_signed_list_is_refused(lo):
+    def drop_one(meta, digests, hello):  # sign all but one image: that one arrives unsigned
+        name = sorted(digests)[0]
+        return dict(meta, images={k: v for k, v in digests.items() if k != name})
+
+    reply = _streamed(lo, drop_one)
+    assert not reply["ok"] and reply["error"] == "SnapshotCorruptedError" and "signed list" in reply["message"]
+    _clean(lo.agents["B"])
+
+
+def test_streamed_digest_mismatch_is_refused(lo):
+    def lie(meta, digests, hello):
+        name = max(digests, key=lambda k: digests[k]["size"])
+        return dict(meta, images=dict(digests, **{name: dict(digests[name], sha256="0" * 64)}))
+
+    reply = _streamed(lo, lie)
+    assert not reply["ok"] and "sha256" in reply["message"]
+    _clean(lo.agents["B"])
+
+
+def test_agent_still_accepts_a_whole_bundle_tar(lo):
+    """The pre-streaming form (tar of a bundle dir with bundle.json, verified by re-hashing)."""
+    from gym_fork import store
+    from gym_fork.migration import client, wire
+
+    env, ref = _pair(_actions(25))
+    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"t-{os.urandom(3).hex()}"))
+    snap = env.snapshot()
+    try:
+        tok = lo.token.encode()
+        client.write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
+        sock, _hello = wire.connect(lo.target["B"], tok)
+        try:
+            reply, _n = wire.send_bundle(sock, {"op": "env"}, tmp, lo.target["B"])
+            assert reply["ok"], reply
+            h = client.NetworkHandle(sock, reply["pid"], "B", lo.target["B"])  # the relayed worker channel
+            for a in _actions(20, seed=5):
+                assert np.array_equal(h.request("step", a)[0], ref.step(a)[0])
+        finally:
+            sock.close()
+    finally:
+        snap.release()
+        env.close()
+        ref.close()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    _clean(lo.agents["B"])

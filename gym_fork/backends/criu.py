@@ -270,10 +270,14 @@ class CriuBackend(Backend):
         finally:
             done.set()
 
-    def _dump(self, handle: RemoteHandle, snap_id: str, *, leave_running: bool) -> tuple[CriuPayload, int]:
+    def _dump(self, handle: RemoteHandle, snap_id: str, *, leave_running: bool,
+              into: str | None = None) -> tuple[CriuPayload, int]:
+        """Dump into the session dir, checksummed and committed; or, with ``into`` (a new private
+        dir), plain images only: no manifest, no fsync, no rename (transient images that are
+        hashed while they are streamed, see :meth:`dump_transient`)."""
         self._require_criu("this snapshot" if leave_running else "persist()")
         root = store.session_dir()
-        tmp = store.private_mkdir(os.path.join(root, f".{snap_id}.tmp"))
+        tmp = store.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
         dfd = os.open(tmp, os.O_DIRECTORY)
         try:
@@ -290,6 +294,8 @@ class CriuBackend(Backend):
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
         finally:
             os.close(dfd)
+        if into is not None:
+            return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier), 0
         try:
             size = store.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id})
             store.commit(tmp, final)
@@ -354,6 +360,25 @@ class CriuBackend(Backend):
         """Write CRIU images of a copy-on-write snapshot (nothing else stops meanwhile)."""
         if isinstance(payload, CriuPayload) or payload.image is not None:
             return payload
+        payload.image = self._dump_copy(payload, None)
+        return payload
+
+    def dump_transient(self, payload: CriuPayload | ForkPayload, into: str) -> CriuPayload:
+        """CRIU images of a copy-on-write snapshot in the new private dir ``into``, for shipping
+        right away (live migration): no manifest, no fsync, and ``payload`` is not changed (the
+        caller releases it). Whoever reads them must hash them (``wire.send_images`` does, in
+        the same pass that sends them). A snapshot that already has images is dumped from
+        neither: its images are hard-linked (they are immutable)."""
+        image = payload if isinstance(payload, CriuPayload) else payload.image
+        if image is not None:
+            os.makedirs(into, mode=0o700)
+            for name in os.listdir(image.path):  # with MANIFEST.json: the sender checks against it
+                if os.path.isfile(os.path.join(image.path, name)):
+                    os.link(os.path.join(image.path, name), os.path.join(into, name))
+            return CriuPayload(into, image.ino, fork_tier=image.fork_tier)
+        return self._dump_copy(payload, into)
+
+    def _dump_copy(self, payload: ForkPayload, into: str | None) -> CriuPayload:
         self._require_criu("persist()")
         if payload.chan is None:
             raise SnapshotCorruptedError("the snapshot's frozen process is gone")
@@ -368,15 +393,14 @@ class CriuBackend(Backend):
             theirs.close()
         copy = RemoteHandle(Channel(ours), pid, ino, fork_tier=True)
         try:
-            image, _size = self._dump(copy, f"p{pid}-{os.urandom(4).hex()}", leave_running=False)
+            image, _size = self._dump(copy, f"p{pid}-{os.urandom(4).hex()}", leave_running=False, into=into)
         finally:
             copy.chan.close()
             try:
                 os.kill(pid, 9)  # normally CRIU killed it already
             except ProcessLookupError:
                 pass
-        payload.image = image
-        return payload
+        return image
 
     def evict(self, payload: CriuPayload | ForkPayload) -> None:
         if isinstance(payload, ForkPayload) and payload.image is not None and payload.chan is not None:

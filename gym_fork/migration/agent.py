@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
 import os
 import select
@@ -104,8 +105,8 @@ class Agent:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn = self.tls.wrap_socket(conn, server_side=True)
-            wire.server_handshake(conn, self.token, self.node)
-            req = wire.recv_msg(conn)
+            nonce = wire.server_handshake(conn, self.token, self.node)
+            req = dict(wire.recv_msg(conn), _session=nonce)  # streamed bundles must be signed for it
         except AuthenticationError as e:
             log.warning("REFUSED %s: %s", who, e)
             conn.close()
@@ -136,8 +137,12 @@ class Agent:
             except OSError:
                 pass
 
-    def receive_bundle(self, conn: socket.socket, req: dict, who: str) -> tuple[str, dict]:
-        """Unpack the tar that follows ``req`` into a private dir; returns (dir, timings).
+    def receive_bundle(self, conn: socket.socket, req: dict, who: str) -> tuple[str, dict, dict | None]:
+        """Unpack the tar that follows ``req`` into a private dir; returns (dir, timings, streamed).
+        ``streamed`` is None for a tar of a whole bundle dir (verify by re-hashing); for
+        ``req["stream"] == 2`` (:func:`wire.send_images`) the images land in ``dir/bundle/images``,
+        hashed on receipt, and ``streamed = {"digests": ..., "meta": trailer}`` (the trailer is
+        not trusted yet: the caller checks its HMAC, session and the digests).
         Raises NoSpaceError, EOFError (cut), tarfile.TarError, OSError; removes the dir then."""
         size = int(req.get("size", -1))
         if size < 0:
@@ -149,9 +154,19 @@ class Agent:
         wire.send_msg(conn, {"ok": True, "ready": True})  # the sender streams only after this
         d = store.private_mkdir(os.path.join(self.state_dir, f"in-{os.urandom(6).hex()}"))
         t0 = time.monotonic()
+        streamed = None
         try:
             conn.settimeout(RECEIVE_TIMEOUT_S)
-            wire.receive_tar(conn, size, d)
+            if req.get("stream") == 2:
+                digests: dict = {}
+                wire.receive_tar(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")), digests)
+                try:
+                    meta = wire.recv_msg(conn)
+                except ValueError as e:
+                    raise tarfile.ReadError(f"bad trailer after the images: {e}") from e
+                streamed = {"digests": digests, "meta": meta}
+            else:
+                wire.receive_tar(conn, size, d)
         except OSError as e:
             shutil.rmtree(d, ignore_errors=True)
             if e.errno == 28:
@@ -160,7 +175,7 @@ class Agent:
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise
-        return d, {"receive_s": time.monotonic() - t0, "bytes": size}
+        return d, {"receive_s": time.monotonic() - t0, "bytes": size}, streamed
 
     def _op_env(self, conn: socket.socket, req: dict, who: str) -> None:
         from gym_fork.bundle import load_snapshot
@@ -168,9 +183,15 @@ class Agent:
         d = None
         handle = None
         try:
-            d, timings = self.receive_bundle(conn, req, who)
+            d, timings, streamed = self.receive_bundle(conn, req, who)
             t0 = time.monotonic()
-            snap = load_snapshot(os.path.join(d, "bundle"), key=self.key)  # HMAC, compat, sha256
+            path = os.path.join(d, "bundle")
+            if streamed is None:
+                snap = load_snapshot(path, key=self.key)  # HMAC, compat, sha256 (re-read)
+            else:  # HMAC, session, compat, and the sha256s computed on receipt
+                with open(os.path.join(path, "bundle.json"), "w") as f:
+                    json.dump(streamed["meta"], f)
+                snap = load_snapshot(path, key=self.key, received=streamed["digests"], session=req["_session"])
             timings["verify_s"] = time.monotonic() - t0
             t0 = time.monotonic()
             handle = snap._backend._restore_verified(snap.payload())

@@ -75,30 +75,38 @@ class MigratedBackend(Backend):
         pass
 
 
-def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
-    """The bundle :func:`gym_fork.bundle.save_snapshot` writes (same bundle.json, read back by
-    ``load_snapshot`` on the agent), minus what only a *kept* bundle needs: the images are
-    hard-linked, not re-hashed (their manifest was written when CRIU dumped them, a moment ago,
-    in our private dir) and nothing is fsynced (the bundle only lives until it is sent)."""
+def _bundle_meta(snap: Any, image: Any) -> dict[str, Any]:
+    """bundle.json of a snapshot whose images are at ``image`` (a CriuPayload), minus ``images``
+    (their sizes and sha256) and ``hmac``."""
     import platform
     import sys
 
     from gym_fork import bundle as B
-    from gym_fork import keys
     from gym_fork.criu_support import criu_status
 
-    payload = snap._backend.persist(snap.payload())
-    image = getattr(payload, "image", None) or payload
-    man = store.read_manifest(image.path)
-    meta: dict[str, Any] = {
+    return {
         "format": B.FORMAT, "backend": snap.backend, "id": snap.id, "steps": snap.steps,
         "parent_id": snap.parent_id, "created": snap.created, "saved": time.time(),
         "env_id": snap.env_id, "actions": B._json_actions(snap.actions),
         "python": sys.executable, "python_version": platform.python_version(),
         "kernel": platform.release(), "machine": platform.machine(),
         "criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
-        "images": man["files"], "files": B._mapped_files(image.path),
+        "files": B._mapped_files(image.path),
     }
+
+
+def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
+    """The bundle :func:`gym_fork.bundle.save_snapshot` writes (same bundle.json, read back by
+    ``load_snapshot`` on the agent), minus what only a *kept* bundle needs: the images are
+    hard-linked, not re-hashed (their manifest was written when CRIU dumped them, a moment ago,
+    in our private dir) and nothing is fsynced (the bundle only lives until it is sent)."""
+    from gym_fork import bundle as B
+    from gym_fork import keys
+
+    payload = snap._backend.persist(snap.payload())
+    image = getattr(payload, "image", None) or payload
+    man = store.read_manifest(image.path)
+    meta = dict(_bundle_meta(snap, image), images=man["files"])
     meta["hmac"] = keys.sign(B._canonical(meta), key)
     os.makedirs(path, mode=0o700)
     B._copy_tree(image.path, os.path.join(path, "images"))
@@ -119,24 +127,43 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
     if env._backend.name != "criu":
         raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
     tok = wire.load_token(token, token_file)
+    key = wire.bundle_key(tok)
     t_start = time.monotonic()
     timings: dict[str, float] = {}
     saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     tmp = store.private_mkdir(os.path.join(store.session_dir(), f"mig-{os.urandom(4).hex()}"))
+    # Connect + authenticate while the snapshot is dumped (off the critical path).
+    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
     sock = None
     snap = None
     try:
         t0 = time.monotonic()
-        snap = env.snapshot()
+        snap = env.snapshot()  # the freeze: the learner's next step runs on the target
         timings["snapshot_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
+        # CRIU dump of a copy into a private dir: no manifest pass, no fsync (hashed while sent)
+        image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
+        base = _bundle_meta(snap, image)
         timings["save_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        sock, hello = wire.connect(target, tok, tls=tls, timeout=timeout, netns=netns)
-        timings["connect_s"] = time.monotonic() - t0
+        sock, hello = conn.result()
+        timings["connect_wait_s"] = time.monotonic() - t0
+        timings["connect_s"] = conn.elapsed
+
+        def trailer(digests: dict) -> dict:
+            from gym_fork import bundle as B
+            from gym_fork import keys
+
+            known = os.path.join(image.path, store.MANIFEST)  # images dumped earlier: must still match
+            if os.path.exists(known) and store.read_manifest(image.path)["files"] != digests:
+                raise ValueError("the snapshot's images changed on disk since they were dumped")
+            meta = dict(base, images=digests, session=hello["nonce"])  # session: no replay elsewhere
+            meta["hmac"] = keys.sign(B._canonical(meta), key)
+            return meta
+
         t0 = time.monotonic()
-        reply, nbytes = wire.send_bundle(sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, tmp, target)
+        reply, nbytes = wire.send_images(sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps},
+                                         image.path, target, trailer)
         timings["transfer_restore_s"] = time.monotonic() - t0
         if not reply.get("ok"):
             raise RemoteRestoreError(
@@ -145,6 +172,8 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
     except BaseException:
         if sock is not None:
             sock.close()
+        else:
+            conn.discard()
         env._parent_id, env._actions = saved_state
         raise
     finally:

@@ -26,6 +26,7 @@ The agent then supervises J' with the same loop (:class:`JobHost`), so it can mo
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
@@ -180,7 +181,10 @@ class JobHost:
         t_freeze = time.time()
         tl: dict[str, float] = {}
         tmp = store.private_mkdir(os.path.join(store.session_dir(), f"job-{os.urandom(4).hex()}"))
-        images = store.private_mkdir(os.path.join(tmp, "bundle", "images"))
+        images = store.private_mkdir(os.path.join(tmp, "images"))
+        # connect + authenticate while CRIU dumps (off the critical path)
+        conn = wire.connect_in_background(target, self.token, tls=self.tls, netns=self.netns)
+        sock = None
         try:
             st = criu_status()
             dfd = os.open(images, os.O_DIRECTORY)
@@ -200,21 +204,26 @@ class JobHost:
                 os.close(dfd)
             tl["dump_s"] = time.time() - t_freeze
             t0 = time.time()
-            size = store.write_manifest(images, {"kind": "job", "ino": self.ino})
             import platform
 
-            meta = {"format": 1, "kind": "job", "ino": self.ino, "source": self.node, "t_freeze": t_freeze,
-                    "criu_version": st.version, "machine": platform.machine(),
-                    "files": _job_files(images), "images": store.read_manifest(images)["files"],
+            base = {"format": 1, "kind": "job", "ino": self.ino, "source": self.node, "t_freeze": t_freeze,
+                    "criu_version": st.version, "machine": platform.machine(), "files": _job_files(images),
                     "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
-            meta["hmac"] = keys.sign(_canonical(meta), wire.bundle_key(self.token))
-            with open(os.path.join(tmp, "bundle", "job.json"), "w") as f:
-                json.dump(meta, f)
-            tl["pack_s"] = time.time() - t0
+            tl["pack_s"] = time.time() - t0  # no manifest pass any more: images are hashed while sent
             t0 = time.time()
-            sock, hello = wire.connect(target, self.token, tls=self.tls, netns=self.netns)
+            sock, hello = conn.result()
+            tl["connect_wait_s"] = time.time() - t0
+            key = wire.bundle_key(self.token)
+
+            def trailer(digests: dict) -> dict:
+                meta = dict(base, images=digests, session=hello["nonce"])
+                meta["hmac"] = keys.sign(_canonical(meta), key)
+                return meta
+
+            t0 = time.time()
             try:
-                reply, nbytes = wire.send_bundle(sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl}, tmp, target)
+                reply, nbytes = wire.send_images(sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl},
+                                                 images, target, trailer)
             finally:
                 sock.close()
             tl["transfer_restore_s"] = time.time() - t0
@@ -225,6 +234,8 @@ class JobHost:
                      self.pid, hello.get("node"), target, nbytes, tl["dump_s"], tl["pack_s"], tl["transfer_restore_s"])
             return True
         except Exception as e:  # noqa: BLE001 - the job continues; tell it why
+            if sock is None:
+                conn.discard()
             log.warning("migration of job %d to %s failed: %s: %s", self.pid, target, type(e).__name__, e)
             try:
                 self.chan.send({"status": "failed", "error": f"{type(e).__name__}: {e}", "target": target})
@@ -249,7 +260,7 @@ def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> N
     d = None
     try:
         try:
-            d, timings = agent.receive_bundle(conn, req, who)
+            d, timings, streamed = agent.receive_bundle(conn, req, who)
         except EOFError as e:
             log.warning("%s: %s; nothing restored", who, e)
             agent_log = logging.getLogger("gym_fork.agent")
@@ -257,16 +268,23 @@ def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> N
             return
         t0 = time.time()
         path = os.path.join(d, "bundle")
-        try:
-            with open(os.path.join(path, "job.json")) as f:
-                meta = json.load(f)
-        except (OSError, ValueError) as e:
-            raise MigrationError(f"the job checkpoint has no readable job.json: {e}") from e
+        if streamed is not None:
+            meta = streamed["meta"]
+        else:
+            try:
+                with open(os.path.join(path, "job.json")) as f:
+                    meta = json.load(f)
+            except (OSError, ValueError) as e:
+                raise MigrationError(f"the job checkpoint has no readable job.json: {e}") from e
         if not keys.verify(_canonical(meta), meta.get("hmac", ""), agent.key):
             raise MigrationError("the job checkpoint's HMAC does not verify with this agent's token; nothing restored")
         check_compatible(meta, path)
         images = os.path.join(path, "images")
-        if store.verify(images, full=True)["files"] != meta["images"]:
+        if streamed is not None:  # hashed on receipt; signed for this connection only
+            if not hmac.compare_digest(str(meta.get("session", "")), req["_session"]):
+                raise MigrationError("the job checkpoint was signed for another session (replayed?); nothing restored")
+            store.verify_received(streamed["digests"], meta["images"], "the job checkpoint")
+        elif store.verify(images, full=True)["files"] != meta["images"]:
             raise MigrationError("the job's image manifest does not match job.json")
         timings["verify_s"] = time.time() - t0
         t0 = time.time()
