@@ -128,7 +128,7 @@ class _JumpChecker(BaseCallback):
 
     def __init__(self, cb: BranchExplorationCallback):
         super().__init__()
-        self.cb, self.jumps, self.expect = cb, 0, None
+        self.cb, self.jumps, self.expect, self.truncations = cb, 0, None, 0
 
     def _on_step(self) -> bool:
         if self.expect is not None:  # the step after a jump: SB3 acts from the branch's end
@@ -143,8 +143,10 @@ class _JumpChecker(BaseCallback):
         new_obs, dones, infos = self.locals["new_obs"], self.locals["dones"], self.locals["infos"]
         assert same(new_obs[slot], np.asarray(best.final_obs, dtype=new_obs.dtype))
         assert same(self.cb.venv.current_obs[slot], np.asarray(best.final_obs))
-        assert dones[slot] and infos[slot]["TimeLimit.truncated"]
-        assert "terminal_observation" in infos[slot]
+        # a jump marks the step as a time-limit truncation, unless the step had really ended
+        # its episode already (then it stays that episode end, terminal or truncated)
+        assert dones[slot] and "terminal_observation" in infos[slot]
+        self.truncations += bool(infos[slot].get("TimeLimit.truncated"))
         # the slot's simulator state is the best branch's end state
         ref = self.cb.venv.envs[slot].fork(best.snapshot, 1)[0]
         try:
@@ -164,7 +166,7 @@ def test_ppo_return_to_best_jumps_and_truncates():
         cb = BranchExplorationCallback(every=16, n_branches=4, horizon=6, mode="return_to_best", seed=4)
         checker = _JumpChecker(cb)
         model.learn(256, callback=CallbackList([cb, checker]))
-        assert checker.jumps >= 3
+        assert checker.jumps >= 3 and checker.truncations >= 1
         assert sum(h["jumped"] for h in cb.history) == checker.jumps
         assert all(h["jump_steps"] == 6 for h in cb.history if h["jumped"])
     finally:
@@ -247,3 +249,24 @@ def test_invalid_configs_raise_at_learn_start(cartpole):
 def test_docstring_example():
     res = doctest.testmod(gym_fork.sb3, verbose=False)
     assert res.attempted > 0 and res.failed == 0
+
+
+def test_a2c_return_to_best_with_progress_bar_and_logger(tmp_path):
+    """A2C + return_to_best inside a real learn(progress_bar=True); the branch/ keys reach SB3's
+    logger outputs (CSV here; TensorBoard uses the same logger.record calls)."""
+    from stable_baselines3.common.logger import configure
+
+    venv = ForkableVecEnv("CartPole-v1", n_envs=2, seed=1)
+    try:
+        model = A2C("MlpPolicy", venv, n_steps=8, device="cpu", seed=1)
+        model.set_logger(configure(str(tmp_path), ["csv"]))
+        cb = BranchExplorationCallback(every=16, n_branches=4, horizon=6, mode="return_to_best", seed=2)
+        checker = _JumpChecker(cb)
+        model.learn(400, callback=CallbackList([cb, checker]), progress_bar=True, log_interval=2)
+        assert checker.jumps >= 2
+        header = (tmp_path / "progress.csv").read_text().splitlines()[0].split(",")
+        for key in ("branch/n_branches", "branch/mean_return", "branch/max_return", "branch/steps_simulated",
+                    "branch/time_s", "branch/prefix_steps_saved", "branch/jumped"):
+            assert key in header, key
+    finally:
+        venv.close()
