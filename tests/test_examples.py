@@ -1,0 +1,62 @@
+"""Smoke tests of the example scripts (tiny budgets: seconds, not minutes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.criu
+def test_go_explore_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    ge = _load("go_explore")
+    out = tmp_path / "ge.png"
+    budget = 1000
+    res = ge.main(["--budget", str(budget), "--seeds", "0", "--out", str(out)])
+
+    assert res["budget"] == budget and res["seeds"] == [0]
+    rows = {r["method"]: r for r in res["results"]}
+    assert set(rows) == {"random", "go-explore"}
+    for r in rows.values():
+        assert r["steps"] == budget  # the same env-step budget, spent exactly
+        assert -1.2 <= r["max_pos"] <= 0.6 and math.isfinite(r["max_pos"])
+        assert r["goal_reached"] == (r["goal_at_step"] is not None)
+        if r["goal_reached"]:
+            assert 1 <= r["goal_at_step"] <= budget and r["verified"] is True
+            assert r["solution_len"] <= 200
+    g = rows["go-explore"]
+    assert g["cells"] >= 2 and g["snapshots"] >= g["cells"] and g["returns"] >= 1
+    assert out.is_file() and out.stat().st_size > 10_000
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.criu
+def test_agent_workspace_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the example's workspace and its branches land here
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the worker imports the env class from the module
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    aw = _load("agent_workspace")
+    aw.main()  # asserts that restore brings back exactly the snapshot's files and rows
+    out = capsys.readouterr().out
+    assert "snapshot at step 4: ['home.py', 'login.py'], 1 user(s)" in out
+    assert out.count("branch ") == 2
+    assert "restore brings back exactly the files and rows of the snapshot: True" in out
+    # closed branches took their DIR.branch-* directories with them; the main workspace stays
+    assert not [p for p in tmp_path.iterdir() if ".branch-" in p.name]
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("agent-ws-")]
