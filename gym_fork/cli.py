@@ -339,7 +339,8 @@ def doctor_report(probe_mode: bool | None = None) -> dict:
         auto = "criu (fork-only)"
         because = ("CRIU cannot run for this user (" + "; ".join(st.reasons) + "), but copy-on-write fork() "
                    "snapshots need no privilege: in-memory snapshot/restore/fork() work for single-threaded "
-                   "env workers; persist(), save/load and torch-loaded workers do not")
+                   "env workers; persist() and save/load do not; a multi-threaded (torch) worker's env uses "
+                   "backend 'pickle' if it pickles exactly (not EzPickle), else is refused at start-up")
     else:
         auto = "pickle"
         because = ("CRIU is not usable: " + "; ".join(st.reasons)

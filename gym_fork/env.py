@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal, Sequence
 import gymnasium as gym
 import numpy as np
 
-from gym_fork.backends import Backend, get_backend
+from gym_fork.backends import Backend, get_backend, start_env
 from gym_fork.backends.base import Handle
 from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
 from gym_fork.server import make_source
@@ -144,7 +144,7 @@ class ForkableEnv(gym.Wrapper):
                  workspace: str | None = None):
         source = make_source(env, env_kwargs)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier)
-        handle, meta = be.start(source)
+        be, handle, meta = start_env(be, source)
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store  # a gym_fork.SnapshotStore: budgets, persistence (snapshot_store.py)
         if workspace is not None:  # files captured with each snapshot (workspace.py: the contract)

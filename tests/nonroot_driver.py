@@ -2,6 +2,7 @@
 
     python nonroot_driver.py userns     CRIU in a user namespace + fork tier: exactness, branching,
                                         4 concurrent restores, CRIU timeout
+    python nonroot_driver.py loadbundle PATH...   (started by the userns run: a fresh interpreter)
     python nonroot_driver.py nouserns   first disable user namespaces (user.max_user_namespaces=0 in
                                         a fresh user namespace of our own, mapping only our own uid),
                                         then exec itself as "forkonly": the fork-only checks
@@ -54,6 +55,38 @@ class CounterWalk(gym.Env):
         return np.array([self.t, self.x]), -abs(self.x), abs(self.x) > 6, self.t >= 40, {"t": self.t}
 
 
+def _idle(ev):
+    ev.wait()
+
+
+class ThreadedWalk(CounterWalk):
+    """A pure-Python env whose constructor starts a helper thread (not kept as state): its worker
+    is unsafe to fork, but it pickles exactly."""
+
+    def __init__(self):
+        import threading
+
+        threading.Thread(target=_idle, args=(threading.Event(),), daemon=True).start()
+
+
+class ThreadedHolder(CounterWalk):
+    """Keeps its thread as an attribute: it does not pickle (a lock), so no backend can copy it."""
+
+    def __init__(self):
+        import threading
+
+        self.helper = threading.Thread(target=_idle, args=(threading.Event(),), daemon=True)
+        self.helper.start()
+
+
+class ThreadedEz(ThreadedWalk, gym.utils.EzPickle):
+    """An EzPickle env with a thread: pickling it would build a fresh env, so it is refused."""
+
+    def __init__(self):
+        ThreadedWalk.__init__(self)
+        gym.utils.EzPickle.__init__(self)
+
+
 def same(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
@@ -85,11 +118,11 @@ ENVS = {  # name -> (source, k steps before the snapshot, n actions after)
 }
 
 
-def exactness(fork_tier) -> dict:
+def exactness(fork_tier, envs=None) -> dict:
     import gym_fork
 
     out = {}
-    for name, (src, k, n) in ENVS.items():
+    for name, (src, k, n) in (envs or ENVS).items():
         env = gym_fork.ForkableEnv(src, backend="auto", fork_tier=fork_tier)
         try:
             env.reset(seed=3)
@@ -107,8 +140,8 @@ def exactness(fork_tier) -> dict:
             env.restore(snap2)
             t4, _ = run(env, acts)
             out[name] = {"same": same(t1, t2) and same(t1, t3) and same(t1, t4), "ends": ends,
-                         "snap_backend": snap.backend, "fork_tier": env._handle.fork_tier
-                         if hasattr(env, "_handle") else None}
+                         "snap_backend": snap.backend, "backend": env.backend,
+                         "fork_tier": getattr(env._handle, "fork_tier", None)}
             del rng
         finally:
             env.close()
@@ -143,6 +176,101 @@ def branching() -> dict:
                 "fork4_ms": round(fork4_ms, 1), "size_bytes": snap.size_bytes}
     finally:
         env.close()
+
+
+def canon(x) -> bytes:
+    """Bytes that equal exactly when ``same`` holds (to compare trajectories across processes)."""
+    if isinstance(x, np.ndarray):
+        return b"A" + str((x.dtype.str, x.shape)).encode() + x.tobytes()
+    if isinstance(x, dict):
+        return b"D" + b"".join(canon(k) + canon(v) for k, v in x.items()) + b"."
+    if isinstance(x, (tuple, list)):
+        return b"L" + b"".join(canon(v) for v in x) + b"."
+    if isinstance(x, float):
+        return b"F" + np.float64(x).tobytes()
+    return type(x).__name__.encode() + repr(x).encode()
+
+
+def digest(traj) -> str:
+    import hashlib
+
+    return hashlib.sha256(canon(traj)).hexdigest()
+
+
+BUNDLE_ACTS = [i % 4 for i in range(60)]
+
+
+def persist_and_bundle() -> dict:
+    """A fork-tier snapshot persisted (``promote`` + CRIU dump inside the user namespace), evicted,
+    restored from its images; then saved as a bundle and loaded by a fresh interpreter."""
+    import subprocess
+    import tempfile
+
+    import gym_fork
+    from gym_fork.backends.criu import ForkPayload
+
+    out = {}
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="auto")
+    try:
+        env.reset(seed=5)
+        for i in range(30):
+            env.step(i % 4)
+        snap = env.snapshot()
+        out["fork_payload"] = isinstance(snap._payload, ForkPayload)
+        ref, _ = run(env, BUNDLE_ACTS)
+        snap.persist(keep_in_memory=False)
+        p = snap._payload
+        out["persisted"] = snap.persisted
+        out["evicted"] = getattr(p, "chan", "x") is None and getattr(p, "image", None) is not None
+        env.restore(snap)  # from the images
+        out["restore_same"] = same(ref, run(env, BUNDLE_ACTS)[0])
+        kids = env.fork(snap, 2)  # two more restores of the images
+        out["fork2_same"] = all(same(ref, run(k, BUNDLE_ACTS)[0]) for k in kids)
+        for k in kids:
+            k.close()
+        d = tempfile.mkdtemp(prefix="gym_fork-bundle-")
+        path = snap.save(os.path.join(d, "b1"))
+        # a snapshot taken and saved in one go (save() persists a fork-tier snapshot itself)
+        env.restore(snap)
+        s2 = env.snapshot()
+        path2 = s2.save(os.path.join(d, "b2"))
+        out["ref"] = digest(ref)
+        p = subprocess.run([sys.executable, __file__, "loadbundle", path, path2], capture_output=True,
+                           text=True, timeout=120)
+        try:
+            out["fresh"] = json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out["fresh"] = {"error": p.stdout[-2000:] + p.stderr[-2000:]}
+        out["fresh_same"] = out["fresh"].get("digests") == [digest(ref)] * 3
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    finally:
+        env.close()
+    return out
+
+
+def main_loadbundle(paths) -> dict:
+    """In a fresh interpreter of the same user: load the bundles, from_snapshot, and replay."""
+    import gym_fork
+
+    res = {"digests": []}
+    for i, path in enumerate(paths):
+        snap = gym_fork.load_snapshot(path)
+        env = gym_fork.ForkableEnv.from_snapshot(snap)
+        try:
+            res["digests"].append(digest(run(env, BUNDLE_ACTS)[0]))
+            if i == 0:  # and env.restore() of a loaded snapshot into a fresh env of the same id
+                env2 = gym_fork.ForkableEnv("LunarLander-v3")
+                try:
+                    env2.reset(seed=99)
+                    env2.restore(snap)
+                    res["digests"].append(digest(run(env2, BUNDLE_ACTS)[0]))
+                finally:
+                    env2.close()
+        finally:
+            env.close()
+    return res
 
 
 def timeout_check() -> dict:
@@ -203,7 +331,7 @@ def main_userns() -> dict:
     st = criu_status()
     res = {"uid": os.getuid(), "mode": st.mode, "usable": st.usable, "reasons": st.reasons}
     for key, fn in (("fork_tier", lambda: exactness("auto")), ("criu_dumps", lambda: exactness(False)),
-                    ("branching", branching), ("timeout", timeout_check)):
+                    ("branching", branching), ("persist", persist_and_bundle), ("timeout", timeout_check)):
         try:
             res[key] = fn()
         except Exception:  # noqa: BLE001
@@ -225,6 +353,17 @@ def main_forkonly() -> dict:
         res["fork_tier"] = exactness("auto")
     except Exception:  # noqa: BLE001
         res["fork_tier"] = {"error": traceback.format_exc()}
+    try:  # a thread in the worker: not forkable, no CRIU -> pickle, which is exact for it
+        res["threaded"] = exactness("auto", {"ThreadedWalk": (ThreadedWalk, 5, 60)})["ThreadedWalk"]
+    except Exception:  # noqa: BLE001
+        res["threaded"] = {"error": traceback.format_exc()}
+    res["refused"] = {}
+    for cls in (ThreadedHolder, ThreadedEz):  # ... and refused at start-up where pickle is not exact
+        try:
+            gym_fork.ForkableEnv(cls).close()
+            res["refused"][cls.__name__] = None
+        except BackendUnavailableError as e:
+            res["refused"][cls.__name__] = str(e)
     env = gym_fork.ForkableEnv("LunarLander-v3")
     try:
         env.reset(seed=1)
@@ -248,5 +387,8 @@ def main_forkonly() -> dict:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    result = main_userns() if mode == "userns" else main_forkonly()
+    if mode == "loadbundle":
+        result = main_loadbundle(sys.argv[2:])
+    else:
+        result = main_userns() if mode == "userns" else main_forkonly()
     print(json.dumps(result, default=str))

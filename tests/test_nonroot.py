@@ -125,6 +125,12 @@ def test_userns_criu_and_fork_tier_as_plain_user(as_user):
     assert _ok(res, "criu_dumps")["CartPole-v1"]["ends"] >= 1  # crossed an episode end
     br = _ok(res, "branching")
     assert br["same"] and br["n"] == 4 and br["distinct_pids"] == 4, br
+    ps = _ok(res, "persist")  # fork tier -> persist (promote + CRIU dump in the userns) -> evict
+    assert ps["fork_payload"] and ps["persisted"] and ps["evicted"], ps
+    assert ps["restore_same"] and ps["fork2_same"], ps  # restores from the images
+    # save + load + from_snapshot (and restore into a fresh env) in a fresh interpreter of the user
+    assert "error" not in ps["fresh"], ps["fresh"]["error"]
+    assert ps["fresh_same"], ps
     to = _ok(res, "timeout")
     assert to["message"] and "did not finish within" in to["message"], to
     assert to["leaked"] == [], to
@@ -142,6 +148,16 @@ def test_userns_disabled_falls_back_to_fork_tier(as_user):
         assert r["same"], (name, r)
     assert "CRIU is unavailable for this user" in res["persist"], res["persist"]
     assert res["fork4_same"]
+    # a worker with a thread: not forkable and no CRIU -> the pickle backend, exact, one log line
+    th = _ok(res, "threaded")
+    assert th["backend"] == "pickle" and th["snap_backend"] == "pickle" and th["same"], th
+    lines = [ln for ln in res["log"].splitlines() if "ThreadedWalk" in ln]
+    assert len(lines) == 1 and "using backend 'pickle'" in lines[0] and "2 threads" in lines[0], res["log"]
+    # ... refused at start-up, naming the env and the administrator's fix, where pickle is not exact
+    for name, why in (("ThreadedHolder", "cloudpickle cannot capture"), ("ThreadedEz", "EzPickle")):
+        msg = res["refused"][name]
+        assert msg and name in msg and why in msg, (name, msg)
+        assert "user namespaces" in msg and "max_user_namespaces" in msg, msg
 
 
 def test_doctor_as_plain_user(as_user):

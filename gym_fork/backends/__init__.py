@@ -51,11 +51,57 @@ def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_lo
             _announce("auto-fork", logging.WARNING,
                       "gym_fork: backend 'criu' in fork-only mode: in-memory snapshots by copy-on-write fork() "
                       "work without privileges, but CRIU cannot run for this user ("
-                      + "; ".join(st.reasons) + "), so persist(), save/load and multi-threaded (torch) "
-                      "workers cannot be snapshotted. Run `gym-fork doctor` for details.")
+                      + "; ".join(st.reasons) + "), so persist() and save/load are refused, and an env "
+                      "whose worker is multi-threaded (torch) uses backend 'pickle' where that is exact, "
+                      "else is refused at start-up. Run `gym-fork doctor` for details.")
             return CriuBackend(verify=verify, worker_log=worker_log, fork_tier=fork_tier, allow_fork_only=True)
         _announce("auto-pickle", logging.WARNING,
                   "gym_fork: CRIU is not usable (" + "; ".join(st.reasons) + "); using backend 'pickle', "
                   "which refuses envs it cannot copy exactly. Run `gym-fork doctor` for details.")
         return get_backend("pickle")
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def start_env(be: Backend, source) -> tuple[Backend, object, dict]:
+    """Start an env on ``be``: ``(backend, handle, meta)``.
+
+    ``backend="auto"`` in fork-only mode (non-root, no user namespaces, so no CRIU) cannot snapshot
+    a worker that is unsafe to fork (several threads, or torch loaded: its meta says so).  Such an
+    env goes to the pickle backend when it is not an EzPickle env and pickles exactly (the pickle
+    backend's checks, run now); otherwise it is refused here, at start-up, not at its first snapshot.
+    """
+    handle, meta = be.start(source)
+    unsafe = meta.get("threads", 1) > 1 or meta.get("torch_loaded")
+    if getattr(be, "mode", None) != "fork" or not unsafe:
+        return be, handle, meta
+    from gym_fork.backends.pickle import PickleBackend
+    from gym_fork.errors import BackendUnavailableError, GymForkError
+
+    spec = meta.get("spec")
+    name = getattr(spec, "id", None) or meta.get("unwrapped_type", "this env")
+    why = (f"its worker has {meta.get('threads')} threads{' and torch loaded' if meta.get('torch_loaded') else ''}, "
+           "so copy-on-write fork() snapshots are unsafe, and CRIU is unavailable for this user")
+    handle.kill()
+    pb = PickleBackend()
+    try:
+        if meta.get("ezpickle"):
+            raise GymForkError("it is a gymnasium EzPickle env, whose pickle holds only its constructor "
+                               "arguments")
+        phandle, pmeta = pb.start(source)
+        try:
+            pb.check_exact(phandle)
+        except BaseException:
+            phandle.kill()
+            raise
+    except GymForkError as e:
+        st = criu_status()
+        fix = list(getattr(st.userns, "admin_fix", None) or []) or ["allow unprivileged user namespaces"]
+        raise BackendUnavailableError(
+            f"gym_fork cannot snapshot env {name}: {why}; and the pickle backend cannot copy it exactly "
+            f"({e}). To snapshot it, an administrator can enable unprivileged user namespaces, so that "
+            f"CRIU runs for this user: {'; '.join(fix)}. Or run as root. (`gym-fork doctor` says more.)"
+        ) from None
+    _announce(f"auto-pickle-fallback:{name}", logging.WARNING,
+              f"gym_fork: env {name}: using backend 'pickle' (checked exact: not EzPickle, a pickled copy "
+              f"equals the original), because {why} ({'; '.join(criu_status().reasons)})")
+    return pb, phandle, pmeta

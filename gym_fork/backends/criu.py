@@ -158,10 +158,9 @@ class CriuBackend(Backend):
             return False
         unsafe = meta.get("threads", 1) > 1 or meta.get("torch_loaded")
         if unsafe and self.mode == "fork":
-            log.warning("gym_fork: env worker has %s threads%s, so fork() snapshots are unsafe, and CRIU "
-                        "is unavailable (%s): snapshot() will fail for this env",
-                        meta.get("threads"), " and torch" if meta.get("torch_loaded") else "", self.unavailable)
-            return True  # snapshot() then refuses with the worker's own explanation
+            # backends.start_env() hands such an env to the pickle backend where that is exact,
+            # else refuses it at start-up; a direct start() gets the worker's own refusal later.
+            return True
         if unsafe and self.fork_tier is True:
             raise BackendUnavailableError(
                 f"fork_tier=True, but the env worker has {meta.get('threads')} threads"

@@ -113,15 +113,30 @@ class PickleBackend(Backend):
                 f"cloudpickle cannot capture this env ({type(e).__name__}: {e}); use backend='criu'"
             ) from e
         if not handle.verified:
-            # A faithful copy has the same state, attribute by attribute; a lossy one does not.
-            diff = state_difference(s.env, cloudpickle.loads(blob)[0])
-            if diff is not None:
-                raise UnsupportedEnvError(
-                    f"a pickled copy of {type(s.env.unwrapped).__name__} differs from the original at "
-                    f"{diff} (its state does not survive pickling); use backend='criu'"
-                )
+            self._check_copy(s.env, blob)
             handle.verified = True
         return blob, len(blob)
+
+    def check_exact(self, handle: Handle) -> None:
+        """Raise (UnsupportedEnvError / SnapshotError) unless this env pickles exactly right now.
+        Does not mark the handle verified: its first snapshot checks again (after reset())."""
+        assert isinstance(handle, _PickleHandle)
+        s = handle.server
+        try:
+            blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
+        except Exception as e:  # noqa: BLE001
+            raise SnapshotError(f"cloudpickle cannot capture this env ({type(e).__name__}: {e})") from e
+        self._check_copy(s.env, blob)
+
+    @staticmethod
+    def _check_copy(env: gym.Env, blob: bytes) -> None:
+        # A faithful copy has the same state, attribute by attribute; a lossy one does not.
+        diff = state_difference(env, cloudpickle.loads(blob)[0])
+        if diff is not None:
+            raise UnsupportedEnvError(
+                f"a pickled copy of {type(env.unwrapped).__name__} differs from the original at "
+                f"{diff} (its state does not survive pickling); use backend='criu'"
+            )
 
     def restore(self, payload: bytes) -> Handle:
         try:
