@@ -498,10 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_fill(
             "gym_fork gives any Gymnasium env snapshot(), restore() and fork().  The 'criu' backend "
-            "checkpoints the env's whole worker process with CRIU (exact for every env, needs Linux, "
-            "root and CRIU >= 4); the 'pickle' backend copies pure-Python envs in-process and works "
-            "anywhere.  backend='auto' picks criu when it is usable here.\n\n"
-            "This tool checks your setup.  Start with `gym-fork doctor`."
+            "snapshots the env's whole worker process: copy-on-write fork() copies in milliseconds, "
+            "CRIU >= 4 images when a snapshot must last or move (exact for every env; Linux, as root "
+            "or as a plain user with unprivileged user namespaces); the 'pickle' backend copies "
+            "pure-Python envs in-process and works anywhere.  backend='auto' picks what works here.\n\n"
+            "This tool checks your setup (start with `gym-fork doctor`), runs migration agents and "
+            "managed training jobs, and manages snapshot stores."
         ),
         epilog=(
             "examples:\n"
