@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gym_fork.branching import ExploreResult
 from gym_fork.errors import GymForkError
-from gym_fork.ray.host import BranchHost, pack_dir, reap_dead_dirs
+from gym_fork.ray.host import BranchHost, _pid_alive, pack_dir, reap_dead_dirs
 from gym_fork.snapshot import Snapshot
 
 
@@ -362,19 +362,9 @@ def _reap_task(pids: list[int]) -> list[str]:
     """On one node: wait (<= 5 s) for the given host pids to be gone, then delete the session
     directories of every dead host there."""
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return reap_dead_dirs()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _first_line(e: BaseException) -> str:
