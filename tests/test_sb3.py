@@ -270,3 +270,27 @@ def test_a2c_return_to_best_with_progress_bar_and_logger(tmp_path):
             assert key in header, key
     finally:
         venv.close()
+
+
+@pytest.mark.parametrize("algo,env_id,mode", [(DQN, "CartPole-v1", "return_to_best"), (DQN, "CartPole-v1", "evaluate"),
+                                              (SAC, "Pendulum-v1", "return_to_best")])
+def test_off_policy_return_to_best_and_evaluate(algo, env_id, mode):
+    """The remaining applicable (algorithm, mode) pairs, in real learn() runs."""
+    venv = ForkableVecEnv(env_id, n_envs=2, seed=3)
+    try:
+        kw = dict(learning_starts=32, buffer_size=2000, batch_size=16, train_freq=8)
+        if algo is SAC:
+            kw.update(gradient_steps=1)
+        model = algo("MlpPolicy", venv, device="cpu", seed=3, **kw)
+        cb = BranchExplorationCallback(every=32, n_branches=4, horizon=5, mode=mode, seed=5)
+        extra = [_JumpChecker(cb)] if mode == "return_to_best" else []
+        model.learn(200, callback=CallbackList([cb, *extra]))
+        assert cb.history, "no fork point was reached"
+        if mode == "return_to_best":
+            assert extra[0].jumps >= 1
+            assert sum(h["jumped"] for h in cb.history) == extra[0].jumps
+        else:
+            for h in cb.history:
+                assert np.isfinite([h["value_at_fork"], h["mc_return_mean"], h["value_error"]]).all()
+    finally:
+        venv.close()
