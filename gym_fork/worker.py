@@ -151,8 +151,17 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     reply.  Spares exit with their frozen parent (EOF on their socket to it).
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # clones are not ours to wait for
-    spare = _fork_spare(chan, server)
+    spare: Channel | None = None
+    want_spare = True
     while True:
+        if want_spare and spare is None and not _readable(chan, SPARE_DELAY_S):
+            # Fork the spare only once things are quiet: forking right away would compete for
+            # the CPU with the process that just started (the worker, or the new clone).
+            try:
+                spare = _fork_spare(chan, server)
+            except Exception:  # noqa: BLE001 - the next clone request forks on demand
+                spare = None
+            want_spare = False
         try:
             cmd, args = chan.recv()
         except ChannelClosed:
@@ -186,10 +195,17 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
         except ChannelClosed:
             os._exit(0)
         if after == "spare":
-            try:
-                spare = _fork_spare(chan, server)
-            except Exception:  # noqa: BLE001 - the next clone request forks on demand
-                spare = None
+            want_spare = True
+
+
+SPARE_DELAY_S = 0.02
+
+
+def _readable(chan: Channel, timeout: float) -> bool:
+    """Whether a request is waiting on ``chan`` (or arrives within ``timeout`` seconds)."""
+    import select
+
+    return bool(select.select([chan.sock], [], [], timeout)[0])
 
 
 def _fork_spare(frozen_chan: Channel, server: EnvServer) -> Channel | None:
