@@ -260,6 +260,15 @@ def tar_size(members: list[tuple[str, str, int]]) -> int:
     return (n + tarfile.RECORDSIZE - 1) // tarfile.RECORDSIZE * tarfile.RECORDSIZE
 
 
+def _send_tar_header(sock: socket.socket, rel: str, fsize: int) -> int:
+    """One tar member header (mode 0600) into the socket; returns its length."""
+    ti = tarfile.TarInfo(rel)
+    ti.size, ti.mode, ti.mtime = fsize, 0o600, int(time.time())
+    hdr = ti.tobuf(tarfile.GNU_FORMAT)
+    sock.sendall(hdr)
+    return len(hdr)
+
+
 def send_bundle(sock: socket.socket, header: dict, path: str, target: str) -> tuple[dict, int]:
     """Send ``header`` (+ size), wait for the agent's go, stream a tar of the files under ``path``
     straight into the socket (headers from ``tarfile``, contents by ``sendfile``: no copy in
@@ -274,11 +283,7 @@ def send_bundle(sock: socket.socket, header: dict, path: str, target: str) -> tu
         if not go.get("ok"):
             return go, size
         for full, rel, fsize in members:
-            ti = tarfile.TarInfo(rel)
-            ti.size, ti.mode, ti.mtime = fsize, 0o600, int(time.time())
-            hdr = ti.tobuf(tarfile.GNU_FORMAT)
-            sock.sendall(hdr)
-            sent += len(hdr)
+            sent += _send_tar_header(sock, rel, fsize)
             with open(full, "rb") as f:
                 if isinstance(sock, ssl.SSLSocket):  # no sendfile through TLS
                     while chunk := f.read(1 << 20):
@@ -330,11 +335,7 @@ def send_images(sock: socket.socket, header: dict, images: str, target: str, tra
         if not go.get("ok"):
             return go, size
         for full, rel, fsize in members:
-            ti = tarfile.TarInfo(rel)
-            ti.size, ti.mode, ti.mtime = fsize, 0o600, int(time.time())
-            hdr = ti.tobuf(tarfile.GNU_FORMAT)
-            sock.sendall(hdr)
-            sent += len(hdr)
+            sent += _send_tar_header(sock, rel, fsize)
             h = hashlib.sha256()
             n = 0
             with open(full, "rb", buffering=0) as f:
