@@ -4,6 +4,7 @@
 
 (a) one env worker holding --mb MB of (random, so really dumped) memory: downtime is the whole
     ``env.migrate()`` call plus the first step on the target (the learner is blocked meanwhile);
+(a') the same with ``live=True``: pre-copy, the learner keeps stepping; downtime = its pauses;
 (b) a whole PPO job (examples/migration_train.py under ``gym-fork run``): downtime is from the
     freeze (CRIU dump start) on A to the first step after resume on B.
 """
@@ -56,6 +57,46 @@ def bench_env(n: Nodes, reps: int, mb: int) -> list[dict]:
     return out
 
 
+def bench_env_live(n: Nodes, reps: int, mb: int) -> list[dict]:
+    """Pre-copy: the learner keeps stepping (random actions) while the snapshot travels; downtime
+    is the learner's pauses (fork-tier snapshot + the switch), and we also record how slow its
+    steps got meanwhile (the dump, transfer and restore share this machine's 2 cores)."""
+    import numpy as np
+
+    import gym_fork
+
+    out = []
+    for i in range(reps):
+        env = gym_fork.ForkableEnv(big_env(mb))
+        try:
+            env.reset(seed=i)
+            rng = np.random.default_rng(i)
+            before = []
+            for _ in range(200):
+                t = time.perf_counter()
+                if env.step(int(rng.integers(2)))[2]:
+                    env.reset()
+                before.append(time.perf_counter() - t)
+            t0 = time.perf_counter()
+            mig = env.migrate(n.target["B"], token=n.token, netns=n.netns.get("A"), live=True)
+            t_call = time.perf_counter() - t0
+            during = []
+            while not mig.done():
+                t = time.perf_counter()
+                if env.step(int(rng.integers(2)))[2]:
+                    env.reset()
+                during.append(time.perf_counter() - t)
+            rep = mig.result()
+            t_total = time.perf_counter() - t0
+            rep.update(call_s=t_call, until_switch_s=t_total, step_before_s=float(np.median(before)),
+                       step_during_p50_s=float(np.median(during)), step_during_max_s=float(np.max(during)),
+                       steps_during=len(during))
+            out.append(rep)
+        finally:
+            env.close()
+    return out
+
+
 def bench_job(n: Nodes, reps: int) -> list[dict]:
     out = []
     for i in range(reps):
@@ -88,7 +129,7 @@ def summarize(name: str, rows: list[dict], parts: dict[str, callable]) -> dict:
           f"(min {min(r['downtime_s'] for r in rows) * 1e3:.0f}, max {max(r['downtime_s'] for r in rows) * 1e3:.0f}), "
           f"{med['bytes'] / 1e6:.1f} MB moved")
     for k in parts:
-        print(f"    {k:<34s} {med[k] * 1e3:7.0f} ms")
+        print(f"    {k:<42s} {med[k] * 1e3:8.2f} ms")
     return {"n": len(rows), "median": med, "all_downtimes_s": [r["downtime_s"] for r in rows]}
 
 
@@ -112,6 +153,18 @@ def main(argv=None) -> dict:
             "B: verify (HMAC, session, compat, digests)": lambda r: r["remote_timings"]["verify_s"],
             "B: CRIU restore + ping": lambda r: r["remote_timings"]["restore_s"],
         })
+        rows = bench_env_live(n, a.n, a.mb)
+        res["env_worker_live"] = summarize(f"(a') env worker with {a.mb} MB, live=True (pre-copy)", rows, {
+            "pause 1: migrate() call (fork-tier snapshot)": lambda r: r["timings"]["start_s"],
+            "pause 2: final replay + switch": lambda r: r["timings"]["switch_s"],
+            "(learner step before, median)": lambda r: r["step_before_s"],
+            "(learner step during pre-copy, median)": lambda r: r["step_during_p50_s"],
+            "(learner step during pre-copy, max)": lambda r: r["step_during_max_s"],
+            "(time until switched, learner running)": lambda r: r["until_switch_s"],
+        })
+        print(f"    steps the learner made meanwhile (median): "
+              f"{statistics.median(r['steps_during'] for r in rows):.0f}, replayed on the target in "
+              f"{statistics.median(len(r['rounds']) for r in rows):.0f} rounds")
         if a.jobs:
             rows = bench_job(n, a.jobs)
             res["ppo_job"] = summarize("(b) whole PPO job (trainer + torch, 1 process tree)", rows, {

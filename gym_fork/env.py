@@ -161,6 +161,7 @@ class ForkableEnv(gym.Wrapper):
         self._lineage = lineage
         self._record_actions = record_actions
         self._closed = False
+        self._live: Any = None  # a LiveMigration in progress (migration/live.py)
         self._steps = 0
         self._parent_id: str | None = None
         self._actions: list | None = [] if record_actions else None
@@ -284,6 +285,7 @@ class ForkableEnv(gym.Wrapper):
         here or in ``fork()``; a workspace the user passed in is never deleted."""
         if self._closed:
             return
+        self._end_live("the env was closed")
         self._closed = True
         for snap in list(self._snapshots.values()):
             snap.release()
@@ -355,6 +357,7 @@ class ForkableEnv(gym.Wrapper):
         """
         self._check_open()
         payload = self._check_snapshot(snapshot)
+        self._end_live("restore() replaces the worker")
         with materialized(payload):
             new = self._backend.restore(payload)
         if snapshot._store is not None:
@@ -415,14 +418,28 @@ class ForkableEnv(gym.Wrapper):
         return children
 
     def migrate(self, target: Any, *, token: str | bytes | None = None, token_file: str | None = None,
-                tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> dict:
+                tls: bool | str = False, timeout: float = 30.0, netns: str | None = None,
+                live: bool = False) -> Any:
         """Move this env's worker to the ``gym-fork agent`` at ``target`` ("host:port"); from then
         on steps go over the network (see :mod:`gym_fork.migration.client`). Token: ``token``,
         ``token_file`` or ``$GYM_FORK_TOKEN``. On failure a ``gym_fork.migration`` error is raised
         and the env keeps running locally, unchanged. Returns a report (bytes, timings).
 
+        ``live=True``: pre-copy (:mod:`gym_fork.migration.live`): returns a ``LiveMigration`` at
+        once; keep stepping the env -- it switches to the target inside a later ``step()`` after
+        the target has replayed (and matched) every request made meanwhile. Pauses are a few ms
+        instead of the whole transfer. Only for envs without effects outside their process.
+
         ``target`` may also be ``gym_fork.ray.RayNode(node_id)``: the worker moves to that Ray
         node's host actor, and can move on from there (:mod:`gym_fork.ray.migration`)."""
+        self._end_live("migrate() was called")
+        if live:
+            if not isinstance(target, str):
+                raise TypeError("live=True needs an agent address 'host:port' as target")
+            from gym_fork.migration.live import migrate_env_live
+
+            return migrate_env_live(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
+                                    netns=netns)
         if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
             return target._gym_fork_migrate(self, token=token, timeout=max(timeout, 60.0))
         from gym_fork.migration.client import migrate_env
@@ -431,6 +448,11 @@ class ForkableEnv(gym.Wrapper):
                            netns=netns)
 
     # --- internals -----------------------------------------------------------------------------
+    def _end_live(self, why: str) -> None:
+        """Cancel a live migration in progress (calls that replace the worker cannot be replayed)."""
+        if self._live is not None:
+            self._live.cancel(why)
+
     def _request(self, *args: Any) -> Any:
         if self._closed:
             raise EnvClosedError(f"{args[0]}() on a closed ForkableEnv; create a new one")

@@ -95,3 +95,48 @@ def recv_fds(sock: socket.socket, maxfds: int = 4) -> tuple[bytes, list[int]]:
 def socket_inode(fd: int) -> int:
     """The inode CRIU names an external unix socket by (``unix[INO]``)."""
     return os.fstat(fd).st_ino
+
+
+# --- canonical digests (live migration's catch-up check) -------------------------------------
+def canonical_digest(obj: Any) -> bytes:
+    """A 16-byte digest of a command's result that is the same for the object and for its
+    unpickled copy (pickle's own bytes are not: they depend on which objects are shared, e.g.
+    numpy dtypes). Live migration compares what the source worker answered with what the
+    target answers when it replays the same commands (:mod:`gym_fork.migration.live`)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    _feed(h, obj)
+    return h.digest()
+
+
+def _feed(h: Any, obj: Any) -> None:
+    import numpy as np
+
+    if obj is None or isinstance(obj, (bool, int, str)):
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+    elif isinstance(obj, float):
+        h.update(b"f" + struct.pack("!d", obj))
+    elif isinstance(obj, np.ndarray):
+        a = np.ascontiguousarray(obj)
+        h.update(f"a{a.dtype.str}{a.shape};".encode())
+        if a.dtype.hasobject:
+            for x in a.ravel():
+                _feed(h, x)
+        else:
+            h.update(a.tobytes())
+    elif isinstance(obj, np.generic):
+        h.update(f"s{obj.dtype.str};".encode() + obj.tobytes())
+    elif isinstance(obj, (bytes, bytearray)):
+        h.update(b"b%d;" % len(obj) + bytes(obj))
+    elif isinstance(obj, (tuple, list)):
+        h.update(b"%c%d;" % (b"t" if isinstance(obj, tuple) else b"l", len(obj)))
+        for x in obj:
+            _feed(h, x)
+    elif isinstance(obj, dict):
+        h.update(b"d%d;" % len(obj))
+        for k, v in obj.items():
+            _feed(h, k)
+            _feed(h, v)
+    else:  # anything else: its pickle (a false mismatch only costs a fallback, never a wrong result)
+        h.update(b"p" + pickle.dumps(obj, protocol=5))

@@ -163,6 +163,22 @@ class EnvServer:
     def cmd_reseed(self, seed: int) -> None:
         reseed_env(self.env, seed)
 
+    def cmd_replay(self, ops: list) -> list:
+        """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of
+        each result (or of its error). Live migration's catch-up: the target replays what the
+        source answered while the snapshot travelled (:mod:`gym_fork.migration.live`)."""
+        from gym_fork.protocol import canonical_digest
+
+        out = []
+        for cmd, args in ops:
+            if cmd == "replay":
+                raise ValueError("replay cannot be replayed")
+            try:
+                out.append(canonical_digest(self.dispatch(cmd, args)))
+            except Exception as e:  # noqa: BLE001 - the source saw this error too (or it diverged)
+                out.append(canonical_digest(("error", type(e).__name__, str(e))))
+        return out
+
 
 def reseed_env(env: gym.Env, seed: int) -> None:
     """Give a branch its own randomness, leaving the simulated state untouched.

@@ -7,12 +7,15 @@ import os
 import socket
 import subprocess
 import threading
+import time
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
 import gym_fork
 from gym_fork.migration import AgentUnreachableError, AuthenticationError, RemoteRestoreError, TransferError
+from gym_fork.migration.client import NetworkHandle
 from gym_fork.migration.errors import MigratedEnvError
 from gym_fork.migration.nodes import Nodes
 from tests.conftest import assert_same_traj, run_actions
@@ -51,13 +54,14 @@ def lo():
 
 def _clean(agent) -> None:
     """Nothing left behind on the agent: no child process, no received files."""
-    import time
+    def received() -> list[str]:
+        return [d for d in os.listdir(agent.state_dir) if d.startswith("in-")]
 
-    deadline = time.monotonic() + 5
-    while agent.children() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10  # a transfer cut by the source is dropped when the agent notices
+    while (agent.children() or received()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert agent.children() == []
-    assert [d for d in os.listdir(agent.state_dir) if d.startswith("in-")] == []
+    assert received() == []
 
 
 def test_migrate_mid_episode_bit_identical_across_netns(netnodes):
@@ -391,3 +395,142 @@ def test_agent_still_accepts_a_whole_bundle_tar(lo):
 
         shutil.rmtree(tmp, ignore_errors=True)
     _clean(lo.agents["B"])
+
+
+# --- live (pre-copy) migration of one env worker ----------------------------------------------------
+class _ReadsTheClock(gym.Env):
+    """Its observations depend on something outside the process (the wall clock): the target's
+    replay cannot match, so live migration must refuse to switch."""
+
+    observation_space = gym.spaces.Box(0, np.inf, (1,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.array([time.time_ns() % 10**9], dtype=np.float64), {}
+
+    def step(self, action):
+        return np.array([time.time_ns() % 10**9], dtype=np.float64), 0.0, False, False, {}
+
+
+def _step_until_done(env, ref, mig, acts):
+    """Step env (and ref in lockstep, checking every answer) until the live migration ends."""
+    i = 0
+    for i, a in enumerate(acts):
+        out = env.step(a)
+        if ref is not None:
+            want = ref.step(a)
+            assert_same_traj([out], [want])
+            if out[2] or out[3]:
+                env.reset()
+                ref.reset()
+        if mig.done():
+            break
+    return i
+
+
+def test_live_migration_switches_mid_episode_bit_identical(netnodes):
+    env, ref = _pair(_actions(60))
+    try:
+        mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
+        assert not mig.done()  # the env keeps running here while the snapshot travels
+        n = _step_until_done(env, ref, mig, _actions(20000, seed=1))
+        rep = mig.result()
+        assert rep["live"] and rep["node"] == "B" and rep["replayed_ops"] >= n > 0
+        assert isinstance(env._handle, NetworkHandle)
+        if netnodes.use_netns:
+            assert os.stat(f"/proc/{rep['pid']}/ns/net").st_ino == os.stat(f"/run/netns/{netnodes.netns['B']}").st_ino
+        acts = _actions(150, seed=4)  # on the target now, crossing episode ends
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        assert env.steps == ref.steps
+    finally:
+        env.close()
+        ref.close()
+    _clean(netnodes.agents["B"])
+
+
+def test_live_migration_result_switches_without_further_steps(netnodes):
+    env, ref = _pair(_actions(40))
+    try:
+        mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
+        rep = mig.result(timeout=60)  # nothing stepped meanwhile: switch right away
+        assert rep["replayed_ops"] == 0 and mig.done()
+        acts = _actions(50, seed=6)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(netnodes.agents["B"])
+
+
+def test_live_migration_of_an_env_that_reads_the_clock_is_refused(netnodes):
+    from gym_fork.migration.live import DivergedError
+
+    env = gym_fork.ForkableEnv(_ReadsTheClock)
+    try:
+        env.reset(seed=0)
+        mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
+        _step_until_done(env, None, mig, [0] * 200000)
+        with pytest.raises(DivergedError, match="depends on something outside its"):
+            mig.result()
+        assert mig.state == "failed" and env._live is None
+        assert not isinstance(env._handle, NetworkHandle)  # still local
+        env.step(0)
+        env.snapshot()
+    finally:
+        env.close()
+    _clean(netnodes.agents["B"])
+
+
+def test_live_migration_cancelled_by_restore_keeps_the_env(netnodes):
+    from gym_fork.migration import MigrationError
+
+    env, ref = _pair(_actions(30))
+    try:
+        snap = env.snapshot()
+        rsnap = ref.snapshot()
+        mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
+        for a in _actions(5, seed=8):
+            env.step(a)
+        env.restore(snap)  # replaces the worker: cannot be replayed, so the migration is cancelled
+        ref.restore(rsnap)
+        with pytest.raises(MigrationError, match="cancelled: restore"):
+            mig.result()
+        acts = _actions(60, seed=9)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(netnodes.agents["B"])
+
+
+def test_live_migration_to_a_dead_agent_keeps_stepping_locally():
+    from gym_fork.migration.live import LiveMigration
+
+    env, ref = _pair(_actions(30))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    try:
+        mig = env.migrate(f"127.0.0.1:{port}", token="x", live=True)
+        assert isinstance(mig, LiveMigration)
+        acts = _actions(300, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        with pytest.raises(AgentUnreachableError):
+            mig.result(timeout=30)
+        assert env._live is None and not isinstance(env._handle, NetworkHandle)
+        env.snapshot()
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_close_during_live_migration_leaves_nothing(netnodes):
+    env = gym_fork.make(ENV)
+    env.reset(seed=1)
+    mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
+    env.step(0)
+    env.close()
+    assert mig.done() and mig.state == "cancelled"
+    _clean(netnodes.agents["B"])

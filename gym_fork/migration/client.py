@@ -120,26 +120,54 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
                 tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> dict:
     """Move ``env``'s worker to the agent at ``target`` ("host:port"); returns a report dict
     (node, pid, bytes, timings in seconds). Raises a MigrationError subclass on failure, with the
-    env unchanged."""
+    env unchanged. The learner waits for the whole move (stop-and-copy); see
+    :mod:`gym_fork.migration.live` for the pre-copy variant."""
+    check_migratable(env)
+    tok = wire.load_token(token, token_file)
+    t_start = time.monotonic()
+    timings: dict[str, float] = {}
+    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
+    # Connect + authenticate while the snapshot is dumped (off the critical path).
+    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+    snap = None
+    try:
+        t0 = time.monotonic()
+        try:
+            snap = env.snapshot()  # the freeze: the learner's next step runs on the target
+        except BaseException:
+            conn.discard()
+            raise
+        timings["snapshot_s"] = time.monotonic() - t0
+        sock, hello, reply, nbytes = ship_snapshot(snap, target, tok, conn, timings)
+    finally:
+        env._parent_id, env._actions = saved_state
+        if snap is not None:
+            snap.release()
+    node = switch_to_remote(env, NetworkHandle(sock, reply["pid"], hello.get("node", target), target))
+    timings["total_s"] = time.monotonic() - t_start
+    return {"node": node, "target": target, "pid": reply["pid"], "bytes": nbytes,
+            "timings": timings, "remote_timings": reply.get("timings", {})}
+
+
+def check_migratable(env: Any) -> None:
     env._check_open()
     if isinstance(env._handle, NetworkHandle):
         raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
     if env._backend.name != "criu":
         raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
-    tok = wire.load_token(token, token_file)
+
+
+def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict) -> tuple[socket.socket, dict, dict, int]:
+    """Dump ``snap`` (a copy of it, when it is a copy-on-write snapshot), stream it to the agent
+    over ``conn`` (a :func:`wire.connect_in_background` connection, consumed) and wait until the
+    agent has verified and restored it. Returns ``(sock, hello, reply, bytes)``: the restored
+    worker waits at the other end of ``sock``. Raises a MigrationError (``sock`` closed, so the
+    agent stops what it restored) on failure. Touches neither the env nor ``snap``: the worker
+    may go on stepping meanwhile."""
     key = wire.bundle_key(tok)
-    t_start = time.monotonic()
-    timings: dict[str, float] = {}
-    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     tmp = store.private_mkdir(os.path.join(store.session_dir(), f"mig-{os.urandom(4).hex()}"))
-    # Connect + authenticate while the snapshot is dumped (off the critical path).
-    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
     sock = None
-    snap = None
     try:
-        t0 = time.monotonic()
-        snap = env.snapshot()  # the freeze: the learner's next step runs on the target
-        timings["snapshot_s"] = time.monotonic() - t0
         t0 = time.monotonic()
         # CRIU dump of a copy into a private dir: no manifest pass, no fsync (hashed while sent)
         image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
@@ -174,22 +202,20 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
             sock.close()
         else:
             conn.discard()
-        env._parent_id, env._actions = saved_state
         raise
     finally:
-        if snap is not None:
-            snap.release()
         shutil.rmtree(tmp, ignore_errors=True)
-    # The target runs the env: switch over (the local worker is stopped only now).
     sock.settimeout(None)
-    node = hello.get("node", target)
-    new = NetworkHandle(sock, reply["pid"], node, target)
-    old, env._handle = env._handle, new
+    return sock, hello, reply, nbytes
+
+
+def switch_to_remote(env: Any, new: NetworkHandle, local: Any = None) -> str:
+    """The target runs the env: point ``env`` at it and only now stop the local worker
+    (``local``: the handle to stop, default ``env._handle``). Returns the node's name."""
+    node, target = new.node, new.target
+    old = local if local is not None else env._handle
+    env._handle = new
     env._box[0] = new
     old.kill()
     env._backend = MigratedBackend(node, target)
-    env._parent_id, env._actions = saved_state
-    timings["total_s"] = time.monotonic() - t_start
-    remote = reply.get("timings", {})
-    return {"node": node, "target": target, "pid": reply["pid"], "bytes": nbytes,
-            "timings": timings, "remote_timings": remote}
+    return node

@@ -1,0 +1,369 @@
+"""``env.migrate(target, live=True)``: pre-copy live migration of one env worker.
+
+Stop-and-copy (:func:`gym_fork.migration.client.migrate_env`) blocks the learner for the whole
+dump + transfer + restore (~0.4 s for a 50 MB worker). Here the learner keeps stepping the
+*local* worker while a copy-on-write snapshot of it travels:
+
+1. **Snapshot** (fork tier, ~3 ms: the only pause before the switch). From now on every
+   request the env sends its worker is recorded with the canonical digest of its answer
+   (:func:`gym_fork.protocol.canonical_digest`).
+2. **Ship** (background thread): CRIU dump of the frozen copy, authenticated stream, verify and
+   restore on the target agent -- exactly the stop-and-copy path, off the learner's path.
+3. **Catch up** (background thread): the target worker replays the recorded requests in batches
+   (``replay``: one round trip per batch, no IPC per step, so it runs far faster than the
+   learner) and must answer each with the same digest. Rounds repeat until at most
+   :data:`FINAL_OPS` requests are left.
+4. **Switch** (in the learner's thread, inside its next ``step()``/``reset()``, or in
+   :meth:`LiveMigration.result`): replay the last few requests, compare, point the env at the
+   target and stop the local worker. This is the learner's second (and last) pause.
+
+Why it is exact: the target starts from the very state the source had at the snapshot and is
+given the very same requests; every answer is compared, so a worker whose answers depend on
+anything outside its process (wall clock, network, files changed by others) is caught as a
+divergence -- the migration is then abandoned and the env keeps running locally, untouched.
+Why it needs the env to be free of outside effects: the target *re-executes* the steps, so an
+env that writes to an external service would write twice. Use ``live=False`` for those.
+
+Anything but plain requests (``snapshot``, ``restore``, ``fork``, ``migrate``, ``close``)
+cancels the live migration first; an error answer from the local worker cancels it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from gym_fork.errors import GymForkError
+from gym_fork.migration import wire
+from gym_fork.migration.client import NetworkHandle, check_migratable, ship_snapshot, switch_to_remote
+from gym_fork.migration.errors import MigrationError
+from gym_fork.protocol import canonical_digest
+
+log = logging.getLogger("gym_fork.migration")
+
+FINAL_OPS = 16  # catch up in the background until at most this many requests are left
+MAX_ROUNDS = 50  # a learner faster than the target's replay: switch anyway after this many rounds
+
+
+class DivergedError(MigrationError):
+    """The target's replay answered differently from the source: the env depends on something
+    outside its process. Nothing was switched; the env runs locally, unchanged."""
+
+
+class _RecordingHandle:
+    """Stands in for the env's local handle during a live migration: passes every request to the
+    local worker and records it with its answer's digest; switches at a step boundary."""
+
+    def __init__(self, inner: Any, mig: "LiveMigration"):
+        self.inner = inner
+        self.mig = mig
+        self._sent: tuple | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def request(self, cmd: str, *args: Any) -> Any:
+        try:
+            out = self.inner.request(cmd, *args)
+        except BaseException:
+            self.mig._cancel_from_learner(f"the local worker answered {cmd!r} with an error")
+            raise
+        self.mig._record(cmd, args, out)
+        return out
+
+    def send(self, cmd: str, *args: Any) -> None:
+        self.inner.send(cmd, *args)
+        self._sent = (cmd, args)
+
+    def receive(self) -> Any:
+        cmd, args = self._sent or ("?", ())
+        self._sent = None
+        try:
+            out = self.inner.receive()
+        except BaseException:
+            self.mig._cancel_from_learner(f"the local worker answered {cmd!r} with an error")
+            raise
+        self.mig._record(cmd, args, out)
+        return out
+
+    def kill(self) -> None:
+        self.mig._cancel_from_learner("the env was closed")
+        self.inner.kill()
+
+    def close(self) -> None:
+        self.mig._cancel_from_learner("the env was closed")
+        self.inner.close()
+
+
+class LiveMigration:
+    """A pre-copy migration in progress; returned by ``env.migrate(target, live=True)``.
+
+    The env stays fully usable: keep stepping it. The switch to the target happens inside one
+    of the next ``step()``/``reset()`` calls once the target has caught up, or when you call
+    :meth:`result`, which finishes (or fails) the migration now and returns its report.
+
+    Example::
+
+        >>> mig = env.migrate("10.0.0.2:7060", live=True)       # doctest: +SKIP
+        >>> while not mig.done():                                # doctest: +SKIP
+        ...     obs, *_ = env.step(policy(obs))
+        >>> mig.result()["downtime_s"]                           # doctest: +SKIP
+        0.004
+    """
+
+    def __init__(self, env: Any, target: str, tok: bytes, conn: Any, snap: Any, timings: dict):
+        self.env = env
+        self.target = target
+        self._tok = tok
+        self._snap = snap
+        self._timings = timings
+        self._lock = threading.Lock()
+        self._ops: list[tuple[str, tuple]] = []  # what the learner sent since the snapshot
+        self._digests: list[bytes | None] = []  # their answers' digests (None: not computed yet)
+        self._answers: list[Any] = []  # answers whose digest is still to compute (background)
+        self._replayed = 0  # ops the target has replayed and matched
+        self._state = "shipping"  # -> ready -> done | failed | cancelled
+        self._error: BaseException | None = None
+        self._report: dict | None = None
+        self._finished = threading.Event()
+        self._ready = threading.Event()
+        self._remote: NetworkHandle | None = None
+        self._hello: dict = {}
+        self._reply: dict = {}
+        self._bytes = 0
+        self._rounds: list[dict] = []
+        self._local = env._handle
+        self._t_start = time.monotonic()
+        self._recording = _RecordingHandle(self._local, self)
+        env._handle = self._recording
+        env._live = self
+        self._sock: Any = None  # the connection to the agent, once made (shut down on cancel)
+        self._thread = threading.Thread(target=self._background, args=(_Conn(conn, self),), daemon=True,
+                                        name="gym_fork-live-migration")
+        self._thread.start()
+
+    # --- the learner's side ----------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the migration switched, failed or was cancelled (see :meth:`result`)."""
+        return self._finished.is_set()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Finish now: wait (at most ``timeout`` s) for the target to be ready, replay what is left
+        and switch. Returns the report (``downtime_s``: the learner's two pauses, the
+        ``migrate()`` call (``timings["start_s"]``, a fork-tier snapshot) + the switch;
+        bytes, timings, catch-up rounds). Raises the migration's error if it failed or was
+        cancelled -- the env then runs locally, unchanged. Call it from the learner's thread."""
+        if not self._finished.is_set():
+            if not self._ready.wait(timeout) and not self._finished.is_set():
+                raise TimeoutError(f"the live migration to {self.target} is not ready after {timeout} s")
+            if not self._finished.is_set():
+                self._switch()
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    def cancel(self, why: str = "cancelled by the user") -> None:
+        """Give up: the target's copy is stopped and the env keeps its local worker."""
+        self._cancel_from_learner(why)
+
+    def _record(self, cmd: str, args: tuple, answer: Any) -> None:
+        with self._lock:
+            state = self._state
+            if state in ("shipping", "ready"):
+                self._ops.append((cmd, args))
+                self._answers.append(answer)
+                self._digests.append(None)
+        if state == "ready":
+            self._switch()
+        elif state in ("failed", "cancelled"):
+            self._uninstall()
+
+    def _switch(self) -> None:
+        """In the learner's thread: replay the rest, compare, switch (or give up)."""
+        if self._state != "ready":
+            if self._state == "failed":
+                self._uninstall()
+            return
+        self._thread.join()  # it stopped using the remote handle when it set "ready"
+        t0 = time.monotonic()
+        try:
+            self._catch_up(self._remote, len(self._ops))
+        except BaseException as e:  # noqa: BLE001 - diverged, or the target died: stay local
+            self._fail(e)
+            self._uninstall()
+            return
+        node = switch_to_remote(self.env, self._remote, local=self._local)
+        self.env._live = None
+        switch_s = time.monotonic() - t0
+        self._timings["switch_s"] = switch_s
+        self._timings["total_s"] = time.monotonic() - self._t_start
+        self._report = {
+            "node": node, "target": self.target, "pid": self._reply["pid"], "bytes": self._bytes, "live": True,
+            "downtime_s": self._timings["start_s"] + switch_s,
+            "replayed_ops": len(self._ops), "rounds": self._rounds + [{"ops": len(self._ops) - self._rounds_total(),
+                                                                        "seconds": switch_s, "final": True}],
+            "timings": self._timings, "remote_timings": self._reply.get("timings", {}),
+        }
+        self._state = "done"
+        self._finished.set()
+        log.info("live migration to %s: switched after replaying %d requests in %d rounds; downtime %.1f ms",
+                 node, len(self._ops), len(self._rounds) + 1, self._report["downtime_s"] * 1e3)
+
+    def _rounds_total(self) -> int:
+        return sum(r["ops"] for r in self._rounds)
+
+    def _cancel_from_learner(self, why: str) -> None:
+        if self._finished.is_set():
+            return
+        self._fail(MigrationError(f"live migration to {self.target} cancelled: {why}; the env runs here, unchanged"),
+                   state="cancelled")
+        self._uninstall()
+
+    def _fail(self, e: BaseException, state: str = "failed") -> None:
+        with self._lock:
+            if self._finished.is_set():
+                return
+            self._state = state
+            self._error = e
+        if self._remote is not None:
+            self._remote.kill()  # the agent stops the target's copy when the connection ends
+        elif self._sock is not None:  # mid-transfer: cut it, the agent drops what it received
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._finished.set()
+        self._ready.set()
+        log.warning("%s", e)
+
+    def _uninstall(self) -> None:
+        """Give the env its local handle back (learner's thread only)."""
+        if self.env._handle is self._recording:
+            self.env._handle = self._local
+        if getattr(self.env, "_live", None) is self:
+            self.env._live = None
+
+    # --- the background thread -------------------------------------------------------------------
+    def _background(self, conn: Any) -> None:
+        try:
+            sock, self._hello, self._reply, self._bytes = ship_snapshot(self._snap, self.target, self._tok, conn,
+                                                                        self._timings)
+        except BaseException as e:  # noqa: BLE001
+            self._release_snapshot()
+            self._fail(e)
+            return
+        self._release_snapshot()
+        remote = NetworkHandle(sock, self._reply["pid"], self._hello.get("node", self.target), self.target)
+        with self._lock:
+            cancelled = self._state != "shipping"
+            self._remote = remote
+        if cancelled:  # cancelled while the snapshot travelled: stop the target's copy
+            remote.kill()
+            return
+        try:
+            for _ in range(MAX_ROUNDS):
+                if self._state != "shipping":
+                    return
+                with self._lock:
+                    n = len(self._ops)
+                if n - self._replayed <= FINAL_OPS:
+                    break
+                t0 = time.monotonic()
+                k = n - self._replayed
+                self._catch_up(remote, n)
+                self._rounds.append({"ops": k, "seconds": time.monotonic() - t0})
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+            return
+        with self._lock:
+            if self._state == "shipping":
+                self._state = "ready"
+        self._ready.set()
+
+    def _catch_up(self, remote: NetworkHandle, upto: int) -> None:
+        """Have the target replay ops [replayed, upto) and check every answer."""
+        lo = self._replayed
+        if upto <= lo:
+            return
+        with self._lock:
+            ops = self._ops[lo:upto]
+            todo = [(i, self._answers[i]) for i in range(lo, upto) if self._digests[i] is None]
+        for i, ans in todo:  # digest outside the lock: the learner keeps appending meanwhile
+            self._digests[i] = canonical_digest(ans)
+            self._answers[i] = None
+        theirs = remote.request("replay", ops)
+        for j, d in enumerate(theirs):
+            if d != self._digests[lo + j]:
+                cmd = ops[j][0]
+                raise DivergedError(
+                    f"the target's replay of request {lo + j} ({cmd!r}, {lo + j} requests after the snapshot) "
+                    "answered differently from the source: this env depends on something outside its "
+                    "process (clock, network, shared files), so it cannot be live-migrated; use live=False")
+        self._replayed = upto
+
+    def _release_snapshot(self) -> None:
+        try:
+            self._snap.release()
+        except GymForkError:
+            pass
+
+
+class _Conn:
+    """The background connection, handed to :func:`ship_snapshot`: remembers the socket so that
+    a cancel can cut a transfer in progress, and refuses to start one after a cancel."""
+
+    def __init__(self, conn: Any, mig: LiveMigration):
+        self._conn, self._mig = conn, mig
+        self.elapsed = 0.0
+
+    def result(self) -> tuple:
+        sock, hello = self._conn.result()
+        self.elapsed = self._conn.elapsed
+        with self._mig._lock:
+            self._mig._sock = sock
+            cancelled = self._mig._state != "shipping"
+        if cancelled:
+            sock.close()
+            raise MigrationError("cancelled before the transfer")
+        return sock, hello
+
+    def discard(self) -> None:
+        self._conn.discard()
+
+
+def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
+                     tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> LiveMigration:
+    """Start a pre-copy migration of ``env``'s worker to the agent at ``target``; see the module doc."""
+    check_migratable(env)
+    if getattr(env, "_live", None) is not None:
+        raise MigrationError("a live migration of this env is already in progress")
+    t_call = time.monotonic()
+    tok = wire.load_token(token, token_file)
+    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    try:
+        snap = env.snapshot()
+    except BaseException:
+        conn.discard()
+        raise
+    finally:
+        env._parent_id, env._actions = saved_state  # the env's own timeline goes on
+    timings["snapshot_s"] = time.monotonic() - t0
+    env._snapshots.pop(snap.id, None)  # internal: not one of the user's snapshots
+    mig = LiveMigration(env, target, tok, conn, snap, timings)
+    timings["start_s"] = time.monotonic() - t_call  # the learner's first pause (snapshot included)
+    return mig
