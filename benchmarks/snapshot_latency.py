@@ -209,9 +209,51 @@ def criu_restore_breakdown(env: gym_fork.ForkableEnv, snap, reps: int, warmup: i
     return {k: summarize(v) for k, v in t.items()}
 
 
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def snapshot_critical_path(env: gym_fork.ForkableEnv, reps: int, warmup: int, work_s: float = 0.003) -> dict:
+    """What a fork-tier snapshot costs the learner, not just the call: the worker answers
+    before it forks, and the first steps after a fork pay copy-on-write faults. Measures a plain
+    step, snapshot()+step() back to back, and a step after ``work_s`` of learner work (a policy
+    forward pass) that overlaps the fork."""
+    rng = np.random.default_rng(0)
+    step_t, pair_t, after_work_t = [], [], []
+
+    def step() -> None:
+        if env.step(env.action_space.sample())[2]:
+            env.reset(seed=int(rng.integers(1 << 30)))
+
+    for i in range(warmup + reps):
+        for _ in range(5):
+            step()
+        dt, _ = _timed(step)
+        t0 = time.perf_counter()
+        s = env.snapshot()
+        step()
+        pair = time.perf_counter() - t0
+        s.release()
+        for _ in range(5):
+            step()
+        s = env.snapshot()
+        _busy(work_s)
+        dt2, _ = _timed(step)
+        s.release()
+        if i >= warmup:
+            step_t.append(dt)
+            pair_t.append(pair)
+            after_work_t.append(dt2)
+    return {"step_ms": summarize(step_t), "snapshot_then_step_ms": summarize(pair_t),
+            "step_after_work_ms": summarize(after_work_t), "work_ms": work_s * 1e3}
+
+
 def fork_tier_extras(env: gym_fork.ForkableEnv, reps: int, warmup: int) -> dict:
-    """Fork-tier snapshots: private memory held (at once, after the env runs on), and persist()."""
-    out: dict = {}
+    """Fork-tier snapshots: private memory held (at once, after the env runs on), persist(), and
+    the cost on the learner's critical path."""
+    out: dict = {"critical_path": snapshot_critical_path(env, reps, warmup)}
     snap = env.snapshot()
     try:
         if hasattr(snap, "memory_bytes"):
@@ -561,6 +603,21 @@ def report(results: dict, reps: int, steps: int) -> None:
             print_table(["env", "fork snapshot() ms", "persist() ms", "criu/full snapshot() ms",
                          "persist vs full dump"], rows,
                         title=f"fork tier: snapshot now, write CRIU images later (median of {reps})")
+
+    rows = []
+    for e in envs:
+        fk = cfg(e, "criu/fork")
+        cp = fk.get("critical_path") if fk and fk["status"] == "ok" else None
+        if cp:
+            st, pair, aw = (cp[k]["median"] for k in ("step_ms", "snapshot_then_step_ms", "step_after_work_ms"))
+            rows.append([e, cell(e, "criu/fork", "snapshot_ms"), fmt(st), fmt(pair), fmt(pair - st),
+                         fmt(aw), fmt_ratio(aw, st)])
+    if rows:
+        print_table(["env", "snapshot() returns ms", "step() ms", "snapshot()+step() ms", "cost on critical path ms",
+                     "step() after 3 ms of learner work",
+                     "vs plain step"], rows,
+                    title="fork tier: what a snapshot costs the learner (the worker answers, then forks; "
+                          "the next steps pay copy-on-write faults)")
 
     # in-process reference
     ref = results["inprocess_reference"].get("CartPole-v1")

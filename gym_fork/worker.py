@@ -11,7 +11,8 @@ process-level commands of the copy-on-write tier:
 
 ``fork_snapshot`` (+ an fd)
     ``fork()`` a *frozen* child that keeps this exact state, copy-on-write, and serves the
-    frozen loop on the given fd.  The worker carries on at once.
+    frozen loop on the given fd.  The worker answers *before* it forks (the controller carries
+    on at once; the worker's next command waits for the fork) and then carries on.
 ``clone`` (frozen loop, + an fd)
     ``fork()`` an active worker from the frozen state, serving env commands on the fd.
 ``promote`` (frozen loop, + an fd)
@@ -84,15 +85,19 @@ def _retire_or_exit(code: int = 0) -> None:
     os._exit(code)
 
 
-def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
-    """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
-    its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
-    Returns the child's pid in the parent and 0 in the child."""
+def _check_single_threaded() -> None:
     if thread_count() > 1:
         raise RuntimeError(
             f"the worker has {thread_count()} threads; fork() would keep only one (e.g. torch's "
             "OpenMP pool would deadlock). Use ForkableEnv(..., fork_tier=False) for CRIU-only snapshots."
         )
+
+
+def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
+    """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
+    its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
+    Returns the child's pid in the parent and 0 in the child."""
+    _check_single_threaded()
     pid = os.fork()
     if pid == 0:
         for ch in drop:
@@ -123,13 +128,29 @@ def serve(chan: Channel, server: EnvServer) -> None:
         try:
             if cmd == "fork_snapshot":
                 fd = _recv_one_fd(chan)
-                pid = _fork_child(fd, chan)
+                try:
+                    _check_single_threaded()
+                except RuntimeError:
+                    os.close(fd)
+                    raise
+                # Answer first, then fork: nothing is read from the channel before the fork, so
+                # the child holds exactly the state this request saw, while the controller goes
+                # on (its next request waits in the socket; work it does meanwhile -- the
+                # policy's next action -- overlaps the fork). A request on the new snapshot's
+                # own channel waits likewise until the child serves it.
+                chan.send((OK, None))
+                try:
+                    pid = _fork_child(fd, chan)
+                except OSError as exc:  # e.g. ENOMEM: the snapshot's channel closes; using it
+                    os.close(fd)  # raises "the snapshot's frozen process is gone"
+                    print(f"gym_fork worker: fork for a snapshot failed: {exc}", file=sys.stderr, flush=True)
+                    continue
                 if pid == 0:
                     frozen_loop(Channel.from_fd(fd), server)
                     os._exit(0)
                 os.close(fd)
                 _reap_zombies()
-                reply = (OK, None)  # the controller asks the child for its host pid (ping)
+                continue
             else:
                 reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
