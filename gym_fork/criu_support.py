@@ -187,3 +187,26 @@ def log_tail(path: str, lines: int = 8) -> str:
     noise = "RLIMIT_NOFILE"  # harmless in sandboxes without CAP_SYS_RESOURCE
     errs = [ln for ln in text if ("Error" in ln or "rror (" in ln) and noise not in ln]
     return "\n".join((errs or text)[-lines:])
+
+
+def dump_size_bound(pid: int, *, tree: bool = False) -> int:
+    """An upper bound on the CRIU images of ``pid`` (``tree``: and all its descendants): resident
+    memory (CRIU dumps at most the resident private pages; no swap here) plus 32 MiB of
+    metadata. Announced to a receiving agent before images are streamed while they are dumped."""
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:")), 0)
+            if not tree:
+                break
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return total + (32 << 20)

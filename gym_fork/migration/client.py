@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
 import time
 from typing import Any
 
 from gym_fork import store
 from gym_fork.backends.base import Backend, RemoteHandle
+from gym_fork.criu_support import dump_size_bound
 from gym_fork.migration import wire
 from gym_fork.migration.errors import MigratedEnvError, MigrationError, RemoteRestoreError
 from gym_fork.protocol import Channel
@@ -138,7 +140,8 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
             conn.discard()
             raise
         timings["snapshot_s"] = time.monotonic() - t0
-        sock, hello, reply, nbytes = ship_snapshot(snap, target, tok, conn, timings)
+        sock, hello, reply, nbytes = ship_snapshot(snap, target, tok, conn, timings,
+                                                   dump_size_bound(env._handle.pid))
     finally:
         env._parent_id, env._actions = saved_state
         if snap is not None:
@@ -157,22 +160,38 @@ def check_migratable(env: Any) -> None:
         raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
 
 
-def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict) -> tuple[socket.socket, dict, dict, int]:
+def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
+                  limit: int) -> tuple[socket.socket, dict, dict, int]:
     """Dump ``snap`` (a copy of it, when it is a copy-on-write snapshot), stream it to the agent
     over ``conn`` (a :func:`wire.connect_in_background` connection, consumed) and wait until the
     agent has verified and restored it. Returns ``(sock, hello, reply, bytes)``: the restored
-    worker waits at the other end of ``sock``. Raises a MigrationError (``sock`` closed, so the
+    worker waits at the other end of ``sock``. ``limit``: the most bytes the images may take
+    (:func:`gym_fork.criu_support.dump_size_bound`). Raises a MigrationError (``sock`` closed, so the
     agent stops what it restored) on failure. Touches neither the env nor ``snap``: the worker
     may go on stepping meanwhile."""
     key = wire.bundle_key(tok)
     tmp = store.private_mkdir(os.path.join(store.session_dir(), f"mig-{os.urandom(4).hex()}"))
+    into = os.path.join(tmp, "images")
     sock = None
+    # CRIU dumps a copy of the snapshot into a private dir in this thread while the images are
+    # streamed (and hashed) as CRIU writes them: dump and transfer overlap.
+    done, failed = threading.Event(), threading.Event()
+    dumped: dict[str, Any] = {}
+    t_dump = time.monotonic()
+
+    def dump() -> None:
+        try:
+            dumped["image"] = snap._backend.dump_transient(snap.payload(), into)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+            dumped["error"] = e
+            failed.set()
+        finally:
+            timings["save_s"] = time.monotonic() - t_dump
+            done.set()
+
+    dumper = threading.Thread(target=dump, daemon=True, name="gym_fork-migration-dump")
+    dumper.start()
     try:
-        t0 = time.monotonic()
-        # CRIU dump of a copy into a private dir: no manifest pass, no fsync (hashed while sent)
-        image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
-        base = _bundle_meta(snap, image)
-        timings["save_s"] = time.monotonic() - t0
         t0 = time.monotonic()
         sock, hello = conn.result()
         timings["connect_wait_s"] = time.monotonic() - t0
@@ -182,16 +201,23 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict) 
             from gym_fork import bundle as B
             from gym_fork import keys
 
+            image = dumped["image"]
             known = os.path.join(image.path, store.MANIFEST)  # images dumped earlier: must still match
             if os.path.exists(known) and store.read_manifest(image.path)["files"] != digests:
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
-            meta = dict(base, images=digests, session=hello["nonce"])  # session: no replay elsewhere
+            meta = dict(_bundle_meta(snap, image), images=digests, session=hello["nonce"])  # no replay elsewhere
             meta["hmac"] = keys.sign(B._canonical(meta), key)
             return meta
 
         t0 = time.monotonic()
-        reply, nbytes = wire.send_images(sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps},
-                                         image.path, target, trailer)
+        try:
+            reply, nbytes = wire.send_images_while_dumping(
+                sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, into, target, trailer,
+                done, failed, limit)
+        except ValueError:
+            if "error" in dumped:
+                raise dumped["error"] from None
+            raise
         timings["transfer_restore_s"] = time.monotonic() - t0
         if not reply.get("ok"):
             raise RemoteRestoreError(
@@ -204,6 +230,7 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict) 
             conn.discard()
         raise
     finally:
+        dumper.join()
         shutil.rmtree(tmp, ignore_errors=True)
     sock.settimeout(None)
     return sock, hello, reply, nbytes

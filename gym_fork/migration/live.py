@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any
 
+from gym_fork.criu_support import dump_size_bound
 from gym_fork.errors import GymForkError
 from gym_fork.migration import wire
 from gym_fork.migration.client import NetworkHandle, check_migratable, ship_snapshot, switch_to_remote
@@ -140,6 +141,7 @@ class LiveMigration:
         self._bytes = 0
         self._rounds: list[dict] = []
         self._local = env._handle
+        self._limit = dump_size_bound(self._local.pid)
         self._t_start = time.monotonic()
         self._recording = _RecordingHandle(self._local, self)
         env._handle = self._recording
@@ -170,6 +172,7 @@ class LiveMigration:
             if not self._finished.is_set():
                 self._switch()
         if self._error is not None:
+            self._uninstall()
             raise self._error
         assert self._report is not None
         return self._report
@@ -259,7 +262,7 @@ class LiveMigration:
     def _background(self, conn: Any) -> None:
         try:
             sock, self._hello, self._reply, self._bytes = ship_snapshot(self._snap, self.target, self._tok, conn,
-                                                                        self._timings)
+                                                                        self._timings, self._limit)
         except BaseException as e:  # noqa: BLE001
             self._release_snapshot()
             self._fail(e)

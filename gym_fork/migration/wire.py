@@ -364,6 +364,139 @@ def send_images(sock: socket.socket, header: dict, images: str, target: str, tra
             f"({type(e).__name__}: {e})") from e
 
 
+# --- stream 3: images sent while CRIU is still writing them ----------------------------------------
+# After the go, frames ``!BIQ`` (kind, file number, length): OPEN (+ the name), DATA (+ bytes),
+# DONE; then the trailer message and the verdict, as in stream 2.  CRIU writes every image file
+# once, front to back (appends only), so what has been read of a file is final: the sender can
+# ship (and hash) each file's bytes as they appear, overlapping dump and transfer.
+_FRAME = struct.Struct("!BIQ")
+_F_OPEN, _F_DATA, _F_DONE = 1, 2, 3
+
+
+def send_images_while_dumping(sock: socket.socket, header: dict, images: str, target: str, trailer,
+                              dump_done: threading.Event, dump_failed: threading.Event,
+                              limit: int) -> tuple[dict, int]:
+    """Stream the image files of ``images`` while a CRIU dump into it is still running (set
+    ``dump_done`` when it returned, ``dump_failed`` too when it failed): each file is read and
+    hashed (sha256) as it grows, then the signed ``trailer(digests)``, then the agent's verdict.
+    ``limit``: the most bytes this may send (announced to the agent, which checks its disk
+    space against it; more raises). Returns (reply, bytes); raises TransferError, or
+    ValueError when the dump failed (the caller closes ``sock``: the agent drops what it got)."""
+    from gym_fork.store import _NOT_IMAGES
+
+    files: dict[str, list] = {}  # name -> [fd, offset, sha256, number]
+    sent = 0
+    buf = memoryview(bytearray(1 << 20))
+    try:
+        send_msg(sock, dict(header, size=limit, stream=3))
+        go = recv_msg(sock)
+        if not go.get("ok"):
+            return go, 0
+        while True:
+            last = dump_done.is_set()  # read before the pass: a pass after the dump sees everything
+            if dump_failed.is_set():
+                raise ValueError("the CRIU dump failed")
+            progressed = False
+            try:
+                names = sorted(os.listdir(images))
+            except FileNotFoundError:  # not made yet (or removed by a failed dump: checked next pass)
+                names = []
+            for name in names:
+                ent = files.get(name)
+                if ent is None:
+                    if _NOT_IMAGES.search(name) or not _SAFE_NAME.match(name) or "/" in name:
+                        continue
+                    try:
+                        fd = os.open(os.path.join(images, name), os.O_RDONLY | os.O_NOFOLLOW)
+                    except (FileNotFoundError, IsADirectoryError):
+                        continue
+                    ent = files[name] = [fd, 0, hashlib.sha256(), len(files)]
+                    raw = name.encode()
+                    sock.sendall(_FRAME.pack(_F_OPEN, ent[3], len(raw)) + raw)
+                while True:
+                    k = os.preadv(ent[0], [buf], ent[1])
+                    if not k:
+                        break
+                    if sent + k > limit:
+                        raise ValueError(f"the images outgrew the announced {limit} bytes")
+                    ent[2].update(buf[:k])  # what is hashed is exactly what is sent
+                    sock.sendall(_FRAME.pack(_F_DATA, ent[3], k))
+                    sock.sendall(buf[:k])
+                    ent[1] += k
+                    sent += k
+                    progressed = True
+            if last:
+                break
+            if not progressed:
+                dump_done.wait(0.002)
+        for name, ent in files.items():  # write-once files: nothing may have vanished or shrunk
+            if os.fstat(ent[0]).st_size != ent[1] or not os.path.exists(os.path.join(images, name)):
+                raise ValueError(f"image {name} changed after it was sent")
+        sock.sendall(_FRAME.pack(_F_DONE, 0, 0))
+        digests = {name: {"size": ent[1], "sha256": ent[2].hexdigest()} for name, ent in files.items()}
+        send_msg(sock, trailer(digests))
+        return recv_msg(sock), sent
+    except (OSError, EOFError) as e:
+        raise TransferError(
+            f"the connection to the agent at {target} broke after {sent} bytes "
+            f"({type(e).__name__}: {e}); nothing was restored there") from e
+    finally:
+        for ent in files.values():
+            os.close(ent[0])
+
+
+def receive_images_while_dumped(sock: socket.socket, limit: int, dest: str, digests: dict) -> int:
+    """The receiving end of :func:`send_images_while_dumping`: files land in ``dest`` (mode
+    0600, plain names only), hashed as they arrive into ``digests[name] = {"size", "sha256"}``.
+    Returns the bytes received. Raises EOFError (cut), tarfile.ReadError (malformed, or over ``limit``)."""
+    fds: list[int] = []
+    names: list[str] = []
+    hashes: list[Any] = []
+    sizes: list[int] = []
+    total = 0
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    try:
+        while True:
+            kind, num, n = _FRAME.unpack(recv_exact(sock, _FRAME.size))
+            if kind == _F_DONE:
+                break
+            if kind == _F_OPEN:
+                if num != len(fds) or n > 255:
+                    raise tarfile.ReadError(f"bad OPEN frame (file {num}, name length {n})")
+                name = recv_exact(sock, n).decode("utf-8", "strict")
+                if not _SAFE_NAME.match(name) or "/" in name or name in names:
+                    raise tarfile.ReadError(f"refusing image name {name!r}")
+                fds.append(os.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                names.append(name)
+                hashes.append(hashlib.sha256())
+                sizes.append(0)
+            elif kind == _F_DATA:
+                if num >= len(fds):
+                    raise tarfile.ReadError(f"DATA frame for unknown file {num}")
+                if total + n > limit:
+                    raise tarfile.ReadError(f"the images outgrow the announced {limit} bytes")
+                total += n
+                sizes[num] += n
+                while n:
+                    k = sock.recv_into(view[: min(len(buf), n)])
+                    if k == 0:
+                        raise EOFError(f"transfer cut after {total - n} bytes")
+                    chunk = view[:k]
+                    hashes[num].update(chunk)  # what is hashed is exactly what is written
+                    while chunk:
+                        chunk = chunk[os.write(fds[num], chunk):]
+                    n -= k
+            else:
+                raise tarfile.ReadError(f"unknown frame kind {kind}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for name, h, size in zip(names, hashes, sizes):
+        digests[name] = {"size": size, "sha256": h.hexdigest()}
+    return total
+
+
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+){0,3}$")
 
 
