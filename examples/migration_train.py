@@ -2,12 +2,17 @@
 tests). Prints one JSON line per finished episode and a final line with a hash of the policy.
 
     gym-fork run --log-dir logs -- python examples/migration_train.py --target HOST:PORT --at 1500
+    RAY_ADDRESS=HEAD:6379 gym-fork run --log-dir logs -- python examples/migration_train.py --ray-node NODE_ID --at 1500
+
+(``--ray-node``: ``LiveMigrationCallback(RayNode(NODE_ID))``; the job moves into that Ray node's
+migration host. The job itself never imports Ray: its final line says so.)
 """
 
 import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -15,11 +20,13 @@ import torch
 torch.set_num_threads(1)
 from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
+from stable_baselines3.common.logger import KVWriter, Logger  # noqa: E402
 
 from gym_fork.sb3 import LiveMigrationCallback  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--target", default=None)
+p.add_argument("--target", default=None, help="an agent's HOST:PORT")
+p.add_argument("--ray-node", default=None, help="a Ray node id: migrate into that node's host actor")
 p.add_argument("--at", type=int, default=None, help="migrate at this timestep")
 p.add_argument("--notice-file", default=None)
 p.add_argument("--total", type=int, default=3072)
@@ -42,16 +49,40 @@ class Progress(BaseCallback):
         return True
 
 
+class Captured(KVWriter):
+    """Keeps the ``migration/*`` values SB3's logger writes (no files: nothing for CRIU to track)."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def write(self, key_values, key_excluded, step=0):
+        self.seen.update({k: v for k, v in key_values.items() if k.startswith("migration/")})
+
+    def close(self):
+        pass
+
+
 model = PPO("MlpPolicy", "LunarLander-v3", n_steps=512, batch_size=128, n_epochs=2, seed=args.seed,
             device="cpu", verbose=0)
+captured = Captured()
+model.set_logger(Logger(folder=None, output_formats=[captured]))
 cbs = []
 mig = None
-if args.target:
+target = args.target
+if args.ray_node:
+    from gym_fork.ray import RayNode  # import-light: no Ray in this process
+
+    target = RayNode(args.ray_node)
+if target:
     trig = ["SIGUSR1"] + ([args.at] if args.at is not None else []) + ([f"file:{args.notice_file}"] if args.notice_file else [])
-    mig = LiveMigrationCallback(args.target, trigger=trig)
+    mig = LiveMigrationCallback(target, trigger=trig)
     cbs.append(mig)
 cbs.append(Progress(mig))
 model.learn(args.total, callback=cbs)
 h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.policy.parameters())).hexdigest()[:16]
+with open("/proc/self/stat") as f:  # the parent outside this job's PID namespace (where it runs now)
+    host_ppid = int(f.read().rsplit(")", 1)[1].split()[1])
 print(json.dumps({"done": True, "timesteps": model.num_timesteps, "policy_sha": h,
-                  "migrations": [{k: v for k, v in m.items() if k in ("status", "node", "source", "downtime_s", "bytes", "timestep", "error", "timeline")} for m in (mig.history if mig else [])]}), flush=True)
+                  "migrations": [{k: v for k, v in m.items() if k in ("status", "node", "source", "downtime_s", "bytes", "timestep", "error", "timeline")} for m in (mig.history if mig else [])],
+                  "logged": {k: (v if isinstance(v, (int, float, str)) else str(v)) for k, v in captured.seen.items()},
+                  "ray_imported": "ray" in sys.modules, "host_ppid": host_ppid}), flush=True)

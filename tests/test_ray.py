@@ -1,4 +1,5 @@
-"""gym_fork.ray on a real Ray cluster (head + 2 worker nodes on this machine), real CRIU, real envs.
+"""gym_fork.ray on a real Ray cluster (head + 2 worker nodes on this machine; two tests add a third
+worker node and remove it), real CRIU, real envs, real SB3 jobs under `gym-fork run`.
 
 One module-scoped cluster (~6-15 s, ~1 GB) serves every test; teardown checks that nothing the
 hosts restored is left running and that their image directories are gone.
@@ -6,7 +7,11 @@ hosts restored is left running and that their image directories are gone.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -217,6 +222,68 @@ def test_killed_actor_fails_its_branches_rest_complete(cluster, lander):
     assert not [n for n in os.listdir(hosts_base()) if n.startswith(f"s{vinfo['pid']}-")]
 
 
+def test_node_removed_mid_explore_fails_its_branches_rest_complete(cluster, lander):
+    """A whole node (not only its actor) dies while its branches run: they fail naming the node,
+    the other nodes' branches complete bit-identical to local ones, nothing of that node's host is
+    left (processes, images). A node is added for this test and removed."""
+    env, snap = lander
+    seeds = list(range(200, 208))
+    local = gym_fork.explore(env, snap, crc_policy, n_branches=8, horizon=150, rng="reseed", seeds=seeds,
+                             stop_at_done=False)
+    node = cluster.add_node(num_cpus=1, object_store_memory=100 << 20)
+    cluster.wait_for_nodes()
+    victim_node = node.node_id
+    p = RayBranchPool()
+    try:
+        assert victim_node in p.nodes and len(p.nodes) == 4
+        p.prepare(snap)
+        victim = p.host(victim_node)
+        vinfo = p.info()[victim_node]
+        out: dict = {}
+
+        def run():
+            try:
+                out["res"] = p.explore(snap, SlowPolicy(0.01), n_branches=8, horizon=150, rng="reseed",
+                                       seeds=seeds, stop_at_done=False)  # 2 branches per node
+            except BaseException as e:  # noqa: BLE001
+                out["err"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 30
+        while ray.get(victim.info.remote())["busy"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # mid-branch: its clones are stepping
+        running = ray.get(victim.info.remote())
+        assert running["busy"] > 0
+        procs = running["descendants"]
+        assert len(procs) >= 3  # restored env, frozen snapshot, the call's clones
+        t_kill = time.monotonic()
+        cluster.remove_node(node)
+        t.join(90)
+        assert not t.is_alive()
+        took = time.monotonic() - t_kill
+        err = out.get("err")
+        assert isinstance(err, BranchesFailedError), out
+        res = err.result
+        assert {f.node_id for f in res.failed} == {victim_node}
+        assert sorted(f.index for f in res.failed) == sorted(i for i in range(8) if i not in res.node_of)
+        assert victim_node in str(err) and all(victim_node in f.error for f in res.failed)
+        assert len(res.failed) == 2 and len(res.branches) == 6
+        for b in res.branches:
+            assert res.node_of[b.index] != victim_node
+            assert_same_branch(b, local.branches[b.index])
+        # nothing of the dead node's host survives: not the host, its restored env, snapshot or clones
+        assert _wait_dead([vinfo["pid"]] + procs) == []
+        assert victim_node not in p.nodes
+        print(f"node removal -> explore returned in {took:.2f} s")
+    finally:
+        p.close()
+    # its images are deleted (here by close()'s reap on the surviving nodes, which share this disk)
+    assert not os.path.exists(vinfo["session"])
+    assert not [n for n in os.listdir(hosts_base()) if n.startswith(f"s{vinfo['pid']}-")]
+
+
 def test_branch_exploration_callback_with_pool(pool):
     pytest.importorskip("stable_baselines3")
     from stable_baselines3 import DQN
@@ -321,3 +388,134 @@ def test_killed_migration_host_leaves_nothing_and_env_raises(cluster):
     finally:
         env.close()
         close_hosts()
+
+
+# --- a whole `gym-fork run` job moved into a Ray node's host (LiveMigrationCallback(RayNode)) -------
+TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "migration_train.py")
+JOB_TOTAL = 1024
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+
+
+def _log_lines(logd: str) -> list[dict]:
+    try:
+        with open(os.path.join(logd, "stdout.log")) as f:
+            return _json_lines(f.read())
+    except OSError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def job_reference():
+    """The same PPO job, never moved: its episodes and final policy hash."""
+    out = subprocess.run([sys.executable, TRAIN, "--total", str(JOB_TOTAL)], capture_output=True, text=True,
+                         timeout=180, check=True).stdout
+    return _json_lines(out)
+
+
+def _run_job_to(cluster, node_id: str, logd: str, at: int, total: int) -> subprocess.CompletedProcess:
+    """`gym-fork run` on this machine (a driver-side supervisor, no token: the HMAC-derived one, like
+    the hosts), the job moving into ``node_id``'s job host at timestep ``at``; returns once the
+    supervisor exited (after the move, or the job's end)."""
+    env = dict(os.environ, RAY_ADDRESS=cluster.address, GYM_FORK_RAY_JOB_HOST_IDLE_S="3")
+    env.pop("GYM_FORK_TOKEN", None)
+    env.pop("GYM_FORK_TOKEN_FILE", None)
+    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "driver", "--log-dir", logd, "--",
+           sys.executable, TRAIN, "--ray-node", node_id, "--at", str(at), "--total", str(total)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def _job_host(node_id: str):
+    from gym_fork.ray.migration import HOST_NAME, JOB_NAMESPACE
+
+    return ray.get_actor(HOST_NAME.format(node_id), namespace=JOB_NAMESPACE)
+
+
+def test_job_live_migrates_into_ray_node(cluster, job_reference, tmp_path):
+    head = ray.get_runtime_context().get_node_id()
+    nid = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)[0]
+    logd = str(tmp_path / "logs")
+    at = 520  # just after the first PPO update: the job still has ~500 steps to go on the host
+    r = _run_job_to(cluster, nid, logd, at, JOB_TOTAL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"now runs on Ray node {nid}" in r.stdout, (r.stdout, r.stderr[-3000:])
+    src_pid = int(r.stdout.split("job pid ")[1].split()[0])
+    assert not _alive(src_pid)  # the source stopped (after the host confirmed)
+    # the job now runs as the job host's child on that node, guarded
+    host = _job_host(nid)
+    info = ray.get(host.info.remote())
+    assert info["node_id"] == nid and info["jobs_received"] == 1
+    assert len(info["jobs"]) == 1, info
+    job_pid, guard = next(iter(info["jobs"].items()))
+    assert job_pid in info["descendants"] and guard["guard"] in info["descendants"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(x.get("done") for x in _log_lines(logd)):
+        time.sleep(0.2)
+    lines = _log_lines(logd)
+    done = [x for x in lines if x.get("done")]
+    assert done, (lines[-3:], open(os.path.join(logd, "stderr.log")).read()[-3000:])
+    done = done[0]
+    assert done["ray_imported"] is False  # the job never touched Ray: its supervisor did
+    assert done["host_ppid"] == info["pid"]  # it finished as the host actor's child
+    mig = done["migrations"]
+    assert [m["status"] for m in mig] == ["arrived"], mig
+    assert mig[0]["node"] == nid and mig[0]["source"] == "driver" and mig[0]["timestep"] == at
+    assert mig[0]["bytes"] > 1_000_000 and mig[0]["downtime_s"] > 0
+    logged = done["logged"]
+    assert logged["migration/target"] == nid and logged["migration/source"] == "driver"
+    assert logged["migration/timestep"] == at and logged["migration/downtime_s"] > 0 and logged["migration/bytes"] > 0
+    # zero lost timesteps; RNG, optimizer and episode state continue exactly: same as never moving
+    ref = [x for x in job_reference if x.get("done")][0]
+    assert done["timesteps"] == ref["timesteps"] == JOB_TOTAL
+    assert done["policy_sha"] == ref["policy_sha"]
+    eps = [x for x in lines if "ret" in x]
+    assert [(x["t"], x["ret"]) for x in eps] == [(x["t"], x["ret"]) for x in job_reference if "ret" in x]
+    assert {x["node"] for x in eps if x["t"] > at} == {nid}
+    # the job ended there: its guard exits, nothing restored is left, and the idle job host stops
+    # itself (GYM_FORK_RAY_JOB_HOST_IDLE_S=3 in the supervisor that created it) and deletes its images
+    assert _wait_dead([job_pid, guard["guard"]], timeout=20) == []
+    assert _wait_dead([info["pid"], *info["descendants"]], timeout=30) == [], "the idle job host did not stop"
+    assert not os.path.exists(info["session"])
+    with pytest.raises(ValueError):
+        _job_host(nid)
+
+
+def test_job_on_ray_node_dies_with_its_node(cluster, tmp_path):
+    """The node a job moved to dies (its raylet and workers end; no Ray cleanup reaches the job,
+    which is in its own session and PID namespace): the job's guard kills it, nothing is left. A
+    node is added for this test and removed."""
+    node = cluster.add_node(num_cpus=1, object_store_memory=100 << 20)
+    cluster.wait_for_nodes()
+    nid = node.node_id
+    logd = str(tmp_path / "logs")
+    try:
+        r = _run_job_to(cluster, nid, logd, 300, 50_000)  # moves at 300, then would run for minutes
+        assert r.returncode == 0 and f"now runs on Ray node {nid}" in r.stdout, r.stderr[-3000:]
+        info = ray.get(_job_host(nid).info.remote())
+        job_pid, guard = next(iter(info["jobs"].items()))
+        assert _alive(job_pid) and job_pid in info["descendants"]
+    except BaseException:
+        cluster.remove_node(node)
+        raise
+    cluster.remove_node(node)
+    assert _wait_dead([info["pid"], job_pid, guard["guard"], *info["descendants"]], timeout=20) == [], \
+        "the restored job outlived its node"
+    assert not any(x.get("done") for x in _log_lines(logd))
+    from gym_fork.ray.host import reap_dead_dirs
+
+    reap_dead_dirs()  # what the next host on that machine (or pool.close()) does
+    assert not os.path.exists(info["session"])
+
+
+def test_job_migration_to_dead_ray_node_keeps_training(cluster, job_reference, tmp_path):
+    logd = str(tmp_path / "logs")
+    r = _run_job_to(cluster, "f" * 56, logd, 200, JOB_TOTAL)  # no such node: the job stays and finishes
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is not an alive node" in r.stderr
+    done = [x for x in _json_lines(open(os.path.join(logd, "stdout.log")).read()) if x.get("done")][0]
+    assert done["migrations"][0]["status"] == "failed" and "not an alive node" in done["migrations"][0]["error"]
+    assert done["logged"]["migration/failed"] == 1
+    ref = [x for x in job_reference if x.get("done")][0]
+    assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])

@@ -138,44 +138,8 @@ class Agent:
                 pass
 
     def receive_bundle(self, conn: socket.socket, req: dict, who: str) -> tuple[str, dict, dict | None]:
-        """Unpack the tar that follows ``req`` into a private dir; returns (dir, timings, streamed).
-        ``streamed`` is None for a tar of a whole bundle dir (verify by re-hashing); for
-        ``req["stream"] == 2`` (:func:`wire.send_images`) the images land in ``dir/bundle/images``,
-        hashed on receipt, and ``streamed = {"digests": ..., "meta": trailer}`` (the trailer is
-        not trusted yet: the caller checks its HMAC, session and the digests).
-        Raises NoSpaceError, EOFError (cut), tarfile.TarError, OSError; removes the dir then."""
-        size = int(req.get("size", -1))
-        if size < 0:
-            raise ValueError("request has no size")
-        st = os.statvfs(self.state_dir)
-        free = st.f_bavail * st.f_frsize
-        if size + (1 << 20) > free:
-            raise NoSpaceError(f"node {self.node}: {free} bytes free in {self.state_dir}, the checkpoint needs {size}")
-        wire.send_msg(conn, {"ok": True, "ready": True})  # the sender streams only after this
-        d = store.private_mkdir(os.path.join(self.state_dir, f"in-{os.urandom(6).hex()}"))
-        t0 = time.monotonic()
-        streamed = None
-        try:
-            conn.settimeout(RECEIVE_TIMEOUT_S)
-            if req.get("stream") == 2:
-                digests: dict = {}
-                wire.receive_tar(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")), digests)
-                try:
-                    meta = wire.recv_msg(conn)
-                except ValueError as e:
-                    raise tarfile.ReadError(f"bad trailer after the images: {e}") from e
-                streamed = {"digests": digests, "meta": meta}
-            else:
-                wire.receive_tar(conn, size, d)
-        except OSError as e:
-            shutil.rmtree(d, ignore_errors=True)
-            if e.errno == 28:
-                raise NoSpaceError(f"node {self.node}: no space left in {self.state_dir} while receiving {size} bytes") from e
-            raise
-        except BaseException:
-            shutil.rmtree(d, ignore_errors=True)
-            raise
-        return d, {"receive_s": time.monotonic() - t0, "bytes": size}, streamed
+        """:func:`receive_checkpoint` into this agent's state dir."""
+        return receive_checkpoint(conn, req, self.state_dir, self.node)
 
     def _op_env(self, conn: socket.socket, req: dict, who: str) -> None:
         from gym_fork.bundle import load_snapshot
@@ -225,6 +189,57 @@ class Agent:
             with self._lock:
                 self.hosted.pop(handle.pid, None)
             log.info("%s: connection closed; env worker %d stopped", who, handle.pid)
+
+
+def receive_checkpoint(conn: socket.socket, req: dict, state_dir: str, node: str) -> tuple[str, dict, dict | None]:
+    """Unpack the tar that follows ``req`` into a private dir under ``state_dir``; returns (dir,
+    timings, streamed). Shared by the agent and the Ray migration hosts.
+    ``streamed`` is None for a tar of a whole bundle dir (verify by re-hashing); for
+    ``req["stream"] == 2`` (:func:`wire.send_images`) the images land in ``dir/bundle/images``,
+    hashed on receipt, and ``streamed = {"digests": ..., "meta": trailer}`` (the trailer is
+    not trusted yet: the caller checks its HMAC, session and the digests).
+    Raises NoSpaceError, EOFError (cut), tarfile.TarError, OSError; removes the dir then."""
+    size = int(req.get("size", -1))
+    if size < 0:
+        raise ValueError("request has no size")
+    st = os.statvfs(state_dir)
+    free = st.f_bavail * st.f_frsize
+    if size + (1 << 20) > free:
+        raise NoSpaceError(f"node {node}: {free} bytes free in {state_dir}, the checkpoint needs {size}")
+    wire.send_msg(conn, {"ok": True, "ready": True})  # the sender streams only after this
+    d = store.private_mkdir(os.path.join(state_dir, f"in-{os.urandom(6).hex()}"))
+    t0 = time.monotonic()
+    streamed = None
+    try:
+        conn.settimeout(RECEIVE_TIMEOUT_S)
+        if req.get("stream") == 3:  # images streamed while CRIU dumped them (wire.send_images_while_dumping)
+            digests = {}
+            size = wire.receive_images_while_dumped(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")),
+                                                    digests)
+            try:
+                meta = wire.recv_msg(conn)
+            except ValueError as e:
+                raise tarfile.ReadError(f"bad trailer after the images: {e}") from e
+            streamed = {"digests": digests, "meta": meta}
+        elif req.get("stream") == 2:
+            digests: dict = {}
+            wire.receive_tar(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")), digests)
+            try:
+                meta = wire.recv_msg(conn)
+            except ValueError as e:
+                raise tarfile.ReadError(f"bad trailer after the images: {e}") from e
+            streamed = {"digests": digests, "meta": meta}
+        else:
+            wire.receive_tar(conn, size, d)
+    except OSError as e:
+        shutil.rmtree(d, ignore_errors=True)
+        if e.errno == 28:
+            raise NoSpaceError(f"node {node}: no space left in {state_dir} while receiving {size} bytes") from e
+        raise
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    return d, {"receive_s": time.monotonic() - t0, "bytes": size}, streamed
 
 
 def relay(a: socket.socket, b: socket.socket) -> None:

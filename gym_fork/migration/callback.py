@@ -14,7 +14,10 @@ from gym_fork.migration.job import request_migration
 
 
 class LiveMigrationCallback(BaseCallback):
-    """Live-migrate the job (started with ``gym-fork run``) to the agent at ``target``.
+    """Live-migrate the job (started with ``gym-fork run``) to ``target``: an agent's
+    ``"host:port"``, or ``gym_fork.ray.RayNode(node_id)`` (the job moves into the migration host
+    actor of that Ray node; the job itself never imports or connects to Ray: its supervisor does,
+    with ``--ray-address`` or ``$RAY_ADDRESS``).
 
     ``trigger``: ``"SIGUSR1"`` (default; ``kill -USR1`` the job or its ``gym-fork run``), a
     path prefixed ``"file:"`` (a preemption notice file appearing), an ``int`` timestep, or
@@ -25,9 +28,9 @@ class LiveMigrationCallback(BaseCallback):
     ``migration/bytes``, ``migration/source``, ``migration/target``, ``migration/timestep``.
     """
 
-    def __init__(self, target: str, trigger: Any = "SIGUSR1", verbose: int = 1):
+    def __init__(self, target: Any, trigger: Any = "SIGUSR1", verbose: int = 1):
         super().__init__(verbose)
-        self.target = target
+        self.target = _job_target(target)
         triggers = trigger if isinstance(trigger, (list, tuple)) else [trigger]
         self.notice_files = [t[5:] for t in triggers if isinstance(t, str) and t.startswith("file:")]
         self.at_timestep = [t for t in triggers if isinstance(t, int)]
@@ -81,3 +84,14 @@ class LiveMigrationCallback(BaseCallback):
             self.logger.record("migration/failed", 1)
             print(f"[gym_fork] migration to {self.target} failed, training continues here: "
                   f"{reply.get('error')}", file=sys.stderr, flush=True)
+
+
+def _job_target(target: Any) -> str:
+    """The string the supervisor gets: ``"host:port"`` as given; a ``RayNode`` (or anything with a
+    ``job_target``) becomes ``"ray:<node id>"``, which only the supervisor resolves."""
+    if isinstance(target, str):
+        return target
+    t = getattr(target, "job_target", None)
+    if isinstance(t, str):
+        return t
+    raise TypeError(f"target must be an agent's 'host:port' or a gym_fork.ray.RayNode, not {type(target).__name__}")

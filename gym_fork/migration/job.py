@@ -21,6 +21,12 @@ at a step boundary and blocks in ``recv``; the supervisor then
    ``{"status": "failed", "error": ...}`` and simply continues.
 
 The agent then supervises J' with the same loop (:class:`JobHost`), so it can move again.
+
+A target ``"ray:<node id>"`` (what ``LiveMigrationCallback(RayNode(id))`` sends) is resolved by
+the *supervisor*, never by the job (a tree holding Ray's TCP connections cannot be dumped): it
+connects to the Ray cluster (``--ray-address`` / ``$RAY_ADDRESS``), gets that node's migration
+host actor (:func:`gym_fork.ray.migration.job_host_address`) and streams to the host's bridge
+exactly as to an agent; the host runs the same receive path (:func:`receive_job`).
 """
 
 from __future__ import annotations
@@ -110,11 +116,14 @@ def _job_files(images: str) -> list[list]:
 class JobHost:
     """Supervises one job process (PID 1 of its namespace) over its control channel."""
 
-    def __init__(self, chan: Channel, pid: int, ino: int, *, token: bytes, node: str,
-                 popen: subprocess.Popen | None = None, tls: bool | str = False, netns: str | None = None):
+    def __init__(self, chan: Channel, pid: int, ino: int, *, token: bytes | None, node: str,
+                 popen: subprocess.Popen | None = None, tls: bool | str = False, netns: str | None = None,
+                 ray_address: str | None = None):
         self.chan, self.pid, self.ino = chan, pid, ino
         self.token, self.node, self.popen, self.tls, self.netns = token, node, popen, tls, netns
+        self.ray_address = ray_address  # for "ray:<node id>" targets (else $RAY_ADDRESS / "auto")
         self.returncode: int | None = None
+        self.moved_to: str | None = None  # the target, once the job runs there
 
     def _exited(self) -> bool:
         if self.returncode is not None:
@@ -154,6 +163,7 @@ class JobHost:
             if msg[0] == "migrate":
                 ok = self.migrate_out(msg[1])
                 if ok:
+                    self.moved_to = str(msg[1].get("target", ""))
                     self.kill()
                     return "migrated"
             else:
@@ -182,8 +192,8 @@ class JobHost:
         tl: dict[str, float] = {}
         tmp = store.private_mkdir(os.path.join(store.session_dir(), f"job-{os.urandom(4).hex()}"))
         images = store.private_mkdir(os.path.join(tmp, "images"))
-        # connect + authenticate while CRIU dumps (off the critical path)
-        conn = wire.connect_in_background(target, self.token, tls=self.tls, netns=self.netns)
+        # resolve (Ray targets), connect + authenticate while CRIU dumps (off the critical path)
+        conn = _InBackground(self._connect, target)
         sock = None
         try:
             st = criu_status()
@@ -211,9 +221,9 @@ class JobHost:
                     "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
             tl["pack_s"] = time.time() - t0  # no manifest pass any more: images are hashed while sent
             t0 = time.time()
-            sock, hello = conn.result()
+            sock, hello, token = conn.result()
             tl["connect_wait_s"] = time.time() - t0
-            key = wire.bundle_key(self.token)
+            key = wire.bundle_key(token)
 
             def trailer(digests: dict) -> dict:
                 meta = dict(base, images=digests, session=hello["nonce"])
@@ -228,7 +238,7 @@ class JobHost:
                 sock.close()
             tl["transfer_restore_s"] = time.time() - t0
             if not reply.get("ok"):
-                raise RemoteRestoreError(f"agent {hello.get('node')!r} at {target} did not restore the job: "
+                raise RemoteRestoreError(f"{hello.get('node')!r} at {target} did not restore the job: "
                                          f"{reply.get('error')}: {reply.get('message')}", reply.get("error", ""))
             log.info("job %d moved to %s (%s): %d bytes, dump %.3fs, pack %.3fs, transfer+restore %.3fs",
                      self.pid, hello.get("node"), target, nbytes, tl["dump_s"], tl["pack_s"], tl["transfer_restore_s"])
@@ -245,26 +255,86 @@ class JobHost:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _connect(self, target: str) -> tuple[socket.socket, dict, bytes]:
+        """Connect and authenticate to ``target``: an agent's ``host:port``, or ``ray:<node id>``
+        (that node's migration host, found through Ray from here: the supervisor)."""
+        from gym_fork.ray.node import parse_job_target
+
+        nid = parse_job_target(target)
+        if nid is not None:
+            from gym_fork.ray.migration import job_host_address, resolve_token
+
+            token = resolve_token(self.token)  # the hosts' rule: explicit/env token, else the HMAC key's
+            address = job_host_address(nid, self.ray_address)
+            sock, hello = wire.connect(address, token)
+            return sock, hello, token
+        if not self.token:
+            raise MigrationError(f"no token to authenticate to the agent at {target}: start `gym-fork run` "
+                                 "with --token-file or $GYM_FORK_TOKEN")
+        sock, hello = wire.connect(target, self.token, tls=self.tls, netns=self.netns)
+        return sock, hello, self.token
+
+
+class _InBackground:
+    """``fn(*args)`` in a thread; ``result()`` joins it (re-raising its error), ``discard()``
+    closes the socket it returned when the caller failed before using it."""
+
+    def __init__(self, fn: Any, *args: Any):
+        import threading
+
+        self.box: dict = {}
+
+        def run() -> None:
+            try:
+                self.box["v"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001
+                self.box["e"] = e
+
+        self.t = threading.Thread(target=run, name="gym_fork-connect", daemon=True)
+        self.t.start()
+
+    def result(self) -> Any:
+        self.t.join()
+        if "e" in self.box:
+            raise self.box["e"]
+        return self.box["v"]
+
+    def discard(self) -> None:
+        self.t.join()
+        if "v" in self.box:
+            self.box["v"][0].close()
+
 
 def _canonical(meta: dict) -> bytes:
     return json.dumps({k: v for k, v in meta.items() if k != "hmac"}, sort_keys=True).encode()
 
 
-# --- agent side ---------------------------------------------------------------------------------------
-def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> None:
+# --- receiving side: an agent, or a Ray node's migration host ----------------------------------------
+def receive_job(site: Any, conn: socket.socket, req: dict, who: str) -> None:
+    """Receive, verify and restore the job checkpoint streamed on ``conn`` (after the handshake;
+    ``req["_session"]`` is this connection's nonce), tell the *restored* job it arrived, confirm
+    to the source, then supervise the job with a :class:`JobHost` in a thread (it can move on).
+
+    ``site`` is where the job will run: a :class:`~gym_fork.migration.agent.Agent`, or the job
+    site of a Ray node's :class:`~gym_fork.ray.migration.MigrationHost`. It provides ``token``,
+    ``key`` (:func:`wire.bundle_key` of the token), ``node``, ``receive_bundle(conn, req, who)``,
+    ``_lock`` and ``hosted`` (pid -> JobHost while the job runs here), and optionally ``log`` (a
+    logger), ``ray_address`` (for onward ``ray:`` hops), ``job_restored(pid)`` (right after the
+    restore, before the job runs on; raising refuses the checkpoint and kills the restored job)
+    and ``job_ended(host, how)``.
+    """
     import threading
 
     from gym_fork.bundle import check_compatible
     from gym_fork.criu_support import criu_status, log_tail, new_client
 
+    site_log = getattr(site, "log", None) or logging.getLogger("gym_fork.agent")
     d = None
     try:
         try:
-            d, timings, streamed = agent.receive_bundle(conn, req, who)
+            d, timings, streamed = site.receive_bundle(conn, req, who)
         except EOFError as e:
-            log.warning("%s: %s; nothing restored", who, e)
-            agent_log = logging.getLogger("gym_fork.agent")
-            agent_log.warning("%s: %s; nothing restored", who, e)
+            site_log.warning("%s: %s; nothing restored", who, e)
             return
         t0 = time.time()
         path = os.path.join(d, "bundle")
@@ -276,8 +346,9 @@ def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> N
                     meta = json.load(f)
             except (OSError, ValueError) as e:
                 raise MigrationError(f"the job checkpoint has no readable job.json: {e}") from e
-        if not keys.verify(_canonical(meta), meta.get("hmac", ""), agent.key):
-            raise MigrationError("the job checkpoint's HMAC does not verify with this agent's token; nothing restored")
+        if not keys.verify(_canonical(meta), meta.get("hmac", ""), site.key):
+            raise MigrationError(f"the job checkpoint's HMAC does not verify with the token of {site.node}; "
+                                 "nothing restored")
         check_compatible(meta, path)
         images = os.path.join(path, "images")
         if streamed is not None:  # hashed on receipt; signed for this connection only
@@ -309,9 +380,17 @@ def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> N
         finally:
             theirs.close()
             os.close(dfd)
+        restored = getattr(site, "job_restored", None)
+        if restored is not None:
+            try:
+                restored(pid)
+            except BaseException:
+                ours.close()
+                _kill_and_reap(pid)
+                raise
         timings["restore_s"] = time.time() - t0
     except Exception as e:  # noqa: BLE001
-        logging.getLogger("gym_fork.agent").warning("%s: job checkpoint refused/failed: %s: %s", who, type(e).__name__, e)
+        site_log.warning("%s: job checkpoint refused/failed: %s: %s", who, type(e).__name__, e)
         try:
             wire.send_msg(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
         except OSError:
@@ -321,38 +400,58 @@ def agent_receive_job(agent: Any, conn: socket.socket, req: dict, who: str) -> N
         if d:
             shutil.rmtree(d, ignore_errors=True)
     chan = Channel(ours)
-    host = JobHost(chan, pid, new_ino, token=agent.token, node=agent.node)
-    arrived = {"status": "arrived", "node": agent.node, "source": meta.get("source"), "t_freeze": meta["t_freeze"],
+    host = JobHost(chan, pid, new_ino, token=site.token, node=site.node, ray_address=getattr(site, "ray_address", None))
+    ended = getattr(site, "job_ended", None)
+    arrived = {"status": "arrived", "node": site.node, "source": meta.get("source"), "t_freeze": meta["t_freeze"],
                "t_resume": time.time(), "bytes": timings["bytes"], "timeline": dict(req.get("timeline", {}), **timings)}
     try:
         chan.send(arrived)  # the restored job continues now
     except OSError as e:
         host.kill()
+        if ended is not None:
+            ended(host, "refused")
         wire.send_msg(conn, {"ok": False, "error": "RestoreError", "message": f"the restored job did not take its reply: {e}"})
         return
-    with agent._lock:
-        agent.hosted[pid] = host
+    with site._lock:
+        site.hosted[pid] = host
     try:
-        wire.send_msg(conn, {"ok": True, "node": agent.node, "pid": pid, "timings": timings})
+        wire.send_msg(conn, {"ok": True, "node": site.node, "pid": pid, "timings": timings})
     except OSError:
         pass  # the source is gone; the job runs here anyway (it was told it arrived)
-    logging.getLogger("gym_fork.agent").info("%s: job restored as pid %d from %s", who, pid, meta.get("source"))
+    site_log.info("%s: job restored as pid %d from %s", who, pid, meta.get("source"))
 
     def supervise() -> None:
         how = host.serve()
-        with agent._lock:
-            agent.hosted.pop(pid, None)
-        logging.getLogger("gym_fork.agent").info("job %d %s (code %s)", pid, how, host.returncode)
+        with site._lock:
+            site.hosted.pop(pid, None)
+        site_log.info("job %d %s (code %s)", pid, how, host.returncode)
+        if ended is not None:
+            ended(host, how)
 
     threading.Thread(target=supervise, daemon=True, name=f"job-{pid}").start()
+
+
+agent_receive_job = receive_job  # the agent's name for it (``op="job"``)
+
+
+def _kill_and_reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)  # PID 1 of its namespace: the whole tree ends
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 # --- `gym-fork run` ---------------------------------------------------------------------------------
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", default=socket.gethostname(), help="this node's name (logged; default hostname)")
     p.add_argument("--log-dir", default=".", help="where the job's stdout.log/stderr.log go (O_APPEND)")
-    p.add_argument("--token-file", help="shared token for the agents (else $GYM_FORK_TOKEN)")
+    p.add_argument("--token-file", help="shared token for the agents (else $GYM_FORK_TOKEN); Ray node targets "
+                   "use it too when given, else the token derived from the gym_fork HMAC key, like the hosts")
     p.add_argument("--tls-ca", help="CA/cert file of TLS agents")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster for 'ray:<node id>' targets (LiveMigrationCallback(RayNode(...))); "
+                   "default $RAY_ADDRESS, else 'auto'. Only this supervisor connects to Ray, when the job asks to move")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
 
@@ -363,8 +462,14 @@ def run(args: argparse.Namespace) -> int:
         print("gym-fork run: give the command after --", file=sys.stderr)
         return 2
     try:
-        token = wire.load_token(None, args.token_file)
-    except (OSError, ValueError) as e:
+        token: bytes | None = wire.load_token(None, args.token_file)
+    except ValueError as e:
+        if args.token_file:
+            print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
+            return 2
+        token = None  # agents ("host:port") refuse to be targets then; Ray node targets derive theirs
+        log.info("no token (--token-file, $GYM_FORK_TOKEN): the job can move to Ray nodes only")
+    except OSError as e:
         print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
         return 2
     os.makedirs(args.log_dir, exist_ok=True)
@@ -402,9 +507,12 @@ def run(args: argparse.Namespace) -> int:
             pass
 
     signal.signal(signal.SIGUSR1, forward)
-    host = JobHost(Channel(ours), pid, ino, token=token, node=args.node, popen=popen, tls=args.tls_ca or False)
+    host = JobHost(Channel(ours), pid, ino, token=token, node=args.node, popen=popen, tls=args.tls_ca or False,
+                   ray_address=args.ray_address)
     how = host.serve()
     if how == "migrated":
-        print("gym-fork run: the job now runs on the target agent; this supervisor exits", flush=True)
+        where = host.moved_to or ""
+        what = f"Ray node {where[4:]}" if where.startswith("ray:") else f"the target agent ({where})"
+        print(f"gym-fork run: the job now runs on {what}; this supervisor exits", flush=True)
         return 0
     return host.returncode if host.returncode is not None else 1

@@ -41,13 +41,18 @@ def hosts_base() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: e.g. a host whose node died, not reaped yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def reap_dead_dirs(base: str | None = None) -> list[str]:

@@ -24,6 +24,20 @@ so it lives as long as that driver's job). A hop:
 Because the worker keeps its unix channel (external ``unix[INO]`` for CRIU) and the TCP side
 lives in the host, a migrated worker can be exported again: hops chain (A -> B -> C -> A).
 
+**Whole jobs** (``LiveMigrationCallback(RayNode(id))`` in a ``gym-fork run`` job): the job sends
+its supervisor ``"ray:<node id>"``; the supervisor (not dumped, so it may talk to Ray) connects
+to the cluster, gets that node's *job host* (:func:`job_host_for`: the same :class:`MigrationHost`
+class, but detached, in namespace ``gym_fork``, so it outlives the supervisor that created it),
+asks it for its bridge address (:func:`job_host_address`) and streams the job checkpoint to the
+bridge exactly as to a ``gym-fork agent`` (same handshake, ``op="job"``, same verification and
+restore: :func:`gym_fork.migration.job.receive_job`). The job becomes the host's child (the
+host is a child subreaper) and is supervised there by a ``JobHost``, so it can move on. A small
+guard process per job (own session) holds a pidfd of the job and the read end of a pipe only
+the host holds: when the host process ends in any way (``ray.kill``, a crash, its node dying)
+the guard SIGKILLs the job's PID namespace, so no restored job outlives its host. A job host
+that has held nothing for ``idle_exit_s`` (``$GYM_FORK_RAY_JOB_HOST_IDLE_S`` in the supervisor
+that created it, default 60) stops itself.
+
 Token: ``token=`` / ``$GYM_FORK_TOKEN`` / ``$GYM_FORK_TOKEN_FILE`` where set, else a token derived
 from the gym_fork HMAC key (``gym_fork.keys``), which every node must share anyway to verify
 bundles. Hosts resolve theirs on their own node the same way (an explicit ``token=`` on the
@@ -39,6 +53,8 @@ import os
 import select
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -53,6 +69,29 @@ log = logging.getLogger("gym_fork.ray.migration")
 
 ATTACH_TIMEOUT_S = 60.0  # a received worker nobody attaches to within this is stopped
 HOST_NAME = "gym_fork-mhost-{}"
+JOB_NAMESPACE = "gym_fork"  # job hosts (detached) live here, whoever created them
+JOB_HOST_IDLE_ENV = "GYM_FORK_RAY_JOB_HOST_IDLE_S"
+
+# Run by the guard of one job on a host: exits when the job exits (its pidfd is readable); when the
+# pipe's write end -- held by the host process only -- closes first, the host is gone: kill the job.
+_GUARD = """
+import os, select, signal, sys
+life, pfd = int(sys.argv[1]), int(sys.argv[2])
+p = select.poll()
+p.register(life, select.POLLIN)
+p.register(pfd, select.POLLIN)
+while True:
+    try:
+        ev = dict(p.poll())
+        break
+    except InterruptedError:
+        pass
+if life in ev:
+    try:
+        signal.pidfd_send_signal(pfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
 
 
 def resolve_token(token: str | bytes | None = None) -> bytes:
@@ -97,10 +136,12 @@ class _Hosted:
 
 
 class MigrationHost(BranchHost):
-    """The per-node host of migrated env workers (also a :class:`BranchHost`). Not used directly:
-    ``env.migrate(RayNode(id))`` creates and drives these (:func:`host_for`)."""
+    """The per-node host of migrated env workers and whole jobs (also a :class:`BranchHost`). Not
+    used directly: ``env.migrate(RayNode(id))`` creates and drives these (:func:`host_for`), and
+    a ``gym-fork run`` supervisor streams jobs to its bridge (:func:`job_host_for`, ``op="job"``).
+    ``idle_exit_s``: stop after holding nothing that long (job hosts; ``None``: never)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_exit_s: float | None = None) -> None:
         super().__init__()
         from gym_fork.migration import wire
 
@@ -110,6 +151,9 @@ class MigrationHost(BranchHost):
         self._mlock = threading.Lock()
         self._server: socket.socket | None = None
         self._address: str | None = None
+        self._jobs = _JobSite(self)
+        self._idle_exit_s = idle_exit_s
+        self._closing = False
         threading.Thread(target=self._watchdog, daemon=True, name="gym_fork-mhost-watchdog").start()
 
     # --- introspection -------------------------------------------------------------------------
@@ -117,8 +161,20 @@ class MigrationHost(BranchHost):
         out = super().info()
         with self._mlock:
             out["hosted"] = {w: h.pid for w, h in self._hosted.items()}
+        with self._jobs._lock:
+            out["jobs"] = {pid: {"guard": self._jobs.guards[pid].pid if pid in self._jobs.guards else None}
+                           for pid in self._jobs.hosted}
         out["bridge"] = self._address
+        out["jobs_received"] = self._jobs.received
         return out
+
+    def job_address(self) -> str:
+        """The bridge address a job supervisor streams a job checkpoint to (``op="job"``)."""
+        with self._jobs._lock:
+            if self._closing:
+                raise RuntimeError(f"the migration host of node {self.node_id} is shutting down")
+            self._jobs.last_active = time.monotonic()
+        return self._bridge()
 
     # --- bridge ---------------------------------------------------------------------------------
     def _bridge(self) -> str:
@@ -148,8 +204,11 @@ class MigrationHost(BranchHost):
         try:
             conn.settimeout(10.0)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(conn, self._token, self.node_id)
+            nonce = wire.server_handshake(conn, self._token, self.node_id)
             req = wire.recv_msg(conn)
+            if req.get("op") == "job":  # a whole job from a `gym-fork run` supervisor (or another host)
+                self._job_op(conn, dict(req, _session=nonce), f"{peer[0]}:{peer[1]}")
+                return
             wid = str(req.get("id", ""))
             with self._mlock:
                 h = self._hosted.get(wid)
@@ -169,6 +228,35 @@ class MigrationHost(BranchHost):
             return
         h.attached.set()
         self._start_relay(h)
+
+    def _job_op(self, conn: socket.socket, req: dict, who: str) -> None:
+        from gym_fork.migration import wire
+        from gym_fork.migration.job import receive_job
+
+        _unnice_thread()
+        try:
+            with self._jobs._lock:
+                refuse = self._closing
+                if not refuse:
+                    self._jobs.busy += 1
+            if refuse:
+                wire.send_msg(conn, {"ok": False, "error": "RuntimeError",
+                                     "message": f"the migration host of node {self.node_id} is shutting down"})
+                return
+            try:
+                log.info("%s: job checkpoint (%s bytes)", who, req.get("size"))
+                receive_job(self._jobs, conn, req, who)
+            finally:
+                with self._jobs._lock:
+                    self._jobs.busy -= 1
+                    self._jobs.last_active = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - log, keep serving
+            log.exception("%s: job op failed: %s", who, e)
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
 
     def _start_relay(self, h: _Hosted) -> None:
         h.paused.clear()
@@ -238,6 +326,26 @@ class MigrationHost(BranchHost):
             for w in stale:
                 log.warning("worker %s was never attached; stopping it", w)
                 self._drop(w)
+            self._jobs.reap_guards()
+            if self._idle_exit_s is not None and self._idle():
+                log.info("job host of node %s idle for %.0f s; stopping", self.node_id, self._idle_exit_s)
+                self.close()
+                import ray
+
+                ray.get_runtime_context().current_actor.__ray_terminate__.remote()
+                return
+
+    def _idle(self) -> bool:
+        """A job host that has held nothing for ``idle_exit_s`` (since it started, was last asked
+        for its address, or its last job ended)."""
+        j = self._jobs
+        with self._mlock, j._lock:
+            if self._hosted or self._roots or self._busy or j.hosted or j.busy:
+                return False
+            if time.monotonic() - j.last_active < self._idle_exit_s:
+                return False
+            self._closing = True  # no new job from here on
+            return True
 
     # --- the migration steps --------------------------------------------------------------------
     def receive(self, refs: list, steps: int) -> dict:
@@ -340,13 +448,77 @@ class MigrationHost(BranchHost):
         return True
 
     def close(self) -> None:
+        """Stop every hosted worker and job, the bridge, and delete this host's directory."""
+        self._closing = True
         with self._mlock:
             wids = list(self._hosted)
         for w in wids:
             self._drop(w)
+        self._jobs.kill_all()
         if self._server is not None:
             self._server.close()
         super().close()
+
+
+class _JobSite:
+    """A migration host as the place received jobs run (what :func:`~gym_fork.migration.job.receive_job`
+    needs: the agent's attributes), plus one guard process per job (see module doc)."""
+
+    def __init__(self, host: MigrationHost):
+        self.host = host
+        self.token, self.key, self.node = host._token, host._key, host.node_id
+        self.state_dir = host.session
+        self.log = log
+        self.ray_address = None  # onward `ray:` hops use this process's Ray connection
+        self._lock = threading.Lock()
+        self.hosted: dict[int, Any] = {}  # job pid -> JobHost
+        self.guards: dict[int, subprocess.Popen] = {}
+        self.busy = 0
+        self.received = 0
+        self.last_active = time.monotonic()
+        self._life_r, self._life_w = os.pipe()  # the write end lives (only) as long as this process
+
+    def receive_bundle(self, conn: socket.socket, req: dict, who: str) -> tuple[str, dict, dict | None]:
+        from gym_fork.migration.agent import receive_checkpoint
+
+        return receive_checkpoint(conn, req, self.state_dir, self.node)
+
+    def job_restored(self, pid: int) -> None:
+        pfd = os.pidfd_open(pid)
+        try:
+            g = subprocess.Popen([sys.executable, "-S", "-c", _GUARD, str(self._life_r), str(pfd)],
+                                 pass_fds=(self._life_r, pfd), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os.close(pfd)
+        with self._lock:
+            self.guards[pid] = g
+            self.received += 1
+            self.last_active = time.monotonic()
+
+    def job_ended(self, job: Any, how: str) -> None:
+        with self._lock:
+            self.last_active = time.monotonic()
+        self.reap_guards()
+
+    def reap_guards(self) -> None:
+        with self._lock:
+            done = [p for p, g in self.guards.items() if g.poll() is not None]
+            for p in done:
+                self.guards.pop(p)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            jobs = list(self.hosted.values())
+        for j in jobs:
+            try:
+                j.kill()
+            except Exception:  # noqa: BLE001
+                pass
+        deadline = time.monotonic() + 5
+        while self.guards and time.monotonic() < deadline:
+            self.reap_guards()
+            time.sleep(0.02)
 
 
 # --- driver side ----------------------------------------------------------------------------------
@@ -368,15 +540,80 @@ def host_for(node_id: str) -> Any:
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
 
 
-def close_hosts() -> None:
-    """Stop every migration host of this job (their workers end, their directories go)."""
+def job_host_for(node_id: str, idle_exit_s: float | None = None) -> Any:
+    """The *job* host of ``node_id``: a detached :class:`MigrationHost` in namespace
+    ``gym_fork`` (created on first use; it must outlive the ``gym-fork run`` supervisor that
+    moved a job there). ``idle_exit_s`` (default ``$GYM_FORK_RAY_JOB_HOST_IDLE_S`` or 60): it stops
+    itself after holding nothing that long (applies when it is created)."""
+    global _host_cls
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if idle_exit_s is None:
+        idle_exit_s = float(os.environ.get(JOB_HOST_IDLE_ENV, "60"))
+    with _host_lock:
+        if _host_cls is None:
+            _host_cls = ray.remote(MigrationHost)
+    return _host_cls.options(
+        name=HOST_NAME.format(node_id), namespace=JOB_NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_concurrency=16, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(idle_exit_s)
+
+
+def connect_ray(address: str | None = None) -> None:
+    """Connect this process (a job supervisor) to the Ray cluster, unless it is already:
+    ``address``, else ``$RAY_ADDRESS``, else ``"auto"`` (never a new local cluster)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=addr, namespace=JOB_NAMESPACE, log_to_driver=False, configure_logging=False)
+    except Exception as e:  # noqa: BLE001 - ConnectionError, ValueError, ...
+        raise MigrationError(f"cannot connect to the Ray cluster at {addr!r} (--ray-address / $RAY_ADDRESS): "
+                             f"{type(e).__name__}: {e}") from e
+    # Ray's subreaper mode sets SIGCHLD to SIG_IGN; criu (the next dump) would fail returning 0
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).signal(signal.SIGCHLD, ctypes.c_void_p(0))
+
+
+def job_host_address(node_id: str, ray_address: str | None = None, timeout: float = 60.0) -> str:
+    """Where to stream a job checkpoint for Ray node ``node_id``: its job host's bridge
+    (``ip:port``). Connects to Ray first if needed (:func:`connect_ray`). Raises MigrationError."""
+    import ray
+
+    connect_ray(ray_address)
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    if node_id not in alive:
+        raise MigrationError(f"Ray node {node_id} is not an alive node of this cluster")
+    last = None
+    for _attempt in range(2):  # a job host that just stopped itself (idle) is replaced once
+        try:
+            return ray.get(job_host_for(node_id).job_address.remote(), timeout=timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            last = e
+            time.sleep(0.5)
+        except ray.exceptions.RayError as e:
+            raise MigrationError(f"the job host on Ray node {node_id} did not answer: {_cause(e)}") from e
+    raise MigrationError(f"the job host on Ray node {node_id} is gone: {_cause(last)}")
+
+
+def close_hosts(jobs: bool = False) -> None:
+    """Stop every migration host of this job (their workers end, their directories go); with
+    ``jobs=True`` the detached job hosts (namespace ``gym_fork``) and the jobs they run instead."""
     import ray
 
     for n in ray.nodes():
         if not n.get("Alive"):
             continue
         try:
-            h = ray.get_actor(HOST_NAME.format(n["NodeID"]))
+            if jobs:
+                h = ray.get_actor(HOST_NAME.format(n["NodeID"]), namespace=JOB_NAMESPACE)
+            else:
+                h = ray.get_actor(HOST_NAME.format(n["NodeID"]))
         except ValueError:
             continue
         try:
