@@ -215,7 +215,7 @@ def receive_checkpoint(conn: socket.socket, req: dict, state_dir: str, node: str
         if req.get("stream") == 3:  # images streamed while CRIU dumped them (wire.send_images_while_dumping)
             digests = {}
             size = wire.receive_images_while_dumped(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")),
-                                                    digests)
+                                                    digests, str(req.get("hash", "sha256")))
             try:
                 meta = wire.recv_msg(conn)
             except ValueError as e:

@@ -210,10 +210,13 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
             return meta
 
         t0 = time.monotonic()
+        # images that exist already (persisted) are checked against their sha256 manifest
+        payload = snap.payload()
+        persisted = getattr(payload, "image", payload) is not None
         try:
             reply, nbytes = wire.send_images_while_dumping(
                 sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, into, target, trailer,
-                done, failed, limit)
+                done, failed, limit, "sha256" if persisted else None)
         except ValueError:
             if "error" in dumped:
                 raise dumped["error"] from None

@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -185,7 +186,7 @@ class JobHost:
         self.chan.close()
 
     def migrate_out(self, req: dict) -> bool:
-        from gym_fork.criu_support import criu_status, log_tail, new_client
+        from gym_fork.criu_support import criu_status, dump_size_bound, log_tail, new_client
 
         target = req.get("target", "")
         t_freeze = time.time()
@@ -195,8 +196,14 @@ class JobHost:
         # resolve (Ray targets), connect + authenticate while CRIU dumps (off the critical path)
         conn = _InBackground(self._connect, target)
         sock = None
-        try:
-            st = criu_status()
+        # CRIU dumps the tree in a thread while the images are streamed as CRIU writes them
+        # (wire.send_images_while_dumping): dump and transfer overlap.
+        st = criu_status()
+        done, failed = threading.Event(), threading.Event()
+        dump_error: list[BaseException] = []
+        limit = dump_size_bound(self.pid, tree=True)
+
+        def dump() -> None:
             dfd = os.open(images, os.O_DIRECTORY)
             try:
                 c = new_client(st.binary)
@@ -206,42 +213,52 @@ class JobHost:
                 c.opts.pid = self.pid
                 c.opts.leave_running = True
                 c.opts.external.append(f"unix[{self.ino}]")
-                try:
-                    c.dump()
-                except Exception as e:  # noqa: BLE001
-                    raise MigrationError(f"CRIU dump of the job failed ({e}): {log_tail(os.path.join(images, 'dump.log'))}") from e
+                c.dump()
+            except Exception as e:  # noqa: BLE001 - reported by the streaming side
+                dump_error.append(MigrationError(
+                    f"CRIU dump of the job failed ({e}): {log_tail(os.path.join(images, 'dump.log'))}"))
+                failed.set()
             finally:
                 os.close(dfd)
-            tl["dump_s"] = time.time() - t_freeze
-            t0 = time.time()
-            import platform
+                tl["dump_s"] = time.time() - t_freeze
+                done.set()
 
-            base = {"format": 1, "kind": "job", "ino": self.ino, "source": self.node, "t_freeze": t_freeze,
-                    "criu_version": st.version, "machine": platform.machine(), "files": _job_files(images),
-                    "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
-            tl["pack_s"] = time.time() - t0  # no manifest pass any more: images are hashed while sent
+        dumper = threading.Thread(target=dump, daemon=True, name="gym_fork-job-dump")
+        dumper.start()
+        try:
             t0 = time.time()
             sock, hello, token = conn.result()
             tl["connect_wait_s"] = time.time() - t0
             key = wire.bundle_key(token)
+            import platform
 
             def trailer(digests: dict) -> dict:
-                meta = dict(base, images=digests, session=hello["nonce"])
+                t1 = time.time()
+                base = {"format": 1, "kind": "job", "ino": self.ino, "source": self.node, "t_freeze": t_freeze,
+                        "criu_version": st.version, "machine": platform.machine(), "files": _job_files(images),
+                        "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
+                tl["pack_s"] = time.time() - t1
+                meta = dict(base, images=digests, session=hello["nonce"], timeline=tl)  # dump_s is known now
                 meta["hmac"] = keys.sign(_canonical(meta), key)
                 return meta
 
             t0 = time.time()
             try:
-                reply, nbytes = wire.send_images(sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl},
-                                                 images, target, trailer)
+                reply, nbytes = wire.send_images_while_dumping(
+                    sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl}, images, target, trailer,
+                    done, failed, limit)
+            except ValueError:
+                if dump_error:
+                    raise dump_error[0] from None
+                raise
             finally:
                 sock.close()
             tl["transfer_restore_s"] = time.time() - t0
             if not reply.get("ok"):
                 raise RemoteRestoreError(f"{hello.get('node')!r} at {target} did not restore the job: "
                                          f"{reply.get('error')}: {reply.get('message')}", reply.get("error", ""))
-            log.info("job %d moved to %s (%s): %d bytes, dump %.3fs, pack %.3fs, transfer+restore %.3fs",
-                     self.pid, hello.get("node"), target, nbytes, tl["dump_s"], tl["pack_s"], tl["transfer_restore_s"])
+            log.info("job %d moved to %s (%s): %d bytes, dump %.3fs (streamed meanwhile), transfer+restore %.3fs",
+                     self.pid, hello.get("node"), target, nbytes, tl["dump_s"], tl["transfer_restore_s"])
             return True
         except Exception as e:  # noqa: BLE001 - the job continues; tell it why
             if sock is None:
@@ -253,6 +270,7 @@ class JobHost:
                 pass
             return False
         finally:
+            dumper.join()
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _connect(self, target: str) -> tuple[socket.socket, dict, bytes]:
@@ -403,7 +421,7 @@ def receive_job(site: Any, conn: socket.socket, req: dict, who: str) -> None:
     host = JobHost(chan, pid, new_ino, token=site.token, node=site.node, ray_address=getattr(site, "ray_address", None))
     ended = getattr(site, "job_ended", None)
     arrived = {"status": "arrived", "node": site.node, "source": meta.get("source"), "t_freeze": meta["t_freeze"],
-               "t_resume": time.time(), "bytes": timings["bytes"], "timeline": dict(req.get("timeline", {}), **timings)}
+               "t_resume": time.time(), "bytes": timings["bytes"], "timeline": {**req.get("timeline", {}), **meta.get("timeline", {}), **timings}}
     try:
         chan.send(arrived)  # the restored job continues now
     except OSError as e:

@@ -373,22 +373,44 @@ _FRAME = struct.Struct("!BIQ")
 _F_OPEN, _F_DATA, _F_DONE = 1, 2, 3
 
 
+def stream_hash() -> str:
+    """The digest for streamed images: BLAKE3 (2.6 GB/s on one core here, sha256 1.0 GB/s; both
+    ends hash every byte, so this is most of the CPU a transfer costs), sha256 without it."""
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "blake3"
+
+
+def _new_hash(alg: str) -> Any:
+    if alg == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    if alg == "sha256":
+        return hashlib.sha256()
+    raise tarfile.ReadError(f"unknown image digest {alg!r} (this node knows sha256 and blake3)")
+
+
 def send_images_while_dumping(sock: socket.socket, header: dict, images: str, target: str, trailer,
                               dump_done: threading.Event, dump_failed: threading.Event,
-                              limit: int) -> tuple[dict, int]:
+                              limit: int, alg: str | None = None) -> tuple[dict, int]:
     """Stream the image files of ``images`` while a CRIU dump into it is still running (set
     ``dump_done`` when it returned, ``dump_failed`` too when it failed): each file is read and
     hashed (sha256) as it grows, then the signed ``trailer(digests)``, then the agent's verdict.
     ``limit``: the most bytes this may send (announced to the agent, which checks its disk
     space against it; more raises). Returns (reply, bytes); raises TransferError, or
-    ValueError when the dump failed (the caller closes ``sock``: the agent drops what it got)."""
+    ValueError when the dump failed (the caller closes ``sock``: the agent drops what it got).
+    ``alg``: the digest (default :func:`stream_hash`)."""
     from gym_fork.store import _NOT_IMAGES
 
-    files: dict[str, list] = {}  # name -> [fd, offset, sha256, number]
+    files: dict[str, list] = {}  # name -> [fd, offset, hash, number]
     sent = 0
     buf = memoryview(bytearray(1 << 20))
+    alg = alg or stream_hash()
     try:
-        send_msg(sock, dict(header, size=limit, stream=3))
+        send_msg(sock, dict(header, size=limit, stream=3, hash=alg))
         go = recv_msg(sock)
         if not go.get("ok"):
             return go, 0
@@ -410,7 +432,7 @@ def send_images_while_dumping(sock: socket.socket, header: dict, images: str, ta
                         fd = os.open(os.path.join(images, name), os.O_RDONLY | os.O_NOFOLLOW)
                     except (FileNotFoundError, IsADirectoryError):
                         continue
-                    ent = files[name] = [fd, 0, hashlib.sha256(), len(files)]
+                    ent = files[name] = [fd, 0, _new_hash(alg), len(files)]
                     raw = name.encode()
                     sock.sendall(_FRAME.pack(_F_OPEN, ent[3], len(raw)) + raw)
                 while True:
@@ -433,7 +455,7 @@ def send_images_while_dumping(sock: socket.socket, header: dict, images: str, ta
             if os.fstat(ent[0]).st_size != ent[1] or not os.path.exists(os.path.join(images, name)):
                 raise ValueError(f"image {name} changed after it was sent")
         sock.sendall(_FRAME.pack(_F_DONE, 0, 0))
-        digests = {name: {"size": ent[1], "sha256": ent[2].hexdigest()} for name, ent in files.items()}
+        digests = {name: {"size": ent[1], alg: ent[2].hexdigest()} for name, ent in files.items()}
         send_msg(sock, trailer(digests))
         return recv_msg(sock), sent
     except (OSError, EOFError) as e:
@@ -445,9 +467,11 @@ def send_images_while_dumping(sock: socket.socket, header: dict, images: str, ta
             os.close(ent[0])
 
 
-def receive_images_while_dumped(sock: socket.socket, limit: int, dest: str, digests: dict) -> int:
+def receive_images_while_dumped(sock: socket.socket, limit: int, dest: str, digests: dict,
+                                alg: str = "sha256") -> int:
     """The receiving end of :func:`send_images_while_dumping`: files land in ``dest`` (mode
-    0600, plain names only), hashed as they arrive into ``digests[name] = {"size", "sha256"}``.
+    0600, plain names only), hashed (``alg``: the request's ``hash``) as they arrive into
+    ``digests[name] = {"size", alg}``.
     Returns the bytes received. Raises EOFError (cut), tarfile.ReadError (malformed, or over ``limit``)."""
     fds: list[int] = []
     names: list[str] = []
@@ -469,7 +493,7 @@ def receive_images_while_dumped(sock: socket.socket, limit: int, dest: str, dige
                     raise tarfile.ReadError(f"refusing image name {name!r}")
                 fds.append(os.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
                 names.append(name)
-                hashes.append(hashlib.sha256())
+                hashes.append(_new_hash(alg))
                 sizes.append(0)
             elif kind == _F_DATA:
                 if num >= len(fds):
@@ -493,7 +517,7 @@ def receive_images_while_dumped(sock: socket.socket, limit: int, dest: str, dige
         for fd in fds:
             os.close(fd)
     for name, h, size in zip(names, hashes, sizes):
-        digests[name] = {"size": size, "sha256": h.hexdigest()}
+        digests[name] = {"size": size, alg: h.hexdigest()}
     return total
 
 
