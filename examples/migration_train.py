@@ -25,7 +25,7 @@ from stable_baselines3.common.logger import KVWriter, Logger  # noqa: E402
 from gym_fork.sb3 import LiveMigrationCallback  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--target", default=None, help="an agent's HOST:PORT")
+p.add_argument("--target", default=None, help="an agent's HOST:PORT (a comma-separated list: a route, one hop per trigger)")
 p.add_argument("--ray-node", default=None, help="a Ray node id: migrate into that node's host actor")
 p.add_argument("--at", type=int, default=None, help="migrate at this timestep")
 p.add_argument("--notice-file", default=None)
@@ -68,7 +68,7 @@ captured = Captured()
 model.set_logger(Logger(folder=None, output_formats=[captured]))
 cbs = []
 mig = None
-target = args.target
+target = args.target.split(",") if args.target and "," in args.target else args.target
 if args.ray_node:
     from gym_fork.ray import RayNode  # import-light: no Ray in this process
 

@@ -236,6 +236,7 @@ def test_tls_agent():
 # --- whole-job live migration (gym-fork run + LiveMigrationCallback) ---------------------------------
 import json  # noqa: E402
 import re  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -305,7 +306,13 @@ def test_job_migration_failure_keeps_training(netnodes, reference_job, tmp_path)
 
 
 # --- streamed images (hashed in one pass on each side; trailer signed for this session) -----------
-def _streamed(lo, mutate):
+@pytest.fixture(params=[2, 3])
+def stream(request):
+    """Both stream forms: 2 (tar after the dump, sha256), 3 (frames while dumping, BLAKE3)."""
+    return request.param
+
+
+def _streamed(lo, mutate, stream=3):
     """Dump a snapshot, stream it to agent B with the trailer ``mutate(meta, digests, hello)``
     returns (signed with the right key), and return the agent's reply."""
     from gym_fork import bundle as B
@@ -329,7 +336,13 @@ def _streamed(lo, mutate):
             return meta
 
         try:
-            reply, _n = wire.send_images(sock, {"op": "env"}, image.path, lo.target["B"], trailer)
+            if stream == 2:
+                reply, _n = wire.send_images(sock, {"op": "env"}, image.path, lo.target["B"], trailer)
+            else:
+                done = threading.Event()
+                done.set()
+                reply, _n = wire.send_images_while_dumping(sock, {"op": "env"}, image.path, lo.target["B"], trailer,
+                                                           done, threading.Event(), 1 << 30)
         finally:
             sock.close()
         return reply
@@ -341,30 +354,53 @@ def _streamed(lo, mutate):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_streamed_bundle_signed_for_another_session_is_refused(lo):
-    reply = _streamed(lo, lambda m, d, h: dict(m, session=os.urandom(32).hex()))  # a replay's session
+def test_streamed_bundle_signed_for_another_session_is_refused(lo, stream):
+    reply = _streamed(lo, lambda m, d, h: dict(m, session=os.urandom(32).hex()), stream)  # a replay's session
     assert not reply["ok"] and reply["error"] == "BundleError" and "another session" in reply["message"]
     _clean(lo.agents["B"])
 
 
-def test_streamed_image_not_in_signed_list_is_refused(lo):
+def test_streamed_image_not_in_signed_list_is_refused(lo, stream):
     def drop_one(meta, digests, hello):  # sign all but one image: that one arrives unsigned
         name = sorted(digests)[0]
         return dict(meta, images={k: v for k, v in digests.items() if k != name})
 
-    reply = _streamed(lo, drop_one)
+    reply = _streamed(lo, drop_one, stream)
     assert not reply["ok"] and reply["error"] == "SnapshotCorruptedError" and "signed list" in reply["message"]
     _clean(lo.agents["B"])
 
 
-def test_streamed_digest_mismatch_is_refused(lo):
+def test_streamed_digest_mismatch_is_refused(lo, stream):
+    alg = "sha256" if stream == 2 else "blake3"
+
     def lie(meta, digests, hello):
         name = max(digests, key=lambda k: digests[k]["size"])
-        return dict(meta, images=dict(digests, **{name: dict(digests[name], sha256="0" * 64)}))
+        return dict(meta, images=dict(digests, **{name: dict(digests[name], **{alg: "0" * 64})}))
 
-    reply = _streamed(lo, lie)
-    assert not reply["ok"] and "sha256" in reply["message"]
+    reply = _streamed(lo, lie, stream)
+    assert not reply["ok"] and f"{alg} check" in reply["message"]
     _clean(lo.agents["B"])
+
+
+def test_stream3_beyond_the_announced_size_or_with_a_bad_name_is_refused(lo):
+    """A sender that announces less than it sends, or names a file '../x', gets nothing written."""
+    import struct
+
+    from gym_fork.migration import wire
+
+    for name, n in ((b"pages-1.img", 8192), (b"../escape", 10)):
+        sock, hello = wire.connect(lo.target["B"], lo.token.encode())
+        try:
+            wire.send_msg(sock, {"op": "env", "size": 4096, "stream": 3, "hash": "blake3"})
+            assert wire.recv_msg(sock)["ok"]
+            frame = struct.Struct("!BIQ")
+            sock.sendall(frame.pack(1, 0, len(name)) + name + frame.pack(2, 0, n) + b"x" * n)
+            reply = wire.recv_msg(sock)
+            assert not reply["ok"] and ("announced" in reply["message"] or "refusing" in reply["message"]), reply
+        finally:
+            sock.close()
+        _clean(lo.agents["B"])
+        assert not os.path.exists(os.path.join(lo.agents["B"].state_dir, "..", "escape"))
 
 
 def test_agent_still_accepts_a_whole_bundle_tar(lo):
@@ -534,3 +570,67 @@ def test_close_during_live_migration_leaves_nothing(netnodes):
     env.close()
     assert mig.done() and mig.state == "cancelled"
     _clean(netnodes.agents["B"])
+
+
+def test_job_two_hops_signal_then_notice_file(netnodes, reference_job, tmp_path):
+    """A -> B on SIGUSR1 to `gym-fork run`, then B -> A when a preemption notice file appears:
+    still the same training as never moving."""
+    logd, notice = str(tmp_path / "logs"), str(tmp_path / "preempt-notice")
+    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd,
+           "--token-file", netnodes.token_file, "--", sys.executable, TRAIN,
+           "--target", f"{netnodes.target['B']},{netnodes.target['A']}", "--notice-file", notice,
+           "--total", str(TOTAL)]
+    if netnodes.netns.get("A"):
+        cmd = ["nsenter", f"--net=/run/netns/{netnodes.netns['A']}", *cmd]
+    sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_for(pred, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {_lines(f'{logd}/stdout.log')[-3:]}"
+            time.sleep(0.05)
+
+    try:
+        wait_for(lambda: any(x.get("t", 0) >= 150 for x in _lines(f"{logd}/stdout.log")), "training on A")
+        sup.send_signal(signal.SIGUSR1)  # forwarded to the job: move at the next step boundary
+        out, err = sup.communicate(timeout=60)  # the source supervisor exits once B runs the job
+        assert sup.returncode == 0, err
+        assert "now runs on the target agent" in out
+        wait_for(lambda: any(x.get("node") == "B" for x in _lines(f"{logd}/stdout.log")), "an episode on B")
+        with open(notice, "w") as f:
+            f.write("preempted\n")
+        wait_for(lambda: any(x.get("done") for x in _lines(f"{logd}/stdout.log")), "the end of training", 120)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    lines = _lines(f"{logd}/stdout.log")
+    done = [x for x in lines if x.get("done")][0]
+    hops = done["migrations"]
+    assert [(m["status"], m["source"], m["node"]) for m in hops] == [("arrived", "A", "B"), ("arrived", "B", "A")]
+    assert hops[0]["timestep"] < hops[1]["timestep"] < TOTAL
+    ref = [x for x in reference_job if x.get("done")][0]
+    assert done["timesteps"] == ref["timesteps"] == TOTAL and done["policy_sha"] == ref["policy_sha"]
+    eps = [x for x in lines if "ret" in x]
+    assert [(x["t"], x["ret"]) for x in eps] == [(x["t"], x["ret"]) for x in reference_job if "ret" in x]
+    assert {x["node"] for x in eps if x["t"] > hops[1]["timestep"]} <= {"A"}
+    assert done["logged"]["migration/source"] == "B" and done["logged"]["migration/target"] == "A"
+    _clean(netnodes.agents["A"])
+    _clean(netnodes.agents["B"])
+
+
+def test_job_migrates_to_a_tls_agent(reference_job, tmp_path):
+    with Nodes(["B"], use_netns=False, tls=True) as n:
+        logd = str(tmp_path / "logs")
+        cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd, "--token-file",
+               n.token_file, "--tls-ca", n.cert, "--", sys.executable, TRAIN, "--target", n.target["B"],
+               "--at", "400", "--total", str(TOTAL)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(x.get("done") for x in _lines(f"{logd}/stdout.log")):
+            time.sleep(0.2)
+        done = [x for x in _lines(f"{logd}/stdout.log") if x.get("done")][0]
+        assert [(m["status"], m["node"]) for m in done["migrations"]] == [("arrived", "B")]
+        ref = [x for x in reference_job if x.get("done")][0]
+        assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+        _clean(n.agents["B"])

@@ -17,7 +17,8 @@ class LiveMigrationCallback(BaseCallback):
     """Live-migrate the job (started with ``gym-fork run``) to ``target``: an agent's
     ``"host:port"``, or ``gym_fork.ray.RayNode(node_id)`` (the job moves into the migration host
     actor of that Ray node; the job itself never imports or connects to Ray: its supervisor does,
-    with ``--ray-address`` or ``$RAY_ADDRESS``).
+    with ``--ray-address`` or ``$RAY_ADDRESS``). A list of targets makes a route: each move goes
+    to the next one (e.g. ``[B, A]``: out to B on the first trigger, back to A on the second).
 
     ``trigger``: ``"SIGUSR1"`` (default; ``kill -USR1`` the job or its ``gym-fork run``), a
     path prefixed ``"file:"`` (a preemption notice file appearing), an ``int`` timestep, or
@@ -30,7 +31,11 @@ class LiveMigrationCallback(BaseCallback):
 
     def __init__(self, target: Any, trigger: Any = "SIGUSR1", verbose: int = 1):
         super().__init__(verbose)
-        self.target = _job_target(target)
+        route = target if isinstance(target, (list, tuple)) else [target]
+        if not route:
+            raise ValueError("target: give an agent's 'host:port', a RayNode, or a non-empty list of them")
+        self.route = [_job_target(t) for t in route]
+        self.hops = 0  # moves that arrived
         triggers = trigger if isinstance(trigger, (list, tuple)) else [trigger]
         self.notice_files = [t[5:] for t in triggers if isinstance(t, str) and t.startswith("file:")]
         self.at_timestep = [t for t in triggers if isinstance(t, int)]
@@ -39,6 +44,11 @@ class LiveMigrationCallback(BaseCallback):
         self.history: list[dict] = []
         if self.on_signal:
             signal.signal(signal.SIGUSR1, lambda *_: self.request())
+
+    @property
+    def target(self) -> str:
+        """Where the next move goes."""
+        return self.route[self.hops % len(self.route)]
 
     def request(self) -> None:
         """Migrate at the next step boundary (safe from a signal handler)."""
@@ -67,6 +77,7 @@ class LiveMigrationCallback(BaseCallback):
         rec = dict(reply, timestep=self.num_timesteps, t_request=t0, t_continue=now)
         self.history.append(rec)
         if reply.get("status") == "arrived":
+            self.hops += 1
             rec["downtime_s"] = now - reply["t_freeze"]
             self.logger.record("migration/downtime_s", rec["downtime_s"])
             self.logger.record("migration/bytes", reply.get("bytes", 0))
