@@ -31,6 +31,11 @@ p.add_argument("--at", type=int, default=None, help="migrate at this timestep")
 p.add_argument("--notice-file", default=None)
 p.add_argument("--total", type=int, default=3072)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--forkable", action="store_true",
+               help="train on a gym_fork.ForkableEnv (its worker and snapshots move with the job)")
+p.add_argument("--snap-at", type=int, default=None,
+               help="with --forkable: snapshot the env at this timestep; at the end, restore it and report "
+                    "a hash of 50 fixed steps from there")
 args = p.parse_args()
 
 
@@ -62,7 +67,25 @@ class Captured(KVWriter):
         pass
 
 
-model = PPO("MlpPolicy", "LunarLander-v3", n_steps=512, batch_size=128, n_epochs=2, seed=args.seed,
+fenv = None
+if args.forkable:
+    import gym_fork
+
+    fenv = gym_fork.make("LunarLander-v3")
+
+
+class SnapshotAt(BaseCallback):
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.snap = at, None
+
+    def _on_step(self):
+        if self.snap is None and self.num_timesteps >= self.at:
+            self.snap = fenv.snapshot()
+        return True
+
+
+model = PPO("MlpPolicy", fenv or "LunarLander-v3", n_steps=512, batch_size=128, n_epochs=2, seed=args.seed,
             device="cpu", verbose=0)
 captured = Captured()
 model.set_logger(Logger(folder=None, output_formats=[captured]))
@@ -78,11 +101,21 @@ if target:
     mig = LiveMigrationCallback(target, trigger=trig)
     cbs.append(mig)
 cbs.append(Progress(mig))
+snap_cb = SnapshotAt(args.snap_at) if fenv is not None and args.snap_at is not None else None
+if snap_cb:
+    cbs.append(snap_cb)
 model.learn(args.total, callback=cbs)
+extra = {}
+if fenv is not None:
+    extra["backend"] = fenv.backend
+if snap_cb and snap_cb.snap is not None:  # taken before the move, restored after it
+    obs, _ = fenv.restore(snap_cb.snap)
+    traj = [obs.tobytes()] + [fenv.step(a % 4)[0].tobytes() for a in range(50)]
+    extra["snap_sha"] = hashlib.sha256(b"".join(traj)).hexdigest()[:16]
 h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.policy.parameters())).hexdigest()[:16]
 with open("/proc/self/stat") as f:  # the parent outside this job's PID namespace (where it runs now)
     host_ppid = int(f.read().rsplit(")", 1)[1].split()[1])
 print(json.dumps({"done": True, "timesteps": model.num_timesteps, "policy_sha": h,
                   "migrations": [{k: v for k, v in m.items() if k in ("status", "node", "source", "downtime_s", "bytes", "timestep", "error", "timeline")} for m in (mig.history if mig else [])],
                   "logged": {k: (v if isinstance(v, (int, float, str)) else str(v)) for k, v in captured.seen.items()},
-                  "ray_imported": "ray" in sys.modules, "host_ppid": host_ppid}), flush=True)
+                  "ray_imported": "ray" in sys.modules, "host_ppid": host_ppid, **extra}), flush=True)

@@ -634,3 +634,47 @@ def test_job_migrates_to_a_tls_agent(reference_job, tmp_path):
         ref = [x for x in reference_job if x.get("done")][0]
         assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
         _clean(n.agents["B"])
+
+
+def test_job_with_forkable_env_moves_with_its_worker_and_snapshots(netnodes, tmp_path):
+    """A job training on a ForkableEnv: inside `gym-fork run` its worker has no PID namespace of
+    its own (CRIU cannot dump nested ones), so worker and fork-tier snapshots move with the job;
+    a snapshot taken on A is restored on B, bit-identical to a run that never moved."""
+    args = ["--forkable", "--snap-at", "200", "--total", "1024"]
+    out = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=120, check=True)
+    ref = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{") and '"done"' in x][0]
+    logd = str(tmp_path / "logs")
+    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd, "--token-file",
+           netnodes.token_file, "--", sys.executable, TRAIN, "--target", netnodes.target["B"], "--at", "600", *args]
+    if netnodes.netns.get("A"):
+        cmd = ["nsenter", f"--net=/run/netns/{netnodes.netns['A']}", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "now runs on the target agent" in r.stdout, (r.stdout, r.stderr)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(x.get("done") for x in _lines(f"{logd}/stdout.log")):
+        time.sleep(0.2)
+    done = [x for x in _lines(f"{logd}/stdout.log") if x.get("done")][0]
+    assert [(m["status"], m["node"]) for m in done["migrations"]] == [("arrived", "B")]
+    assert done["backend"] == "criu" and done["snap_sha"] == ref["snap_sha"]
+    assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+    _clean(netnodes.agents["B"])
+
+
+def test_inside_a_job_criu_only_workers_are_refused_with_the_reason(monkeypatch):
+    from gym_fork.errors import BackendUnavailableError
+
+    monkeypatch.setenv("GYM_FORK_CONTROL_FD", "999")  # what `gym-fork run` gives its job
+    with pytest.raises(BackendUnavailableError, match="nested PID namespaces"):
+        gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=False)
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu")
+    try:
+        assert env._backend.mode == "fork" and "gym-fork run" in env._backend.unavailable
+        env.reset(seed=0)
+        s = env.snapshot()
+        a = [env.step(i % 2)[0] for i in range(20)]
+        env.restore(s)
+        assert all(np.array_equal(x, env.step(i % 2)[0]) for i, x in enumerate(a))
+        with pytest.raises(gym_fork.errors.BackendUnavailableError, match="gym-fork run"):
+            s.persist()
+    finally:
+        env.close()

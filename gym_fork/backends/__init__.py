@@ -35,6 +35,11 @@ def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_lo
         return PickleBackend()
     if name == "auto":
         st = criu_status()
+        if st.usable and os.environ.get("GYM_FORK_CONTROL_FD"):
+            _announce("auto-job", logging.INFO,
+                      "gym_fork: backend 'criu' in fork-only mode inside this `gym-fork run` job: snapshots are "
+                      "copy-on-write forks; the whole job (workers and snapshots included) is what CRIU moves")
+            return get_backend("criu", verify=verify, worker_log=worker_log, fork_tier=fork_tier)
         if st.usable and st.mode == "userns":
             _announce("auto-criu", logging.INFO,
                       f"gym_fork: backend 'criu' without root: in-memory snapshots by copy-on-write fork() "

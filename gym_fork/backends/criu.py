@@ -103,7 +103,19 @@ class CriuBackend(Backend):
         # (non-root: workers and criu inside the holder's user namespace, --unprivileged) or "fork"
         # (no CRIU at all: plain worker processes, copy-on-write fork() snapshots only).
         self.unavailable: str | None = None
-        if st.usable:
+        if st.usable and os.environ.get("GYM_FORK_CONTROL_FD"):
+            # Inside a `gym-fork run` job: the job's PID namespace is checkpointed as a whole, and
+            # CRIU cannot dump nested PID namespaces, so workers are plain children here and
+            # snapshots are copy-on-write forks (which move with the job).
+            if fork_tier is False:
+                raise BackendUnavailableError(
+                    "inside a `gym-fork run` job, env workers cannot have CRIU snapshots of their own "
+                    "(CRIU cannot dump a job holding nested PID namespaces); use fork_tier='auto'")
+            self.mode, self.unavailable = "fork", (
+                "inside a `gym-fork run` job, env workers run without a PID namespace of their own (CRIU "
+                "cannot dump nested PID namespaces, and the whole job must stay movable): snapshots are "
+                "copy-on-write forks; persisting or saving one needs a worker outside a managed job")
+        elif st.usable:
             self.mode: str = st.mode or "root"
         elif allow_fork_only and fork_tier is not False and hasattr(os, "fork"):
             self.mode, self.unavailable = "fork", why
