@@ -60,3 +60,22 @@ def test_agent_workspace_smoke(tmp_path, monkeypatch, capsys):
     # closed branches took their DIR.branch-* directories with them; the main workspace stays
     assert not [p for p in tmp_path.iterdir() if ".branch-" in p.name]
     assert [p for p in tmp_path.iterdir() if p.name.startswith("agent-ws-")]
+
+
+@pytest.mark.criu
+def test_live_migration_demo_end_to_end(tmp_path, monkeypatch):
+    """The demo as a user runs it (short): a PPO job moves A -> B mid-episode and finishes there,
+    one env worker moves stop-and-copy and one live; everything it made is gone afterwards."""
+    import os
+    import subprocess
+
+    demo = _load("live_migration_demo")
+    monkeypatch.chdir(tmp_path)
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    out = demo.main(["--total", "1536", "--episodes-before", "3", "--out", str(tmp_path / "lm.png")])
+    assert out["job"]["timesteps"] == 1536 and out["job"]["migrations"][0]["status"] == "arrived"
+    assert out["env"]["identical"] and out["env_live"]["identical"]
+    assert out["env_live"]["report"]["live"] and out["env_live"]["report"]["downtime_s"] < out["env_live"]["report"]["timings"]["total_s"]
+    assert os.path.getsize(tmp_path / "lm.png") > 10_000
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert after <= before  # its namespaces are gone
