@@ -203,7 +203,8 @@ def migration_hops(env, hops: int) -> dict:
         "export_put_s": "  ray.put (source node)", "export_in_actor_s": "  (all of export inside the actor)",
         "receive_s": "receive (driver view, Ray call)", "receive_get_s": "  ray.get (cross-node pull)",
         "receive_write_s": "  write-out", "receive_verify_s": "  load_snapshot: HMAC, compat, sha256",
-        "receive_restore_s": "  CRIU restore + ping", "receive_in_actor_s": "  (all of receive inside the actor)", "attach_s": "attach: TCP + challenge-response",
+        "receive_restore_s": "  CRIU restore + ping", "receive_in_actor_s": "  (all of receive inside the actor)",
+        "receive_call_to_start_s": "  Ray: call -> method starts", "receive_return_s": "  Ray: method returns -> driver has it", "attach_s": "attach: TCP + challenge-response",
         "switch_s": "switch handles, release the source", "total_s": "migrate() total"}
     print_table(["phase", "median ms", "range ms"],
                 [[labels.get(k, k), f"{med[k] * 1e3:.1f}", f"{rng[k][0] * 1e3:.1f}-{rng[k][1] * 1e3:.1f}"]
