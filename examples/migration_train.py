@@ -26,8 +26,9 @@ from gym_fork.sb3 import LiveMigrationCallback  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--target", default=None, help="an agent's HOST:PORT (a comma-separated list: a route, one hop per trigger)")
-p.add_argument("--ray-node", default=None, help="a Ray node id: migrate into that node's host actor")
-p.add_argument("--at", type=int, default=None, help="migrate at this timestep")
+p.add_argument("--ray-node", default=None, help="a Ray node id: migrate into that node's host actor "
+               "(a comma-separated list: a route)")
+p.add_argument("--at", default=None, help="migrate at this timestep (comma-separated: one per hop)")
 p.add_argument("--notice-file", default=None)
 p.add_argument("--total", type=int, default=3072)
 p.add_argument("--seed", type=int, default=0)
@@ -95,9 +96,10 @@ target = args.target.split(",") if args.target and "," in args.target else args.
 if args.ray_node:
     from gym_fork.ray import RayNode  # import-light: no Ray in this process
 
-    target = RayNode(args.ray_node)
+    nodes = [RayNode(x) for x in args.ray_node.split(",")]
+    target = nodes if len(nodes) > 1 else nodes[0]
 if target:
-    trig = ["SIGUSR1"] + ([args.at] if args.at is not None else []) + ([f"file:{args.notice_file}"] if args.notice_file else [])
+    trig = ["SIGUSR1"] + ([int(x) for x in args.at.split(",")] if args.at is not None else []) + ([f"file:{args.notice_file}"] if args.notice_file else [])
     mig = LiveMigrationCallback(target, trigger=trig)
     cbs.append(mig)
 cbs.append(Progress(mig))

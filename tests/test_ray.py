@@ -415,7 +415,7 @@ def job_reference():
     return _json_lines(out)
 
 
-def _run_job_to(cluster, node_id: str, logd: str, at: int, total: int) -> subprocess.CompletedProcess:
+def _run_job_to(cluster, node_id: str, logd: str, at: int | str, total: int) -> subprocess.CompletedProcess:
     """`gym-fork run` on this machine (a driver-side supervisor, no token: the HMAC-derived one, like
     the hosts), the job moving into ``node_id``'s job host at timestep ``at``; returns once the
     supervisor exited (after the move, or the job's end)."""
@@ -480,6 +480,30 @@ def test_job_live_migrates_into_ray_node(cluster, job_reference, tmp_path):
     assert not os.path.exists(info["session"])
     with pytest.raises(ValueError):
         _job_host(nid)
+
+
+def test_job_hops_on_from_one_ray_node_to_the_next(cluster, job_reference, tmp_path):
+    """driver -> node 1 -> node 2: the second move starts in node 1's job host (it resolves the
+    next Ray node itself) and the job still trains exactly as if it never moved."""
+    head = ray.get_runtime_context().get_node_id()
+    n1, n2 = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)[:2]
+    logd = str(tmp_path / "logs")
+    r = _run_job_to(cluster, f"{n1},{n2}", logd, "520,800", JOB_TOTAL)
+    assert r.returncode == 0 and f"now runs on Ray node {n1}" in r.stdout, (r.stdout, r.stderr[-3000:])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(x.get("done") for x in _log_lines(logd)):
+        time.sleep(0.2)
+    lines = _log_lines(logd)
+    done = [x for x in lines if x.get("done")]
+    assert done, (lines[-3:], open(os.path.join(logd, "stderr.log")).read()[-3000:])
+    done = done[0]
+    hops = [(m["status"], m["source"], m["node"], m["timestep"]) for m in done["migrations"]]
+    assert hops == [("arrived", "driver", n1, 520), ("arrived", n1, n2, 800)], hops
+    assert done["host_ppid"] == ray.get(_job_host(n2).info.remote())["pid"]  # finished under node 2's host
+    ref = [x for x in job_reference if x.get("done")][0]
+    assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+    eps = [x for x in lines if "ret" in x]
+    assert [(x["t"], x["ret"]) for x in eps] == [(x["t"], x["ret"]) for x in job_reference if "ret" in x]
 
 
 def test_job_on_ray_node_dies_with_its_node(cluster, tmp_path):
