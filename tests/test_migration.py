@@ -678,3 +678,19 @@ def test_inside_a_job_criu_only_workers_are_refused_with_the_reason(monkeypatch)
             s.persist()
     finally:
         env.close()
+
+
+def test_env_with_a_workspace_is_refused_before_anything_moves(lo, tmp_path):
+    from gym_fork.migration import MigrationError
+
+    env = gym_fork.ForkableEnv("CartPole-v1", workspace=str(tmp_path / "ws"))
+    try:
+        env.reset(seed=0)
+        for live in (False, True):
+            with pytest.raises(MigrationError, match="workspace"):
+                env.migrate(lo.target["B"], token=lo.token, live=live)
+        assert env._live is None and not isinstance(env._handle, NetworkHandle)
+        env.step(0)
+    finally:
+        env.close()
+    _clean(lo.agents["B"])

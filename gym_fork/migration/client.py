@@ -158,6 +158,12 @@ def check_migratable(env: Any) -> None:
         raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
     if env._backend.name != "criu":
         raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    ws = getattr(env, "_workspace", None)
+    if ws is not None:
+        raise MigrationError(
+            f"this env has a workspace ({ws.path}): migration does not carry workspace files yet, and the "
+            "moved worker would use that path on the target; save a snapshot bundle (it carries the "
+            "workspace) and load it there instead")
 
 
 def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,

@@ -693,6 +693,9 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
         raise MigratedEnvError(f"this env runs on agent node {cur.node}; it cannot move on to a Ray node")
     if not isinstance(cur, NetworkHandle) and env._backend.name != "criu":
         raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    if getattr(env, "_workspace", None) is not None:
+        raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
+                             "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     if node.node_id not in alive:
         raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
