@@ -543,3 +543,52 @@ def test_job_migration_to_dead_ray_node_keeps_training(cluster, job_reference, t
     assert done["logged"]["migration/failed"] == 1
     ref = [x for x in job_reference if x.get("done")][0]
     assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+
+
+_DRIVER = """
+import json, sys, time, zlib
+import numpy as np, ray
+import gym_fork
+from gym_fork.ray import RayBranchPool
+ray.init(address=sys.argv[1])
+env = gym_fork.make("LunarLander-v3")
+env.reset(seed=0)
+snap = env.snapshot()
+pool = RayBranchPool()
+pool.prepare(snap)
+def slow(obs):
+    time.sleep(0.05)
+    return zlib.crc32(np.asarray(obs).tobytes()) % 4
+import threading
+threading.Thread(target=lambda: pool.explore(snap, slow, n_branches=6, horizon=5000), daemon=True).start()
+time.sleep(3)  # branches are running on every node now
+print(json.dumps(pool.info()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_driver_leaves_no_process_and_no_image(cluster, tmp_path):
+    """SIGKILL a driver mid-exploration: Ray ends its host actors, the restored roots and branches
+    die with them (subreapers), and no image is left on any node."""
+    p = subprocess.Popen([sys.executable, "-c", _DRIVER, cluster.address], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line, p.stderr.read()[-3000:]
+        infos = json.loads(line)
+    finally:
+        p.kill()
+        p.wait()
+    assert len(infos) == 3 and all(i["busy"] > 0 for i in infos.values()), infos  # killed mid-call
+    procs = [i["pid"] for i in infos.values()] + [d for i in infos.values() for d in i["descendants"]]
+    assert len(procs) > 3 + 3  # hosts, their roots and running branches
+    assert _wait_dead(procs, timeout=60) == [], "processes of the dead driver's hosts outlived it"
+    # No image is left: a host deletes a bundle's images once it restored it (branches fork from
+    # memory). Its (empty) session directory goes when the next host starts on that node.
+    sessions = [i["session"] for i in infos.values()]
+    assert [f for s in sessions for _d, _s, fs in os.walk(s) for f in fs] == []
+    p2 = RayBranchPool()
+    try:
+        assert not any(os.path.exists(s) for s in sessions), "dead hosts' directories were not reaped"
+    finally:
+        p2.close()

@@ -23,6 +23,7 @@ import io
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -134,7 +135,7 @@ class _Root:
     """One snapshot restored on this node: its bundle, the restored env, the snapshot branches
     fork from (a copy-on-write snapshot of that env when the fork tier applies)."""
 
-    def __init__(self, key: str, path: str, snap: Any, env: Any, fork_snap: Any, stats: dict):
+    def __init__(self, key: str, path: str | None, snap: Any, env: Any, fork_snap: Any, stats: dict):
         self.key, self.path, self.snap, self.env, self.fork_snap, self.stats = key, path, snap, env, fork_snap, stats
 
     def close(self) -> None:
@@ -144,7 +145,8 @@ class _Root:
             self.env.close()
         finally:
             self.snap.release()
-            shutil.rmtree(self.path, ignore_errors=True)
+            if self.path:
+                shutil.rmtree(self.path, ignore_errors=True)
 
 
 class BranchHost:
@@ -231,6 +233,13 @@ class BranchHost:
                  "restore_s": t4 - t3, "fork_snapshot_s": t5 - t4, "total_s": t5 - t0,
                  "fork_tier": fork_tier, "bytes": int(sum(os.path.getsize(os.path.join(dp, f))
                                                            for dp, _d, fs in os.walk(path) for f in fs))}
+        if fork_tier:
+            # Branches fork from the in-memory snapshot: the images are not needed any more, and
+            # deleting them now leaves nothing on disk if this host is killed (e.g. with its driver:
+            # Ray then kills every process the host started, a clean-up helper included).
+            snap.release()
+            shutil.rmtree(path, ignore_errors=True)
+            return _Root(key, None, fork_snap, env, fork_snap, stats)
         return _Root(key, path, snap, env, fork_snap, stats)
 
     def drop(self, key: str) -> bool:
