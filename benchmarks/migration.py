@@ -143,28 +143,29 @@ def main(argv=None) -> dict:
     res = {}
     with Nodes(["A", "B"]) as n:
         print(f"nodes: {'netns+veth' if n.use_netns else 'loopback'} {n.target}")
-        rows = bench_env(n, a.n, a.mb)
-        res["env_worker"] = summarize(f"(a) env worker with {a.mb} MB", rows, {
-            "A: snapshot (fork tier)": lambda r: r["timings"]["snapshot_s"],
-            "A: CRIU dump of the frozen copy": lambda r: r["timings"]["save_s"],
-            "A->B: connect + handshake (overlaps dump)": lambda r: r["timings"]["connect_s"],
-            "A: wait for the connection": lambda r: r["timings"].get("connect_wait_s", 0.0),
-            "A->B: stream+hash / B: receive+hash": lambda r: r["remote_timings"]["receive_s"],
-            "B: verify (HMAC, session, compat, digests)": lambda r: r["remote_timings"]["verify_s"],
-            "B: CRIU restore + ping": lambda r: r["remote_timings"]["restore_s"],
-        })
-        rows = bench_env_live(n, a.n, a.mb)
-        res["env_worker_live"] = summarize(f"(a') env worker with {a.mb} MB, live=True (pre-copy)", rows, {
-            "pause 1: migrate() call (fork-tier snapshot)": lambda r: r["timings"]["start_s"],
-            "pause 2: final replay + switch": lambda r: r["timings"]["switch_s"],
-            "(learner step before, median)": lambda r: r["step_before_s"],
-            "(learner step during pre-copy, median)": lambda r: r["step_during_p50_s"],
-            "(learner step during pre-copy, max)": lambda r: r["step_during_max_s"],
-            "(time until switched, learner running)": lambda r: r["until_switch_s"],
-        })
-        print(f"    steps the learner made meanwhile (median): "
-              f"{statistics.median(r['steps_during'] for r in rows):.0f}, replayed on the target in "
-              f"{statistics.median(len(r['rounds']) for r in rows):.0f} rounds")
+        if a.n:
+            rows = bench_env(n, a.n, a.mb)
+            res["env_worker"] = summarize(f"(a) env worker with {a.mb} MB", rows, {
+                "A: snapshot (fork tier)": lambda r: r["timings"]["snapshot_s"],
+                "A: CRIU dump of the frozen copy": lambda r: r["timings"]["save_s"],
+                "A->B: connect + handshake (overlaps dump)": lambda r: r["timings"]["connect_s"],
+                "A: wait for the connection": lambda r: r["timings"].get("connect_wait_s", 0.0),
+                "A->B: stream+hash / B: receive+hash": lambda r: r["remote_timings"]["receive_s"],
+                "B: verify (HMAC, session, compat, digests)": lambda r: r["remote_timings"]["verify_s"],
+                "B: CRIU restore + ping": lambda r: r["remote_timings"]["restore_s"],
+            })
+            rows = bench_env_live(n, a.n, a.mb)
+            res["env_worker_live"] = summarize(f"(a') env worker with {a.mb} MB, live=True (pre-copy)", rows, {
+                "pause 1: migrate() call (fork-tier snapshot)": lambda r: r["timings"]["start_s"],
+                "pause 2: final replay + switch": lambda r: r["timings"]["switch_s"],
+                "(learner step before, median)": lambda r: r["step_before_s"],
+                "(learner step during pre-copy, median)": lambda r: r["step_during_p50_s"],
+                "(learner step during pre-copy, max)": lambda r: r["step_during_max_s"],
+                "(time until switched, learner running)": lambda r: r["until_switch_s"],
+            })
+            print(f"    steps the learner made meanwhile (median): "
+                  f"{statistics.median(r['steps_during'] for r in rows):.0f}, replayed on the target in "
+                  f"{statistics.median(len(r['rounds']) for r in rows):.0f} rounds")
         if a.jobs:
             rows = bench_job(n, a.jobs)
             res["ppo_job"] = summarize("(b) whole PPO job (trainer + torch, 1 process tree)", rows, {

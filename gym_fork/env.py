@@ -434,8 +434,8 @@ class ForkableEnv(gym.Wrapper):
         node's host actor, and can move on from there (:mod:`gym_fork.ray.migration`)."""
         self._end_live("migrate() was called")
         if live:
-            if not isinstance(target, str):
-                raise TypeError("live=True needs an agent address 'host:port' as target")
+            if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
+                return target._gym_fork_migrate(self, token=token, timeout=max(timeout, 60.0), live=True)
             from gym_fork.migration.live import migrate_env_live
 
             return migrate_env_live(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,

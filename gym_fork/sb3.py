@@ -25,7 +25,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
-from stable_baselines3.common.vec_env import VecCheckNan, VecEnv, VecEnvWrapper, VecMonitor, VecNormalize
+from stable_baselines3.common.vec_env import VecCheckNan, VecEnvWrapper, VecMonitor, VecNormalize
 from stable_baselines3.common.vec_env import VecTransposeImage
 
 from gym_fork.branching import ExploreResult, explore

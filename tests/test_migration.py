@@ -238,7 +238,6 @@ import json  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "migration_train.py")
 TOTAL = 1536

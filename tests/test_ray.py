@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -318,6 +317,39 @@ def _run_crc(env, obs, n, traj):
         if term or trunc:
             obs, _info = env.reset(seed=len(traj))
     return obs
+
+
+def test_live_migration_to_a_ray_node_then_on(cluster):
+    """live=True to a Ray node: the driver keeps stepping while the snapshot is exported, restored
+    on the node and replayed; the switch happens inside a step; the worker can then move on."""
+    from gym_fork.ray import RayNode
+    from gym_fork.ray.migration import close_hosts
+
+    head = ray.get_runtime_context().get_node_id()
+    others = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)[:2]
+    moved, ref = gym_fork.make("LunarLander-v3"), gym_fork.make("LunarLander-v3")
+    try:
+        om, _ = moved.reset(seed=11)
+        orf, _ = ref.reset(seed=11)
+        tm, tr = [], []
+        om, orf = _run_crc(moved, om, 20, tm), _run_crc(ref, orf, 20, tr)
+        mig = moved.migrate(RayNode(others[0]), live=True)
+        n = 0
+        while not mig.done():
+            om, orf = _run_crc(moved, om, 1, tm), _run_crc(ref, orf, 1, tr)
+            n += 1
+            assert n < 100_000
+        rep = mig.result()
+        assert rep["live"] and rep["node"] == others[0] and rep["replayed_ops"] >= n > 0
+        assert moved._handle.node_id == others[0]
+        om, orf = _run_crc(moved, om, 30, tm), _run_crc(ref, orf, 30, tr)
+        moved.migrate(RayNode(others[1]))  # and on, stop-and-copy from the host
+        om, orf = _run_crc(moved, om, 30, tm), _run_crc(ref, orf, 30, tr)
+        assert tm == tr, "the live-migrated worker diverged from the one that never moved"
+    finally:
+        moved.close()
+        ref.close()
+        close_hosts()
 
 
 def test_migrate_across_nodes_and_back_bit_identical(cluster):

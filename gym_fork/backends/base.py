@@ -14,7 +14,7 @@ import subprocess
 import threading
 from typing import Any
 
-from gym_fork.errors import WorkerDiedError, WorkerError, remote_exception
+from gym_fork.errors import WorkerDiedError, remote_exception
 from gym_fork.protocol import OK, Channel, ChannelClosed, send_fds
 from gym_fork.server import EnvServer, EnvSource
 

@@ -39,7 +39,7 @@ from gym_fork.errors import (
     WorkerDiedError,
     WorkerError,
 )
-from gym_fork.protocol import ERR, Channel, socket_inode
+from gym_fork.protocol import Channel, socket_inode
 from gym_fork.server import EnvSource
 
 RESTORE_TIMEOUT_S = 60.0

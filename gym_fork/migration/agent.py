@@ -17,7 +17,6 @@ mapped-file compatibility) *before* anything is restored.  Then:
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import os

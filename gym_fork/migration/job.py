@@ -36,7 +36,6 @@ import hmac
 import json
 import logging
 import os
-import pickle
 import select
 import shutil
 import signal

@@ -34,7 +34,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from gym_fork.criu_support import dump_size_bound
 from gym_fork.errors import GymForkError
@@ -119,10 +119,14 @@ class LiveMigration:
         0.004
     """
 
-    def __init__(self, env: Any, target: str, tok: bytes, conn: Any, snap: Any, timings: dict):
+    def __init__(self, env: Any, target: str, snap: Any, timings: dict, ship: Callable, switch: Callable):
+        """``ship(self) -> (remote handle, info)``: dump ``self._snap``, move it and start it on the
+        target (background thread; info: pid, bytes, remote_timings). ``switch(env, remote,
+        local) -> node``: point the env at ``remote`` and stop the local worker."""
         self.env = env
         self.target = target
-        self._tok = tok
+        self._ship, self._switch_to = ship, switch
+        self._info: dict = {}
         self._snap = snap
         self._timings = timings
         self._lock = threading.Lock()
@@ -135,20 +139,15 @@ class LiveMigration:
         self._report: dict | None = None
         self._finished = threading.Event()
         self._ready = threading.Event()
-        self._remote: NetworkHandle | None = None
-        self._hello: dict = {}
-        self._reply: dict = {}
-        self._bytes = 0
+        self._remote: Any = None
         self._rounds: list[dict] = []
         self._local = env._handle
-        self._limit = dump_size_bound(self._local.pid)
         self._t_start = time.monotonic()
         self._recording = _RecordingHandle(self._local, self)
         env._handle = self._recording
         env._live = self
-        self._sock: Any = None  # the connection to the agent, once made (shut down on cancel)
-        self._thread = threading.Thread(target=self._background, args=(_Conn(conn, self),), daemon=True,
-                                        name="gym_fork-live-migration")
+        self._sock: Any = None  # the connection to an agent, once made (shut down on cancel)
+        self._thread = threading.Thread(target=self._background, daemon=True, name="gym_fork-live-migration")
         self._thread.start()
 
     # --- the learner's side ----------------------------------------------------------------------
@@ -207,17 +206,17 @@ class LiveMigration:
             self._fail(e)
             self._uninstall()
             return
-        node = switch_to_remote(self.env, self._remote, local=self._local)
+        node = self._switch_to(self.env, self._remote, self._local)
         self.env._live = None
         switch_s = time.monotonic() - t0
         self._timings["switch_s"] = switch_s
         self._timings["total_s"] = time.monotonic() - self._t_start
         self._report = {
-            "node": node, "target": self.target, "pid": self._reply["pid"], "bytes": self._bytes, "live": True,
-            "downtime_s": self._timings["start_s"] + switch_s,
+            "node": node, "target": self.target, "live": True, "pid": self._info.get("pid"),
+            "bytes": self._info.get("bytes", 0), "downtime_s": self._timings["start_s"] + switch_s,
             "replayed_ops": len(self._ops), "rounds": self._rounds + [{"ops": len(self._ops) - self._rounds_total(),
                                                                         "seconds": switch_s, "final": True}],
-            "timings": self._timings, "remote_timings": self._reply.get("timings", {}),
+            "timings": self._timings, "remote_timings": self._info.get("remote_timings", {}),
         }
         self._state = "done"
         self._finished.set()
@@ -259,16 +258,14 @@ class LiveMigration:
             self.env._live = None
 
     # --- the background thread -------------------------------------------------------------------
-    def _background(self, conn: Any) -> None:
+    def _background(self) -> None:
         try:
-            sock, self._hello, self._reply, self._bytes = ship_snapshot(self._snap, self.target, self._tok, conn,
-                                                                        self._timings, self._limit)
+            remote, self._info = self._ship(self)
         except BaseException as e:  # noqa: BLE001
             self._release_snapshot()
             self._fail(e)
             return
         self._release_snapshot()
-        remote = NetworkHandle(sock, self._reply["pid"], self._hello.get("node", self.target), self.target)
         with self._lock:
             cancelled = self._state != "shipping"
             self._remote = remote
@@ -295,7 +292,7 @@ class LiveMigration:
                 self._state = "ready"
         self._ready.set()
 
-    def _catch_up(self, remote: NetworkHandle, upto: int) -> None:
+    def _catch_up(self, remote: Any, upto: int) -> None:
         """Have the target replay ops [replayed, upto) and check every answer."""
         lo = self._replayed
         if upto <= lo:
@@ -346,27 +343,53 @@ class _Conn:
         self._conn.discard()
 
 
-def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
-                     tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> LiveMigration:
-    """Start a pre-copy migration of ``env``'s worker to the agent at ``target``; see the module doc."""
-    check_migratable(env)
+def check_live(env: Any) -> None:
+    """What pre-copy needs beyond a migratable env (raises MigrationError)."""
     if getattr(env, "_live", None) is not None:
         raise MigrationError("a live migration of this env is already in progress")
+    if not getattr(env._handle, "fork_tier", False):
+        raise MigrationError("live=True needs a copy-on-write (fork tier) snapshot, and this env's worker "
+                             "has none (fork_tier=False, or a multi-threaded worker); use live=False")
+
+
+def start_live(env: Any, target: str, ship: Callable, switch: Callable, on_error: Callable | None = None) -> LiveMigration:
+    """The learner's first pause: a fork-tier snapshot, then a :class:`LiveMigration` that ships
+    it with ``ship`` and switches with ``switch`` (see :class:`LiveMigration`)."""
+    check_live(env)
     t_call = time.monotonic()
-    tok = wire.load_token(token, token_file)
-    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
     saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     try:
         snap = env.snapshot()
     except BaseException:
-        conn.discard()
+        if on_error is not None:
+            on_error()
         raise
     finally:
         env._parent_id, env._actions = saved_state  # the env's own timeline goes on
     timings["snapshot_s"] = time.monotonic() - t0
     env._snapshots.pop(snap.id, None)  # internal: not one of the user's snapshots
-    mig = LiveMigration(env, target, tok, conn, snap, timings)
+    mig = LiveMigration(env, target, snap, timings, ship, switch)
     timings["start_s"] = time.monotonic() - t_call  # the learner's first pause (snapshot included)
     return mig
+
+
+def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
+                     tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> LiveMigration:
+    """Start a pre-copy migration of ``env``'s worker to the agent at ``target``; see the module doc."""
+    check_migratable(env)
+    check_live(env)
+    tok = wire.load_token(token, token_file)
+    limit = dump_size_bound(env._handle.pid)
+    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+
+    def ship(mig: LiveMigration) -> tuple[NetworkHandle, dict]:
+        sock, hello, reply, nbytes = ship_snapshot(mig._snap, target, tok, _Conn(conn, mig), mig._timings, limit)
+        remote = NetworkHandle(sock, reply["pid"], hello.get("node", target), target)
+        return remote, {"pid": reply["pid"], "bytes": nbytes, "remote_timings": reply.get("timings", {})}
+
+    def switch(env: Any, remote: NetworkHandle, local: Any) -> str:
+        return switch_to_remote(env, remote, local=local)
+
+    return start_live(env, target, ship, switch, on_error=conn.discard)

@@ -676,16 +676,129 @@ class RayMigratedBackend(MigratedBackend):
             "step/reset/render/attributes/close and migrate(RayNode(...)) work")
 
 
+def _export_snapshot(snap: Any, tok: bytes, host_timings: dict) -> tuple[Any, int]:
+    """CRIU images of ``snap`` (a dump of its frozen copy), as a signed bundle in this node's object
+    store; returns ``(ref, bytes)``. Does not touch the env: its worker may go on meanwhile."""
+    import ray
+
+    from gym_fork import store
+    from gym_fork.migration import wire
+    from gym_fork.migration.client import write_transient_bundle
+
+    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"rmig-{os.urandom(4).hex()}"))
+    try:
+        t1 = time.perf_counter()
+        snap._backend.persist(snap.payload())
+        t2 = time.perf_counter()
+        write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
+        t3 = time.perf_counter()
+        files = pack_dir(os.path.join(tmp, "bundle"))
+        nbytes = int(sum(a.nbytes for a in files.values()))
+        t4 = time.perf_counter()
+        ref = ray.put(files)
+        del files
+        host_timings.update({"export_dump_s": t2 - t1, "export_bundle_s": t3 - t2, "export_pack_s": t4 - t3,
+                             "export_put_s": time.perf_counter() - t4})
+        return ref, nbytes
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _receive_and_attach(target: Any, node: RayNode, ref: Any, steps: int, tok: bytes, timeout: float,
+                        timings: dict, host_timings: dict) -> tuple[socket.socket, dict]:
+    """The target host pulls, verifies and restores the bundle ``ref``; then the driver attaches to
+    the restored worker through the host's bridge. Returns ``(sock, rep)``; on failure the
+    target's copy is released and a MigrationError raised."""
+    import ray
+
+    from gym_fork.migration import wire
+
+    t0 = time.perf_counter()
+    w0 = time.time()
+    try:
+        rep = ray.get(target.receive.remote([ref], steps), timeout=timeout)
+    except ray.exceptions.RayError as e:
+        if isinstance(e, ray.exceptions.RayActorError):
+            forget_host(node.node_id)  # a new one is made on the next try
+        raise RemoteRestoreError(f"Ray node {node.node_id} did not restore the env: {_cause(e)}",
+                                 _cause_type(e)) from e
+    timings["receive_s"] = time.perf_counter() - t0
+    rt = rep["timings"]
+    # Ray's share: from the call to the method starting, and from its return to ours
+    rt["call_to_start_s"], rt["return_s"] = rt.pop("t_enter") - w0, time.time() - rt.pop("t_exit")
+    host_timings.update({f"receive_{k}": v for k, v in rt.items()})
+    t0 = time.perf_counter()
+    try:
+        sock, hello = wire.connect(rep["address"], tok, timeout=min(timeout, 30.0))
+        wire.send_msg(sock, {"op": "attach", "id": rep["wid"]})
+        reply = wire.recv_msg(sock)
+    except (OSError, EOFError, ValueError) as e:
+        target.release.remote(rep["wid"])
+        raise MigrationError(f"could not attach to the worker on Ray node {node.node_id}: {e}") from e
+    except BaseException:
+        target.release.remote(rep["wid"])
+        raise
+    if not reply.get("ok"):
+        sock.close()
+        target.release.remote(rep["wid"])
+        raise RemoteRestoreError(f"Ray node {node.node_id} refused the attach: {reply.get('message')}",
+                                 reply.get("error", ""))
+    timings["attach_s"] = time.perf_counter() - t0
+    sock.settimeout(None)
+    return sock, rep
+
+
+def migrate_env_to_node_live(env: Any, node: RayNode, *, token: str | bytes | None = None,
+                             timeout: float = 60.0) -> Any:
+    """``env.migrate(RayNode(id), live=True)``: pre-copy (:mod:`gym_fork.migration.live`) to a Ray
+    node's host: the learner keeps stepping its local worker while the fork-tier snapshot is
+    exported, restored on the node and catches up by replay; then a later step switches."""
+    import ray
+
+    from gym_fork.migration.live import check_live, start_live
+
+    env._check_open()
+    if isinstance(env._handle, NetworkHandle):
+        raise MigrationError("live=True moves a worker that runs here; this env's worker runs on "
+                             f"{env._handle.node} already: use live=False to move it on")
+    if env._backend.name != "criu":
+        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    if getattr(env, "_workspace", None) is not None:
+        raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
+                             "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
+    check_live(env)
+    if node.node_id not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
+        raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
+    tok = resolve_token(token)
+    target = host_for(node.node_id)
+
+    def ship(mig: Any) -> tuple[RayNetworkHandle, dict]:
+        host_timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        ref, nbytes = _export_snapshot(mig._snap, tok, host_timings)
+        mig._timings["export_s"] = time.perf_counter() - t0
+        sock, rep = _receive_and_attach(target, node, ref, mig._snap.steps, tok, timeout, mig._timings,
+                                        host_timings)
+        del ref
+        remote = RayNetworkHandle(sock, rep["pid"], node.node_id, target, rep["wid"])
+        return remote, {"pid": rep["pid"], "bytes": nbytes, "remote_timings": host_timings}
+
+    def switch(env: Any, remote: RayNetworkHandle, local: Any) -> str:
+        env._handle = remote
+        env._box[0] = remote
+        local.kill()
+        env._backend = RayMigratedBackend(node.node_id)
+        return node.node_id
+
+    return start_live(env, str(node), ship, switch)
+
+
 def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = None,
                         timeout: float = 60.0) -> dict:
     """Move ``env``'s worker to ``node``'s migration host (see module doc). Returns a report
     (node ids, pid, bytes, driver- and host-side timings in seconds). On failure raises a
     :mod:`gym_fork.migration.errors` error and the env keeps running where it was, unchanged."""
     import ray
-
-    from gym_fork import store
-    from gym_fork.migration import wire
-    from gym_fork.migration.client import write_transient_bundle
 
     env._check_open()
     cur = env._handle
@@ -724,60 +837,16 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
             ref, nbytes = out["refs"][0], out["bytes"]
             host_timings.update({f"export_{k}": v for k, v in out["timings"].items()})
         else:
-            tmp = store.private_mkdir(os.path.join(store.session_dir(), f"rmig-{os.urandom(4).hex()}"))
             snap = env.snapshot()
             try:
-                t1 = time.perf_counter()
-                snap._backend.persist(snap.payload())
-                t2 = time.perf_counter()
-                write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
-                t3 = time.perf_counter()
-                files = pack_dir(os.path.join(tmp, "bundle"))
-                nbytes = int(sum(a.nbytes for a in files.values()))
-                t4 = time.perf_counter()
-                ref = ray.put(files)
-                del files
-                host_timings.update({"export_snapshot_s": t1 - t0, "export_dump_s": t2 - t1,
-                                     "export_bundle_s": t3 - t2, "export_pack_s": t4 - t3,
-                                     "export_put_s": time.perf_counter() - t4})
+                host_timings["export_snapshot_s"] = time.perf_counter() - t0
+                ref, nbytes = _export_snapshot(snap, tok, host_timings)
             finally:
                 snap.release()
-                shutil.rmtree(tmp, ignore_errors=True)
         timings["export_s"] = time.perf_counter() - t0
-        # 2. receive (verify + restore) on the target
-        t0 = time.perf_counter()
-        w0 = time.time()
-        try:
-            rep = ray.get(target.receive.remote([ref], env._steps), timeout=timeout)
-        except ray.exceptions.RayError as e:
-            if isinstance(e, ray.exceptions.RayActorError):
-                forget_host(node.node_id)  # a new one is made on the next try
-            raise RemoteRestoreError(f"Ray node {node.node_id} did not restore the env: {_cause(e)}",
-                                     _cause_type(e)) from e
-        finally:
-            del ref
-        timings["receive_s"] = time.perf_counter() - t0
-        rt = rep["timings"]
-        # Ray's share: from the call to the method starting, and from its return to ours
-        rt["call_to_start_s"], rt["return_s"] = rt.pop("t_enter") - w0, time.time() - rt.pop("t_exit")
-        host_timings.update({f"receive_{k}": v for k, v in rt.items()})
-        # 3. attach through the bridge
-        t0 = time.perf_counter()
-        try:
-            sock, hello = wire.connect(rep["address"], tok, timeout=min(timeout, 30.0))
-            wire.send_msg(sock, {"op": "attach", "id": rep["wid"]})
-            reply = wire.recv_msg(sock)
-        except (OSError, EOFError, ValueError) as e:
-            target.release.remote(rep["wid"])
-            raise MigrationError(f"could not attach to the worker on Ray node {node.node_id}: {e}") from e
-        except BaseException:
-            target.release.remote(rep["wid"])
-            raise
-        if not reply.get("ok"):
-            target.release.remote(rep["wid"])
-            raise RemoteRestoreError(f"Ray node {node.node_id} refused the attach: {reply.get('message')}",
-                                     reply.get("error", ""))
-        timings["attach_s"] = time.perf_counter() - t0
+        # 2. receive (verify + restore) on the target, 3. attach through the bridge
+        sock, rep = _receive_and_attach(target, node, ref, env._steps, tok, timeout, timings, host_timings)
+        del ref
     except BaseException:
         if sock is not None:
             sock.close()

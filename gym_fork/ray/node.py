@@ -31,7 +31,11 @@ class RayNode:
         return JOB_TARGET_PREFIX + self.node_id
 
     def _gym_fork_migrate(self, env: Any, *, token: str | bytes | None = None, timeout: float = 60.0,
-                          **_ignored: Any) -> dict:
+                          live: bool = False, **_ignored: Any) -> Any:
+        if live:
+            from gym_fork.ray.migration import migrate_env_to_node_live
+
+            return migrate_env_to_node_live(env, self, token=token, timeout=timeout)
         from gym_fork.ray.migration import migrate_env_to_node
 
         return migrate_env_to_node(env, self, token=token, timeout=timeout)
