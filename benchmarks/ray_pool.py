@@ -87,6 +87,7 @@ def main() -> None:
         H = args.horizon
         if args.only_migration:
             out["migration"] = migration_hops(env, args.hops)
+            out["live_migration"] = live_hops(max(5, args.hops // 2))
             print("results:", save_results("ray_migration", out))
             return
 
@@ -213,6 +214,63 @@ def migration_hops(env, hops: int) -> dict:
                 note=f"step latency: local {local_step:.3f} ms, through the host's TCP bridge "
                      f"{res['step_ms_bridge']:.3f} ms (median over hops). Export rows of hops that start "
                      "on the driver's own worker (none after the warm-up round: every hop starts on a host).")
+    return res
+
+
+def live_hops(n: int) -> dict:
+    """``env.migrate(RayNode(id), live=True)`` from the driver's own worker, ``n`` times (a fresh
+    env each): the learner's pauses (downtime) vs the same move stop-and-copy, side by side."""
+    import ray
+
+    import gym_fork
+    from gym_fork.ray import RayNode
+    from gym_fork.ray.migration import close_hosts
+
+    head = ray.get_runtime_context().get_node_id()
+    nid = sorted(x["NodeID"] for x in ray.nodes() if x.get("Alive") and x["NodeID"] != head)[0]
+    live, stop = [], []
+    try:
+        for i in range(n + 1):  # the first of each is a warm-up (host start)
+            for mode in ("live", "stop"):
+                env = gym_fork.make("LunarLander-v3")
+                try:
+                    obs, _ = env.reset(seed=i)
+                    for _ in range(50):
+                        obs = env.step(policy(obs))[0]
+                    t = time.perf_counter()
+                    if mode == "live":
+                        mig = env.migrate(RayNode(nid), live=True)
+                        steps = 0
+                        while not mig.done():
+                            obs, _r, term, trunc, _ = env.step(policy(obs))
+                            steps += 1
+                            if term or trunc:
+                                obs, _ = env.reset()
+                        rep = mig.result()
+                        rec = {"downtime_s": rep["downtime_s"], "until_switch_s": time.perf_counter() - t,
+                               "steps": steps, "rounds": len(rep["rounds"])}
+                    else:
+                        env.migrate(RayNode(nid))
+                        env.step(0)
+                        rec = {"downtime_s": time.perf_counter() - t}
+                    if i:
+                        (live if mode == "live" else stop).append(rec)
+                finally:
+                    env.close()
+    finally:
+        close_hosts()
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    res = {"n": n, "live": live, "stop": stop}
+    print_table(["move to a Ray node (25 MB worker)", "downtime median ms", "range ms", "ratio"],
+                [["stop-and-copy (live=False)", f"{med(stop, 'downtime_s') * 1e3:.1f}",
+                  f"{min(r['downtime_s'] for r in stop) * 1e3:.1f}-{max(r['downtime_s'] for r in stop) * 1e3:.1f}", "1.00×"],
+                 ["pre-copy (live=True)", f"{med(live, 'downtime_s') * 1e3:.1f}",
+                  f"{min(r['downtime_s'] for r in live) * 1e3:.1f}-{max(r['downtime_s'] for r in live) * 1e3:.1f}",
+                  f"{med(live, 'downtime_s') / med(stop, 'downtime_s'):.3f}×"]],
+                title=f"live migration to a Ray node from the driver's worker ({n} moves each)",
+                note=f"live: the learner kept stepping for {med(live, 'until_switch_s') * 1e3:.0f} ms "
+                     f"({med(live, 'steps'):.0f} steps, replayed in {med(live, 'rounds'):.0f} rounds) before the "
+                     "switch; downtime = its two pauses (snapshot call + switch).")
     return res
 
 
