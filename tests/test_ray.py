@@ -447,14 +447,16 @@ def job_reference():
     return _json_lines(out)
 
 
-def _run_job_to(cluster, node_id: str, logd: str, at: int | str, total: int) -> subprocess.CompletedProcess:
+def _run_job_to(cluster, node_id: str, logd: str, at: int | str, total: int,
+                token_file: str | None = None) -> subprocess.CompletedProcess:
     """`gym-fork run` on this machine (a driver-side supervisor, no token: the HMAC-derived one, like
     the hosts), the job moving into ``node_id``'s job host at timestep ``at``; returns once the
     supervisor exited (after the move, or the job's end)."""
     env = dict(os.environ, RAY_ADDRESS=cluster.address, GYM_FORK_RAY_JOB_HOST_IDLE_S="3")
     env.pop("GYM_FORK_TOKEN", None)
     env.pop("GYM_FORK_TOKEN_FILE", None)
-    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "driver", "--log-dir", logd, "--",
+    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "driver", "--log-dir", logd,
+           *(["--token-file", token_file] if token_file else []), "--",
            sys.executable, TRAIN, "--ray-node", node_id, "--at", str(at), "--total", str(total)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
@@ -575,6 +577,28 @@ def test_job_migration_to_dead_ray_node_keeps_training(cluster, job_reference, t
     assert done["logged"]["migration/failed"] == 1
     ref = [x for x in job_reference if x.get("done")][0]
     assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+
+
+def test_job_migration_with_a_token_the_hosts_do_not_share_is_refused(cluster, job_reference, tmp_path):
+    """The supervisor holds a token the Ray hosts do not: the host refuses the handshake, nothing
+    is restored there, and the job trains on where it is."""
+    head = ray.get_runtime_context().get_node_id()
+    nid = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)[0]
+    tok = tmp_path / "wrong-token"
+    tok.write_text("not the hosts' token\n")
+    tok.chmod(0o600)
+    logd = str(tmp_path / "logs")
+    r = _run_job_to(cluster, nid, logd, 200, JOB_TOTAL, token_file=str(tok))
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = [x for x in _json_lines(open(os.path.join(logd, "stdout.log")).read()) if x.get("done")][0]
+    m = done["migrations"][0]
+    assert m["status"] == "failed" and "Authentication" in m["error"], m
+    ref = [x for x in job_reference if x.get("done")][0]
+    assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+    try:  # nothing was restored on the node (an idle job host stops itself after 3 s here)
+        assert ray.get(_job_host(nid).info.remote())["jobs"] == {}
+    except (ValueError, ray.exceptions.RayActorError):
+        pass
 
 
 _DRIVER = """
