@@ -12,10 +12,11 @@ strictly request/reply, like env workers.  ``LiveMigrationCallback`` sends ``("m
 at a step boundary and blocks in ``recv``; the supervisor then
 
 1. dumps J's whole tree with CRIU (``leave_running``: J stays blocked in recv; the control socket
-   is external ``unix[INO]``),
-2. writes a manifest (sha256 of every image) and ``job.json`` (HMAC with the token-derived key),
-   ships it as a tar to the target agent, which verifies everything, restores the tree with a
-   fresh socket in place of the control socket (``inherit_fd``), answers the *restored* job
+   is external ``unix[INO]``) while it streams the image files to the target as CRIU writes them
+   (:func:`wire.send_images_while_dumping`: BLAKE3 of every byte, hashed as sent),
+2. then sends ``job.json`` (the digests, the session nonce, the files J maps; HMAC with the
+   token-derived key); the target verifies everything, restores the tree with a fresh socket in
+   place of the control socket (``inherit_fd``), answers the *restored* job
    ``{"status": "arrived", ...}`` and only then confirms to us;
 3. on the confirmation kills J (its PID namespace) and exits 0.  On any failure J gets
    ``{"status": "failed", "error": ...}`` and simply continues.
