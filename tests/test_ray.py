@@ -497,6 +497,7 @@ def test_job_live_migrates_into_ray_node(cluster, job_reference, tmp_path):
     assert [m["status"] for m in mig] == ["arrived"], mig
     assert mig[0]["node"] == nid and mig[0]["source"] == "driver" and mig[0]["timestep"] == at
     assert mig[0]["bytes"] > 1_000_000 and mig[0]["downtime_s"] > 0
+    assert mig[0]["timeline"]["prewarmed"] == 1.0  # the supervisor started the job host at training start
     logged = done["logged"]
     assert logged["migration/target"] == nid and logged["migration/source"] == "driver"
     assert logged["migration/timestep"] == at and logged["migration/downtime_s"] > 0 and logged["migration/bytes"] > 0

@@ -10,7 +10,7 @@ from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
 
-from gym_fork.migration.job import request_migration
+from gym_fork.migration.job import CONTROL_ENV, prepare_migration, request_migration
 
 
 class LiveMigrationCallback(BaseCallback):
@@ -45,6 +45,18 @@ class LiveMigrationCallback(BaseCallback):
         if self.on_signal:
             signal.signal(signal.SIGUSR1, lambda *_: self.request())
 
+    def _init_callback(self) -> None:
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Ray node targets: have the supervisor start their job hosts now and keep them warm, so
+        that a move does not wait for Ray (connect, actor start). Agents need nothing."""
+        if os.environ.get(CONTROL_ENV) and any(t.startswith("ray:") for t in self.route):
+            try:
+                prepare_migration(self.route)
+            except Exception:  # noqa: BLE001 - an older supervisor: moves just resolve later
+                pass
+
     @property
     def target(self) -> str:
         """Where the next move goes."""
@@ -78,6 +90,7 @@ class LiveMigrationCallback(BaseCallback):
         self.history.append(rec)
         if reply.get("status") == "arrived":
             self.hops += 1
+            self._prepare()  # a new supervisor (the target's) now: warm the rest of the route
             rec["downtime_s"] = now - reply["t_freeze"]
             self.logger.record("migration/downtime_s", rec["downtime_s"])
             self.logger.record("migration/bytes", reply.get("bytes", 0))

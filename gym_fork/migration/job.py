@@ -88,6 +88,22 @@ def request_migration(target: str, **info: Any) -> dict:
         sock.detach()  # the fd stays open: it is the job's control channel for good
 
 
+def prepare_migration(targets: list[str]) -> dict:
+    """Tell this job's supervisor where it may move (at training start): for ``"ray:<node id>"``
+    targets it connects to Ray, starts those nodes' job hosts and keeps them warm in the
+    background, so that a later move does not wait for any of that. Answered at once."""
+    fd = os.environ.get(CONTROL_ENV)
+    if not fd:
+        raise MigrationError("this process is not a managed job: start it with `gym-fork run -- python ...`")
+    sock = socket.socket(fileno=int(fd))
+    try:
+        chan = Channel(sock)
+        chan.send(("prepare", {"targets": list(targets)}))
+        return chan.recv()
+    finally:
+        sock.detach()
+
+
 # --- supervisor side (both `gym-fork run` and the agent) -------------------------------------------
 def _job_files(images: str) -> list[list]:
     """Regular files the job maps or holds open, except O_APPEND ones (its logs grow)."""
@@ -125,6 +141,10 @@ class JobHost:
         self.ray_address = ray_address  # for "ray:<node id>" targets (else $RAY_ADDRESS / "auto")
         self.returncode: int | None = None
         self.moved_to: str | None = None  # the target, once the job runs there
+        self._warm: dict[str, str] = {}  # Ray node id -> its job host's bridge, kept fresh (prepare)
+        self.prewarmed = False  # the last move used a warm job host
+        self._warm_ready: dict[str, threading.Event] = {}  # per node: its first warm-up is over
+        self._stop_warm = threading.Event()
 
     def _exited(self) -> bool:
         if self.returncode is not None:
@@ -165,8 +185,12 @@ class JobHost:
                 ok = self.migrate_out(msg[1])
                 if ok:
                     self.moved_to = str(msg[1].get("target", ""))
+                    self._stop_warm.set()
                     self.kill()
                     return "migrated"
+            elif msg[0] == "prepare":
+                self.chan.send({"status": "ok"})
+                self.prepare(list(msg[1].get("targets", [])))
             else:
                 self.chan.send({"status": "failed", "error": f"unknown request {msg[0]!r}"})
 
@@ -229,6 +253,8 @@ class JobHost:
             t0 = time.time()
             sock, hello, token = conn.result()
             tl["connect_wait_s"] = time.time() - t0
+            tl["prewarmed"] = float(self.prewarmed)
+            tl.update(getattr(self, "connect_timing", {}))
             key = wire.bundle_key(token)
             import platform
 
@@ -273,9 +299,59 @@ class JobHost:
             dumper.join()
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def prepare(self, targets: list[str]) -> None:
+        """Keep the job hosts of the ``ray:`` targets warm (a thread: connect to Ray once, start
+        each host, refresh its address -- which also keeps it from idling out -- every third of
+        its idle limit) until the job moves or ends."""
+        from gym_fork.ray.node import parse_job_target
+
+        nids = []
+        for t in targets:
+            try:
+                nid = parse_job_target(t)
+            except ValueError:
+                continue
+            if nid is not None and nid not in nids:
+                nids.append(nid)
+        if nids and not self._warm_ready:
+            self._warm_ready.update({nid: threading.Event() for nid in nids})
+            threading.Thread(target=self._keep_warm, args=(nids,), daemon=True, name="gym_fork-warm").start()
+
+    def _keep_warm(self, nids: list[str]) -> None:
+        from gym_fork.ray.migration import JOB_HOST_IDLE_ENV, connect_ray, job_host_for
+
+        period = max(0.5, float(os.environ.get(JOB_HOST_IDLE_ENV, "60")) / 3)
+        try:
+            connect_ray(self.ray_address)
+        except Exception as e:  # noqa: BLE001 - a move there reports it
+            log.info("keeping Ray job hosts warm: %s", e)
+            for nid in nids:
+                self._warm_ready[nid].set()
+            return
+        import ray
+
+        while not self._stop_warm.is_set() and not self._exited():
+            # all hosts start at once; each node is ready as soon as its own host answers
+            refs = {}
+            for nid in nids:
+                try:
+                    refs[nid] = job_host_for(nid).job_address.remote()
+                except Exception as e:  # noqa: BLE001
+                    log.info("keeping Ray node %s's job host warm: %s", nid, e)
+            for nid in nids:
+                try:
+                    if nid in refs:
+                        self._warm[nid] = ray.get(refs[nid], timeout=60)
+                except Exception as e:  # noqa: BLE001 - a move there resolves (and reports) it again
+                    self._warm.pop(nid, None)
+                    log.info("keeping Ray node %s's job host warm: %s", nid, e)
+                self._warm_ready[nid].set()
+            self._stop_warm.wait(period)
+
     def _connect(self, target: str) -> tuple[socket.socket, dict, bytes]:
         """Connect and authenticate to ``target``: an agent's ``host:port``, or ``ray:<node id>``
-        (that node's migration host, found through Ray from here: the supervisor)."""
+        (that node's migration host, found through Ray from here: the supervisor; already known
+        when the job prepared its route)."""
         from gym_fork.ray.node import parse_job_target
 
         nid = parse_job_target(target)
@@ -283,6 +359,19 @@ class JobHost:
             from gym_fork.ray.migration import job_host_address, resolve_token
 
             token = resolve_token(self.token)  # the hosts' rule: explicit/env token, else the HMAC key's
+            t0 = time.time()
+            if nid in self._warm_ready:  # being warmed right now: that is the same work, wait for it
+                self._warm_ready[nid].wait(60.0)
+            warm = self._warm.get(nid)
+            if warm is not None:
+                try:
+                    t1 = time.time()
+                    sock, hello = wire.connect(warm, token)
+                    self.prewarmed = True
+                    self.connect_timing = {"warm_wait_s": t1 - t0, "handshake_s": time.time() - t1}
+                    return sock, hello, token
+                except MigrationError:
+                    pass  # the host went away meanwhile: ask Ray again
             address = job_host_address(nid, self.ray_address)
             sock, hello = wire.connect(address, token)
             return sock, hello, token
