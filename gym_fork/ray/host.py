@@ -95,7 +95,9 @@ def prepare_process() -> str:
     reap_dead_dirs(base)
     os.environ["GYM_FORK_DIR"] = base  # gym_fork.store puts this process's session dir here
     from gym_fork import store
+    from gym_fork.criu_support import criu_status
 
+    criu_status()  # probed (and cached) now, not on the first restore's critical path (~0.1 s)
     return store.session_dir()
 
 
