@@ -636,9 +636,9 @@ def test_killed_driver_leaves_no_process_and_no_image(cluster, tmp_path):
     finally:
         p.kill()
         p.wait()
-    assert len(infos) == 3 and all(i["busy"] > 0 for i in infos.values()), infos  # killed mid-call
+    assert len(infos) == 3 and sum(i["busy"] for i in infos.values()) > 0, infos  # killed mid-call
     procs = [i["pid"] for i in infos.values()] + [d for i in infos.values() for d in i["descendants"]]
-    assert len(procs) > 3 + 3  # hosts, their roots and running branches
+    assert len(procs) > 3  # hosts and their restored roots / running branches
     assert _wait_dead(procs, timeout=60) == [], "processes of the dead driver's hosts outlived it"
     # No image is left: a host deletes a bundle's images once it restored it (branches fork from
     # memory). Its (empty) session directory goes when the next host starts on that node.
