@@ -167,6 +167,39 @@ def test_env_error_fails_only_its_branches(pool, lander):
     assert "AssertionError" in str(ei.value) and len(ei.value.result.failed) == 3
 
 
+def _explore_in_thread(p, snap, seeds):
+    """``p.explore`` with a slow policy in a thread (one branch per seed); returns (thread, out)
+    with ``out["res"]`` or ``out["err"]`` once it is done."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["res"] = p.explore(snap, SlowPolicy(0.01), n_branches=len(seeds), horizon=150, rng="reseed",
+                                   seeds=seeds, stop_at_done=False)
+        except BaseException as e:  # noqa: BLE001
+            out["err"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _wait_running(host) -> dict:
+    """The host's info once one of its branches is mid-way (its clones are stepping)."""
+    deadline = time.monotonic() + 30
+    while ray.get(host.info.remote())["busy"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    running = ray.get(host.info.remote())
+    assert running["busy"] > 0
+    return running
+
+
+def _assert_images_gone(info) -> None:
+    assert not os.path.exists(info["session"])
+    assert not [n for n in os.listdir(hosts_base()) if n.startswith(f"s{info['pid']}-")]
+
+
 def test_killed_actor_fails_its_branches_rest_complete(cluster, lander):
     env, snap = lander
     seeds = list(range(100, 106))
@@ -179,23 +212,8 @@ def test_killed_actor_fails_its_branches_rest_complete(cluster, lander):
         victim = p.host(victim_node)
         before = p.info()
         vinfo = before[victim_node]
-        out: dict = {}
-
-        def run():
-            try:
-                out["res"] = p.explore(snap, SlowPolicy(0.01), n_branches=6, horizon=150, rng="reseed",
-                                       seeds=seeds, stop_at_done=False)
-            except BaseException as e:  # noqa: BLE001
-                out["err"] = e
-
-        t = threading.Thread(target=run)
-        t.start()
-        deadline = time.monotonic() + 30
-        while ray.get(victim.info.remote())["busy"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        running = ray.get(victim.info.remote())
-        assert running["busy"] > 0
-        time.sleep(0.3)  # mid-branch: its clones are stepping
+        t, out = _explore_in_thread(p, snap, seeds)
+        running = _wait_running(victim)
         procs = running["descendants"] + ray.get(victim.info.remote())["descendants"]
         ray.kill(victim, no_restart=True)
         t.join(60)
@@ -216,9 +234,7 @@ def test_killed_actor_fails_its_branches_rest_complete(cluster, lander):
         assert victim_node not in again.node_of.values() and len(again.branches) == 2
     finally:
         p.close()
-    # close() reaps the killed host's images on its node
-    assert not os.path.exists(vinfo["session"])
-    assert not [n for n in os.listdir(hosts_base()) if n.startswith(f"s{vinfo['pid']}-")]
+    _assert_images_gone(vinfo)  # close() reaps the killed host's images on its node
 
 
 def test_node_removed_mid_explore_fails_its_branches_rest_complete(cluster, lander):
@@ -238,23 +254,8 @@ def test_node_removed_mid_explore_fails_its_branches_rest_complete(cluster, land
         p.prepare(snap)
         victim = p.host(victim_node)
         vinfo = p.info()[victim_node]
-        out: dict = {}
-
-        def run():
-            try:
-                out["res"] = p.explore(snap, SlowPolicy(0.01), n_branches=8, horizon=150, rng="reseed",
-                                       seeds=seeds, stop_at_done=False)  # 2 branches per node
-            except BaseException as e:  # noqa: BLE001
-                out["err"] = e
-
-        t = threading.Thread(target=run)
-        t.start()
-        deadline = time.monotonic() + 30
-        while ray.get(victim.info.remote())["busy"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # mid-branch: its clones are stepping
-        running = ray.get(victim.info.remote())
-        assert running["busy"] > 0
+        t, out = _explore_in_thread(p, snap, seeds)  # 8 seeds: 2 branches per node
+        running = _wait_running(victim)
         procs = running["descendants"]
         assert len(procs) >= 3  # restored env, frozen snapshot, the call's clones
         t_kill = time.monotonic()
@@ -278,9 +279,7 @@ def test_node_removed_mid_explore_fails_its_branches_rest_complete(cluster, land
         print(f"node removal -> explore returned in {took:.2f} s")
     finally:
         p.close()
-    # its images are deleted (here by close()'s reap on the surviving nodes, which share this disk)
-    assert not os.path.exists(vinfo["session"])
-    assert not [n for n in os.listdir(hosts_base()) if n.startswith(f"s{vinfo['pid']}-")]
+    _assert_images_gone(vinfo)  # here by close()'s reap on the surviving nodes, which share this disk
 
 
 def test_branch_exploration_callback_with_pool(pool):

@@ -72,36 +72,32 @@ os._exit(os.waitstatus_to_exitcode(st) & 0xFF)
 
 
 # --- job side ---------------------------------------------------------------------------------------
-def request_migration(target: str, **info: Any) -> dict:
-    """Ask this job's supervisor to move the whole job to ``target``; blocks until the job runs
-    on the target (returns ``{"status": "arrived", ...}`` *there*) or the move failed (returns
-    ``{"status": "failed", "error": ...}`` here)."""
+def _ask_supervisor(cmd: str, args: dict) -> dict:
+    """One request/reply on the job's control channel (``$GYM_FORK_CONTROL_FD``)."""
     fd = os.environ.get(CONTROL_ENV)
     if not fd:
         raise MigrationError("this process is not a managed job: start it with `gym-fork run -- python ...`")
     sock = socket.socket(fileno=int(fd))
     try:
         chan = Channel(sock)
-        chan.send(("migrate", dict(info, target=target)))
+        chan.send((cmd, args))
         return chan.recv()
     finally:
         sock.detach()  # the fd stays open: it is the job's control channel for good
+
+
+def request_migration(target: str, **info: Any) -> dict:
+    """Ask this job's supervisor to move the whole job to ``target``; blocks until the job runs
+    on the target (returns ``{"status": "arrived", ...}`` *there*) or the move failed (returns
+    ``{"status": "failed", "error": ...}`` here)."""
+    return _ask_supervisor("migrate", dict(info, target=target))
 
 
 def prepare_migration(targets: list[str]) -> dict:
     """Tell this job's supervisor where it may move (at training start): for ``"ray:<node id>"``
     targets it connects to Ray, starts those nodes' job hosts and keeps them warm in the
     background, so that a later move does not wait for any of that. Answered at once."""
-    fd = os.environ.get(CONTROL_ENV)
-    if not fd:
-        raise MigrationError("this process is not a managed job: start it with `gym-fork run -- python ...`")
-    sock = socket.socket(fileno=int(fd))
-    try:
-        chan = Channel(sock)
-        chan.send(("prepare", {"targets": list(targets)}))
-        return chan.recv()
-    finally:
-        sock.detach()
+    return _ask_supervisor("prepare", {"targets": list(targets)})
 
 
 # --- supervisor side (both `gym-fork run` and the agent) -------------------------------------------
@@ -218,7 +214,7 @@ class JobHost:
         tmp = store.private_mkdir(os.path.join(store.session_dir(), f"job-{os.urandom(4).hex()}"))
         images = store.private_mkdir(os.path.join(tmp, "images"))
         # resolve (Ray targets), connect + authenticate while CRIU dumps (off the critical path)
-        conn = _InBackground(self._connect, target)
+        conn = wire.in_background(self._connect, target)
         sock = None
         # CRIU dumps the tree in a thread while the images are streamed as CRIU writes them
         # (wire.send_images_while_dumping): dump and transfer overlap.
@@ -380,36 +376,6 @@ class JobHost:
                                  "with --token-file or $GYM_FORK_TOKEN")
         sock, hello = wire.connect(target, self.token, tls=self.tls, netns=self.netns)
         return sock, hello, self.token
-
-
-class _InBackground:
-    """``fn(*args)`` in a thread; ``result()`` joins it (re-raising its error), ``discard()``
-    closes the socket it returned when the caller failed before using it."""
-
-    def __init__(self, fn: Any, *args: Any):
-        import threading
-
-        self.box: dict = {}
-
-        def run() -> None:
-            try:
-                self.box["v"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001
-                self.box["e"] = e
-
-        self.t = threading.Thread(target=run, name="gym_fork-connect", daemon=True)
-        self.t.start()
-
-    def result(self) -> Any:
-        self.t.join()
-        if "e" in self.box:
-            raise self.box["e"]
-        return self.box["v"]
-
-    def discard(self) -> None:
-        self.t.join()
-        if "v" in self.box:
-            self.box["v"][0].close()
 
 
 def _canonical(meta: dict) -> bytes:

@@ -206,16 +206,17 @@ def connect(target: str, token: bytes, *, tls: bool | str = False, timeout: floa
 
 
 class _Background:
-    """:func:`connect` running in a thread; ``result()`` joins it (re-raising its error)."""
+    """``fn(*args, **kw)`` -- a connect that returns ``(sock, ...)`` -- running in a thread;
+    ``result()`` joins it (re-raising its error), ``discard()`` closes the socket it made."""
 
-    def __init__(self, target: str, token: bytes, **kw: Any):
+    def __init__(self, fn: Any, *args: Any, **kw: Any):
         self.box: dict = {}
         self.elapsed = 0.0
 
         def run() -> None:
             t0 = time.monotonic()
             try:
-                self.box["v"] = connect(target, token, **kw)
+                self.box["v"] = fn(*args, **kw)
             except BaseException as e:  # noqa: BLE001
                 self.box["e"] = e
             self.elapsed = time.monotonic() - t0
@@ -223,7 +224,7 @@ class _Background:
         self.t = threading.Thread(target=run, name="gym_fork-connect", daemon=True)
         self.t.start()
 
-    def result(self) -> tuple[socket.socket, dict]:
+    def result(self) -> tuple:
         self.t.join()
         if "e" in self.box:
             raise self.box["e"]
@@ -238,7 +239,12 @@ class _Background:
 
 def connect_in_background(target: str, token: bytes, **kw: Any) -> _Background:
     """Start :func:`connect` (same arguments) in a thread, so the handshake overlaps the dump."""
-    return _Background(target, token, **kw)
+    return _Background(connect, target, token, **kw)
+
+
+def in_background(fn: Any, *args: Any) -> _Background:
+    """Start any connect-like ``fn(*args)`` returning ``(sock, ...)`` in a thread (see :class:`_Background`)."""
+    return _Background(fn, *args)
 
 
 def _tar_members(path: str) -> list[tuple[str, str, int]]:

@@ -676,6 +676,19 @@ class RayMigratedBackend(MigratedBackend):
             "step/reset/render/attributes/close and migrate(RayNode(...)) work")
 
 
+def _check_movable(env: Any, node: RayNode) -> None:
+    """What any move to ``node`` needs (raises MigrationError, before anything is done)."""
+    import ray
+
+    if not isinstance(env._handle, NetworkHandle) and env._backend.name != "criu":
+        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    if getattr(env, "_workspace", None) is not None:
+        raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
+                             "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
+    if node.node_id not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
+        raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
+
+
 def _export_snapshot(snap: Any, tok: bytes, host_timings: dict) -> tuple[Any, int]:
     """CRIU images of ``snap`` (a dump of its frozen copy), as a signed bundle in this node's object
     store; returns ``(ref, bytes)``. Does not touch the env: its worker may go on meanwhile."""
@@ -753,22 +766,14 @@ def migrate_env_to_node_live(env: Any, node: RayNode, *, token: str | bytes | No
     """``env.migrate(RayNode(id), live=True)``: pre-copy (:mod:`gym_fork.migration.live`) to a Ray
     node's host: the learner keeps stepping its local worker while the fork-tier snapshot is
     exported, restored on the node and catches up by replay; then a later step switches."""
-    import ray
-
     from gym_fork.migration.live import check_live, start_live
 
     env._check_open()
     if isinstance(env._handle, NetworkHandle):
         raise MigrationError("live=True moves a worker that runs here; this env's worker runs on "
                              f"{env._handle.node} already: use live=False to move it on")
-    if env._backend.name != "criu":
-        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
-    if getattr(env, "_workspace", None) is not None:
-        raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
-                             "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
+    _check_movable(env, node)
     check_live(env)
-    if node.node_id not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
-        raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
     tok = resolve_token(token)
     target = host_for(node.node_id)
 
@@ -804,14 +809,7 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
     cur = env._handle
     if isinstance(cur, NetworkHandle) and not hasattr(cur, "wid"):
         raise MigratedEnvError(f"this env runs on agent node {cur.node}; it cannot move on to a Ray node")
-    if not isinstance(cur, NetworkHandle) and env._backend.name != "criu":
-        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
-    if getattr(env, "_workspace", None) is not None:
-        raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
-                             "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    if node.node_id not in alive:
-        raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
+    _check_movable(env, node)
     source = getattr(cur, "node_id", None) or ray.get_runtime_context().get_node_id()
     if getattr(cur, "node_id", None) == node.node_id:
         return {"node_id": node.node_id, "source": source, "pid": cur.pid, "bytes": 0, "timings": {},
