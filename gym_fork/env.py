@@ -432,6 +432,9 @@ class ForkableEnv(gym.Wrapper):
 
         ``target`` may also be ``gym_fork.ray.RayNode(node_id)``: the worker moves to that Ray
         node's host actor, and can move on from there (:mod:`gym_fork.ray.migration`)."""
+        if not isinstance(target, str) and not hasattr(target, "_gym_fork_migrate"):
+            raise TypeError(f"target must be an agent's 'host:port' or a gym_fork.ray.RayNode, not "
+                            f"{type(target).__name__}")
         self._end_live("migrate() was called")
         if live:
             if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):

@@ -251,10 +251,13 @@ def _lines(path: str) -> list[dict]:
         return []
 
 
-def _run_job(nodes, target: str, logd: str, at: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _run_job(nodes, target: str, logd: str, at: int, *, train_args: tuple = (), run_args: tuple = (),
+             total: int = TOTAL) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`gym-fork run` of TRAIN on node A moving to ``target`` at ``at``; returns once the job ended
+    (wherever it ran) with the supervisor's result and the job's JSON lines."""
     cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd,
-           "--token-file", nodes.token_file, "--", sys.executable, TRAIN, "--target", target,
-           "--at", str(at), "--total", str(TOTAL)]
+           "--token-file", nodes.token_file, *run_args, "--", sys.executable, TRAIN, "--target", target,
+           "--at", str(at), "--total", str(total), *train_args]
     if nodes.netns.get("A"):
         cmd = ["nsenter", f"--net=/run/netns/{nodes.netns['A']}", *cmd]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -619,16 +622,9 @@ def test_job_two_hops_signal_then_notice_file(netnodes, reference_job, tmp_path)
 
 def test_job_migrates_to_a_tls_agent(reference_job, tmp_path):
     with Nodes(["B"], use_netns=False, tls=True) as n:
-        logd = str(tmp_path / "logs")
-        cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd, "--token-file",
-               n.token_file, "--tls-ca", n.cert, "--", sys.executable, TRAIN, "--target", n.target["B"],
-               "--at", "400", "--total", str(TOTAL)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        r, lines = _run_job(n, n.target["B"], str(tmp_path / "logs"), 400, run_args=("--tls-ca", n.cert))
         assert r.returncode == 0, r.stderr
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(x.get("done") for x in _lines(f"{logd}/stdout.log")):
-            time.sleep(0.2)
-        done = [x for x in _lines(f"{logd}/stdout.log") if x.get("done")][0]
+        done = [x for x in lines if x.get("done")][0]
         assert [(m["status"], m["node"]) for m in done["migrations"]] == [("arrived", "B")]
         ref = [x for x in reference_job if x.get("done")][0]
         assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
@@ -642,17 +638,10 @@ def test_job_with_forkable_env_moves_with_its_worker_and_snapshots(netnodes, tmp
     args = ["--forkable", "--snap-at", "200", "--total", "1024"]
     out = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=120, check=True)
     ref = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{") and '"done"' in x][0]
-    logd = str(tmp_path / "logs")
-    cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "A", "--log-dir", logd, "--token-file",
-           netnodes.token_file, "--", sys.executable, TRAIN, "--target", netnodes.target["B"], "--at", "600", *args]
-    if netnodes.netns.get("A"):
-        cmd = ["nsenter", f"--net=/run/netns/{netnodes.netns['A']}", *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r, lines = _run_job(netnodes, netnodes.target["B"], str(tmp_path / "logs"), 600,
+                        train_args=("--forkable", "--snap-at", "200"), total=1024)
     assert r.returncode == 0 and "now runs on the target agent" in r.stdout, (r.stdout, r.stderr)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(x.get("done") for x in _lines(f"{logd}/stdout.log")):
-        time.sleep(0.2)
-    done = [x for x in _lines(f"{logd}/stdout.log") if x.get("done")][0]
+    done = [x for x in lines if x.get("done")][0]
     assert [(m["status"], m["node"]) for m in done["migrations"]] == [("arrived", "B")]
     assert done["backend"] == "criu" and done["snap_sha"] == ref["snap_sha"]
     assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
@@ -693,3 +682,30 @@ def test_env_with_a_workspace_is_refused_before_anything_moves(lo, tmp_path):
     finally:
         env.close()
     _clean(lo.agents["B"])
+
+
+def test_bad_targets_fail_at_once_and_leave_the_env_alone():
+    from gym_fork.migration import MigrationError
+
+    env, ref = _pair(_actions(10))
+    try:
+        for live in (False, True):
+            for bad in ("not-an-address", "127.0.0.1:notaport", ""):
+                with pytest.raises(ValueError, match="host:port"):
+                    env.migrate(bad, token="x", live=live)
+            with pytest.raises(TypeError, match="RayNode"):
+                env.migrate(123, live=live)
+        assert env._live is None and not isinstance(env._handle, NetworkHandle)
+        acts = _actions(20, seed=3)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    single = gym_fork.ForkableEnv(ENV, fork_tier=False)
+    try:
+        single.reset(seed=0)
+        with pytest.raises(MigrationError, match="fork tier"):
+            single.migrate("127.0.0.1:1", token="x", live=True)
+        single.step(0)
+    finally:
+        single.close()

@@ -124,7 +124,7 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
     (node, pid, bytes, timings in seconds). Raises a MigrationError subclass on failure, with the
     env unchanged. The learner waits for the whole move (stop-and-copy); see
     :mod:`gym_fork.migration.live` for the pre-copy variant."""
-    check_migratable(env)
+    check_migratable(env, target)
     tok = wire.load_token(token, token_file)
     t_start = time.monotonic()
     timings: dict[str, float] = {}
@@ -152,7 +152,9 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
             "timings": timings, "remote_timings": reply.get("timings", {})}
 
 
-def check_migratable(env: Any) -> None:
+def check_migratable(env: Any, target: str) -> None:
+    """Everything checked before anything is done (raises; the env is untouched)."""
+    wire.parse_target(target)  # a malformed address fails here, not in a background thread
     env._check_open()
     if isinstance(env._handle, NetworkHandle):
         raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")

@@ -378,7 +378,7 @@ def start_live(env: Any, target: str, ship: Callable, switch: Callable, on_error
 def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
                      tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> LiveMigration:
     """Start a pre-copy migration of ``env``'s worker to the agent at ``target``; see the module doc."""
-    check_migratable(env)
+    check_migratable(env, target)
     check_live(env)
     tok = wire.load_token(token, token_file)
     limit = dump_size_bound(env._handle.pid)
