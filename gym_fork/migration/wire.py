@@ -304,12 +304,18 @@ def send_bundle(sock: socket.socket, header: dict, path: str, target: str) -> tu
         sent = size
         return recv_msg(sock), size
     except (OSError, EOFError, ValueError) as e:
-        raise TransferError(
-            f"the connection to the agent at {target} broke after {sent} of {size} bytes "
-            f"({type(e).__name__}: {e}); nothing was restored there"
-            if sent < size else
-            f"the connection to the agent at {target} broke while waiting for its confirmation "
-            f"({type(e).__name__}: {e})") from e
+        raise _transfer_error(target, e, sent, size, sent >= size) from e
+
+
+def _transfer_error(target: str, e: BaseException, sent: int, size: int | None, all_sent: bool) -> TransferError:
+    """The error of a stream to an agent that broke: before everything was sent (the agent restores
+    nothing) or while waiting for its verdict."""
+    if all_sent:
+        return TransferError(f"the connection to the agent at {target} broke while waiting for its "
+                             f"confirmation ({type(e).__name__}: {e})")
+    of = f" of {size}" if size is not None else ""
+    return TransferError(f"the connection to the agent at {target} broke after {sent}{of} bytes "
+                         f"({type(e).__name__}: {e}); nothing was restored there")
 
 
 def image_members(images: str) -> list[tuple[str, str, int]]:
@@ -362,12 +368,7 @@ def send_images(sock: socket.socket, header: dict, images: str, target: str, tra
         send_msg(sock, trailer(digests))
         return recv_msg(sock), size
     except (OSError, EOFError, ValueError) as e:
-        raise TransferError(
-            f"the connection to the agent at {target} broke after {sent} of {size} bytes "
-            f"({type(e).__name__}: {e}); nothing was restored there"
-            if sent < size else
-            f"the connection to the agent at {target} broke while waiting for its confirmation "
-            f"({type(e).__name__}: {e})") from e
+        raise _transfer_error(target, e, sent, size, sent >= size) from e
 
 
 # --- stream 3: images sent while CRIU is still writing them ----------------------------------------
@@ -415,6 +416,7 @@ def send_images_while_dumping(sock: socket.socket, header: dict, images: str, ta
     sent = 0
     buf = memoryview(bytearray(1 << 20))
     alg = alg or stream_hash()
+    all_sent = False
     try:
         send_msg(sock, dict(header, size=limit, stream=3, hash=alg))
         go = recv_msg(sock)
@@ -463,11 +465,10 @@ def send_images_while_dumping(sock: socket.socket, header: dict, images: str, ta
         sock.sendall(_FRAME.pack(_F_DONE, 0, 0))
         digests = {name: {"size": ent[1], alg: ent[2].hexdigest()} for name, ent in files.items()}
         send_msg(sock, trailer(digests))
+        all_sent = True
         return recv_msg(sock), sent
     except (OSError, EOFError) as e:
-        raise TransferError(
-            f"the connection to the agent at {target} broke after {sent} bytes "
-            f"({type(e).__name__}: {e}); nothing was restored there") from e
+        raise _transfer_error(target, e, sent, None, all_sent) from e
     finally:
         for ent in files.values():
             os.close(ent[0])
