@@ -9,6 +9,9 @@
 # Why from source: Debian bookworm's criu 3.17 fails on recent kernels
 # ("vdso: Unexpected rt vDSO area bounds"); 4.1.x works.  The orig tarball comes from Debian's
 # trixie *source* archive through apt, and its SHA256 is checked against apt's signed Sources index.
+# The patches in scripts/criu-patches/*.patch are applied before the build (see the README there:
+# without 0001, CRIU 4.1.1 cannot dump any TCP/UDP socket on Linux >= 6.16).  Each patch names a
+# "Marker:" string that ends up in the binary; an installed criu lacking one is rebuilt.
 set -euo pipefail
 
 CRIU_VERSION=4.1.1
@@ -24,7 +27,18 @@ CACHE=${GYM_FORK_CACHE:-$HOME/.cache/gym_fork}
 # machines, which costs ~35 ms on *every* dump and restore.  So our build keeps the cache in a
 # root-only tmpfs of its own (mounted here and, after a reboot, by gym_fork itself).
 KDAT_DIR=/run/gym_fork-criu
-SRC_DIR=$CACHE/criu-$CRIU_VERSION-kdat
+PATCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/criu-patches
+[ -d "$PATCH_DIR" ] || { echo "[install_criu] ERROR: $PATCH_DIR is missing (run this script from a gym_fork checkout)" >&2; exit 1; }
+PATCHES=()
+for p in "$PATCH_DIR"/*.patch; do [ -f "$p" ] && PATCHES+=("$p"); done
+MARKERS=()
+for p in "${PATCHES[@]}"; do
+  m=$(sed -n 's/^Marker: *//p' "$p" | head -1)
+  [ -n "$m" ] && MARKERS+=("$m")
+done
+# The build dir name changes with the patch set, so a cached unpatched build is never reused.
+PATCH_ID=$(cat /dev/null "${PATCHES[@]}" | sha256sum | cut -c1-8)
+SRC_DIR=$CACHE/criu-$CRIU_VERSION-kdat-p$PATCH_ID
 CRIU_BIN=$PREFIX/sbin/criu
 
 log() { echo "[install_criu] $*" >&2; }
@@ -37,6 +51,11 @@ criu_ok() {  # $1 = binary; true when it is 4.x and `criu check` passes
   [ "${ver:-0}" -ge 4 ] || return 1
   [ "$(id -u)" != 0 ] && return 0          # `criu check` needs root; nonroot use is probed by doctor
   "$bin" check >/dev/null 2>&1
+}
+
+criu_patched() {  # $1 = binary; true when every patch marker is compiled in
+  local m
+  for m in "${MARKERS[@]}"; do grep -qaF "$m" "$1" || return 1; done
 }
 
 pycriu_ok() { "$PYTHON" -c 'import pycriu, pycriu.rpc_pb2' >/dev/null 2>&1; }
@@ -55,6 +74,14 @@ done
 if [ "$existing" = "$CRIU_BIN" ] && [ "$(id -u)" = 0 ] && ! grep -qa "$KDAT_DIR/criu.kdat" "$CRIU_BIN"; then
   log "$CRIU_BIN is an earlier gym_fork build without the kdat cache dir: rebuilding"
   existing=""
+fi
+if [ -n "$existing" ] && ! criu_patched "$existing"; then
+  if [ "$(id -u)" = 0 ]; then
+    log "$existing lacks the patches in $PATCH_DIR (TCP/UDP sockets do not dump on Linux >= 6.16): building a patched criu into $CRIU_BIN"
+    existing=""
+  else
+    log "warning: $existing lacks the patches in $PATCH_DIR; on Linux >= 6.16 it cannot dump TCP/UDP sockets. Rerun as root to build a patched criu."
+  fi
 fi
 
 if [ -n "$existing" ] && pycriu_ok; then
@@ -90,7 +117,7 @@ if [ -z "$existing" ] || [ ! -d "$SRC_DIR/lib/pycriu" ] || [ ! -f "$SRC_DIR/lib/
   apt-get install -y -qq --no-install-recommends -t bookworm \
     build-essential pkg-config xz-utils ca-certificates libprotobuf-c-dev protobuf-c-compiler \
     libprotobuf-dev protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev \
-    libnftables-dev libgnutls28-dev iproute2 >/dev/null
+    libnftables-dev libgnutls28-dev iproute2 patch >/dev/null
 
   mkdir -p "$CACHE/dl"
   tarball=$CACHE/dl/criu_$CRIU_VERSION.orig.tar.xz
@@ -112,11 +139,19 @@ if [ -z "$existing" ] || [ ! -d "$SRC_DIR/lib/pycriu" ] || [ ! -f "$SRC_DIR/lib/
   if [ ! -x "$SRC_DIR/criu/criu" ] || [ ! -f "$SRC_DIR/lib/pycriu/rpc_pb2.py" ]; then
     rm -rf "$SRC_DIR"; mkdir -p "$SRC_DIR"
     tar -xf "$tarball" -C "$SRC_DIR" --strip-components=1
+    for p in "${PATCHES[@]}"; do
+      log "applying $(basename "$p")"
+      patch -s -p1 -d "$SRC_DIR" <"$p" || { rm -rf "$SRC_DIR"; die "patch $p does not apply to criu $CRIU_VERSION"; }
+    done
     log "building criu $CRIU_VERSION (about 20 s)"
     make -s -C "$SRC_DIR" -j"$(nproc)" PYTHON="$PYTHON" RUNDIR="$KDAT_DIR" criu lib >"$CACHE/criu-build.log" 2>&1 \
       || { tail -30 "$CACHE/criu-build.log" >&2; die "criu build failed; full log: $CACHE/criu-build.log"; }
+    for old in "$CACHE"/criu-"$CRIU_VERSION"-kdat*; do  # builds for another patch set
+      [ "$old" = "$SRC_DIR" ] || rm -rf "$old"
+    done
   fi
   if [ -z "$existing" ]; then
+    criu_patched "$SRC_DIR/criu/criu" || die "the build in $SRC_DIR lacks the patch markers (${MARKERS[*]})"
     install -D -m755 "$SRC_DIR/criu/criu" "$CRIU_BIN"
     existing=$CRIU_BIN
     log "installed $CRIU_BIN"
