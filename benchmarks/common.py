@@ -233,7 +233,7 @@ def machine_info() -> dict:
             pass
     info["versions"] = versions
     try:
-        from gym_fork.criu_support import criu_status
+        from gym_fork.criu.status import criu_status
 
         st = criu_status()
         info["criu"] = {"usable": st.usable, "binary": st.binary, "version": st.version,

@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gym_fork.migration.nodes import Nodes  # noqa: E402
+from gym_fork.testing.nodes import Nodes  # noqa: E402
 
 
 def big_env(mb: int):

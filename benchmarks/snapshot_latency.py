@@ -53,8 +53,8 @@ from benchmarks.common import (  # noqa: E402
     summarize,
     time_reps,
 )
-from gym_fork import store  # noqa: E402
-from gym_fork.criu_support import criu_status  # noqa: E402
+from gym_fork.snapshots import sessiondir  # noqa: E402
+from gym_fork.criu.status import criu_status  # noqa: E402
 from gym_fork.errors import BackendUnavailableError, UnsupportedEnvError  # noqa: E402
 
 DEFAULT_ENVS = "CartPole-v1,LunarLander-v3,HalfCheetah-v5"
@@ -135,7 +135,7 @@ def bench_snapshot_restore(env_id: str, configs: list, reps: int, warmup: int, b
                 if r["backend"] == "criu":
                     r["worker_rss_kb"] = _rss_kb(env.worker_pid)
                 if hasattr(payload, "path"):  # a CRIU dump on disk
-                    man = store.read_manifest(payload.path)
+                    man = sessiondir.read_manifest(payload.path)
                     r["image_files"] = {k: v["size"] for k, v in man["files"].items()}
                     if breakdown and r.get("verify") == "full":
                         r["restore_breakdown_ms"] = criu_restore_breakdown(env, snaps[label], reps, warmup)
@@ -176,7 +176,7 @@ def _rss_kb(pid: int | None) -> int | None:
 
 def _sha256_all(path: str, man: dict) -> None:
     for name in man["files"]:
-        store.file_digest(os.path.join(path, name))
+        sessiondir.file_digest(os.path.join(path, name))
 
 
 def criu_restore_breakdown(env: gym_fork.ForkableEnv, snap, reps: int, warmup: int) -> dict:
@@ -189,14 +189,14 @@ def criu_restore_breakdown(env: gym_fork.ForkableEnv, snap, reps: int, warmup: i
     be = env._backend  # noqa: SLF001 - a benchmark may look inside
     payload = snap.payload()
     path = payload.path
-    man = store.read_manifest(path)
+    man = sessiondir.read_manifest(path)
     keys = ("restore_total", "verify_full", "verify_size", "sha256_images", "criu_restore_and_ping",
             "last_roundtrip", "kill_worker")
     t: dict = {k: [] for k in keys}
     for i in range(warmup + reps):
         row = {
-            "verify_full": _timed(lambda: store.verify(path, full=True))[0],
-            "verify_size": _timed(lambda: store.verify(path, full=False))[0],
+            "verify_full": _timed(lambda: sessiondir.verify(path, full=True))[0],
+            "verify_size": _timed(lambda: sessiondir.verify(path, full=False))[0],
             "sha256_images": _timed(lambda: _sha256_all(path, man))[0],
         }
         row["criu_restore_and_ping"], h = _timed(lambda: be._restore_verified(payload))  # noqa: SLF001
@@ -270,7 +270,7 @@ def fork_tier_extras(env: gym_fork.ForkableEnv, reps: int, warmup: int) -> dict:
                 dt, _ = _timed(s.persist)
                 image = getattr(s.payload(), "image", None)
                 if image is not None:
-                    sizes.append(sum(v["size"] for v in store.read_manifest(image.path)["files"].values()))
+                    sizes.append(sum(v["size"] for v in sessiondir.read_manifest(image.path)["files"].values()))
             finally:
                 s.release()
             if i >= warmup:
@@ -326,7 +326,7 @@ def _vec_loop(venv, batched) -> None:
 
 _ECHO = (
     "import socket, sys\n"
-    "from gym_fork.protocol import Channel, ChannelClosed\n"
+    "from gym_fork.worker.channel import Channel, ChannelClosed\n"
     "c = Channel(socket.socket(fileno=int(sys.argv[1])))\n"
     "while True:\n"
     "    try:\n"
@@ -348,7 +348,7 @@ class _IpcFloor:
         import subprocess
 
         from gym_fork.backends.criu import _worker_environ
-        from gym_fork.protocol import Channel
+        from gym_fork.worker.channel import Channel
 
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-c", _ECHO, str(theirs.fileno())],

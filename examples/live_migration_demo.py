@@ -22,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from gym_fork.migration.nodes import Nodes  # noqa: E402
+from gym_fork.testing.nodes import Nodes  # noqa: E402
 
 
 def _lines(path: str) -> list[dict]:

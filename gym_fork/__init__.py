@@ -5,12 +5,13 @@
 """
 
 from gym_fork import errors
-from gym_fork.bundle import BundleError, load_snapshot
-from gym_fork.branching import Branch, ExploreResult, explore
+from gym_fork.errors import BundleError
+from gym_fork.snapshots.bundle import load_snapshot
+from gym_fork.exploration import Branch, ExploreResult, explore
 from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError
-from gym_fork.snapshot import Snapshot
-from gym_fork.snapshot_store import SnapshotStore
+from gym_fork.snapshots.snapshot import Snapshot
+from gym_fork.snapshots.store import SnapshotStore
 
 
 

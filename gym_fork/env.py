@@ -13,9 +13,9 @@ import numpy as np
 from gym_fork.backends import Backend, get_backend, start_env
 from gym_fork.backends.base import Handle
 from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
-from gym_fork.server import make_source
-from gym_fork.snapshot import Snapshot
-from gym_fork.snapshot_store import materialized
+from gym_fork.worker.commands import make_source
+from gym_fork.snapshots.snapshot import Snapshot
+from gym_fork.snapshots.store import materialized
 
 log = logging.getLogger("gym_fork")
 
@@ -134,7 +134,7 @@ class ForkableEnv(gym.Wrapper):
         workspace: a directory the env works in; every snapshot also captures its files (SQLite
             databases consistently), ``restore()`` puts them back, each ``fork()`` child gets its
             own copy (``DIR.branch-<id>``, deleted when the child is closed), and ``Snapshot.save``
-            / a store keep them.  The contract with the env: :mod:`gym_fork.workspace`.
+            / a store keep them.  The contract with the env: :mod:`gym_fork.snapshots.workspace`.
     """
 
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
@@ -148,7 +148,7 @@ class ForkableEnv(gym.Wrapper):
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store  # a gym_fork.SnapshotStore: budgets, persistence (snapshot_store.py)
         if workspace is not None:  # files captured with each snapshot (workspace.py: the contract)
-            from gym_fork.workspace import Workspace
+            from gym_fork.snapshots.workspace import Workspace
 
             self._workspace = Workspace(workspace)
             self._request("setattr", "workspace", self._workspace.path, "unwrapped")
@@ -195,7 +195,7 @@ class ForkableEnv(gym.Wrapper):
         env._parent_id = snapshot.id
         env._store = store
         if workspace is not None:
-            from gym_fork.workspace import Workspace
+            from gym_fork.snapshots.workspace import Workspace
 
             try:
                 env._workspace = Workspace(workspace)
@@ -330,7 +330,7 @@ class ForkableEnv(gym.Wrapper):
             UnsupportedEnvError: the backend cannot capture this env exactly.
         """
         self._check_open()
-        from gym_fork.snapshot import new_id
+        from gym_fork.snapshots.snapshot import new_id
 
         sid = new_id()
         payload, size = self._backend.snapshot(self._handle, sid)
@@ -340,7 +340,7 @@ class ForkableEnv(gym.Wrapper):
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
         if self._workspace is not None:
-            from gym_fork.workspace import attach
+            from gym_fork.snapshots.workspace import attach
 
             attach(snap, self._workspace)
         if self._store is not None:

@@ -6,6 +6,8 @@ Each message says what went wrong *and* what to do about it.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class GymForkError(Exception):
     """Base class of all gym_fork errors."""
@@ -88,3 +90,62 @@ def remote_exception(type_name: str, message: str, traceback_text: str) -> Worke
     err = cls.__new__(cls)
     WorkerError.__init__(err, f"{type_name} in the env worker: {message}", type_name, traceback_text)
     return err
+
+
+# --- snapshots: bundles and the store -------------------------------------------------------
+class BundleError(GymForkError):
+    """A bundle cannot be loaded here; the message says exactly why."""
+
+
+class StoreError(GymForkError):
+    """The snapshot store cannot do what was asked (unknown id, not a store, ...)."""
+
+
+class NoSpaceError(GymForkError):
+    """Not enough free disk space for what was asked (a checkpoint, a bundle, a store entry)."""
+
+
+# --- migration: on every one of these the source (env or job) keeps running unchanged ---------
+
+class MigrationError(GymForkError):
+    """A migration failed; the source keeps running unchanged. The message says what happened."""
+
+
+class AgentUnreachableError(MigrationError):
+    """No agent answered at the target address (down, wrong address, or timed out)."""
+
+
+class AuthenticationError(MigrationError):
+    """The agent refused our token, or the agent could not prove it knows the token."""
+
+
+class TransferError(MigrationError):
+    """The connection to the agent broke while the checkpoint was being sent or confirmed."""
+
+
+class RemoteRestoreError(MigrationError):
+    """The agent received the checkpoint but refused or failed to restore it (integrity check,
+    incompatible machine, CRIU restore failure, no disk space); ``remote_type`` names its error."""
+
+    def __init__(self, message: str, remote_type: str = ""):
+        super().__init__(message)
+        self.remote_type = remote_type
+
+
+class MigratedEnvError(MigrationError):
+    """The operation is not available on an env whose worker runs on another node."""
+
+
+class DivergedError(MigrationError):
+    """The target's replay answered differently from the source: the env depends on something
+    outside its process. Nothing was switched; the env runs locally, unchanged."""
+
+
+# --- Ray plugin ---------------------------------------------------------------------------
+class BranchesFailedError(GymForkError):
+    """Some branches of :meth:`RayBranchPool.explore` failed (their node or actor died, or the
+    env raised); ``.result`` holds the branches that completed and ``.result.failed`` the others."""
+
+    def __init__(self, message: str, result: Any):
+        super().__init__(message)
+        self.result = result

@@ -21,8 +21,8 @@ from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 from gym_fork.backends.base import Backend
 from gym_fork.env import ForkableEnv
 from gym_fork.errors import EnvClosedError, WorkerError
-from gym_fork.server import EnvServer
-from gym_fork.snapshot import Snapshot
+from gym_fork.worker.commands import EnvServer
+from gym_fork.snapshots.snapshot import Snapshot
 
 EnvSpecifier = str | Callable[[], gym.Env] | gym.Env
 

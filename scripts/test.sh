@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -c 'from gym_fork.criu_support import criu_status as s; st=s(); print("[test] CRIU:", st.binary, st.version, "usable" if st.usable else "NOT usable: " + "; ".join(st.reasons))'
+.venv/bin/python -c 'from gym_fork.criu.status import criu_status as s; st=s(); print("[test] CRIU:", st.binary, st.version, "usable" if st.usable else "NOT usable: " + "; ".join(st.reasons))'
 exec .venv/bin/python -m pytest -p no:cacheprovider -q "$@"

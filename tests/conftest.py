@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from gym_fork.criu_support import criu_status
+from gym_fork.criu.status import criu_status
 
 
 @pytest.fixture(scope="session")

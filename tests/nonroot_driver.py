@@ -325,7 +325,7 @@ def capture_log():
 
 
 def main_userns() -> dict:
-    from gym_fork.criu_support import criu_status
+    from gym_fork.criu.status import criu_status
 
     logbuf = capture_log()
     st = criu_status()
@@ -342,7 +342,7 @@ def main_userns() -> dict:
 
 def main_forkonly() -> dict:
     import gym_fork
-    from gym_fork.criu_support import criu_status
+    from gym_fork.criu.status import criu_status
     from gym_fork.errors import BackendUnavailableError
 
     logbuf = capture_log()

@@ -16,7 +16,8 @@ import pytest
 
 import gym_fork
 from gym_fork import keys
-from gym_fork.bundle import BundleError, _canonical
+from gym_fork.errors import BundleError
+from gym_fork.snapshots.bundle import _canonical
 from gym_fork.errors import ForeignSnapshotError, SnapshotCorruptedError
 
 ACTIONS = [0, 2, 3, 1, 2, 2, 0, 3] * 8

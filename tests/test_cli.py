@@ -11,7 +11,7 @@ import pytest
 
 from gym_fork import __version__
 from gym_fork.cli import main
-from gym_fork.criu_support import criu_candidates, criu_status, find_criu
+from gym_fork.criu.status import criu_candidates, criu_status, find_criu
 
 pytestmark = pytest.mark.criu  # CRIU must be usable here (and in CI): see conftest.py
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gym_fork
-from gym_fork import store
+from gym_fork.snapshots import sessiondir
 from gym_fork.errors import (
     EnvClosedError,
     EnvNotShippableError,
@@ -200,7 +200,7 @@ def test_failed_dump_leaves_env_running_and_no_snapshot(tmp_path, fork_tier):
     try:
         e.reset(seed=0)
         e.step(0)
-        before = set(os.listdir(store.session_dir()))
+        before = set(os.listdir(sessiondir.session_dir()))
         if fork_tier:  # the in-memory snapshot works; writing its CRIU images cannot
             snap = e.snapshot()
             with pytest.raises(SnapshotError):
@@ -209,7 +209,7 @@ def test_failed_dump_leaves_env_running_and_no_snapshot(tmp_path, fork_tier):
         else:
             with pytest.raises(SnapshotError, match="keeps running"):
                 e.snapshot()
-        assert set(os.listdir(store.session_dir())) == before, "no half-written snapshot may stay"
+        assert set(os.listdir(sessiondir.session_dir())) == before, "no half-written snapshot may stay"
         obs, *_ = e.step(0)
         assert obs[0] == pytest.approx(0.02)
         if fork_tier:
@@ -249,12 +249,12 @@ def test_bad_arguments(env):
     with pytest.raises(TypeError, match="env id"):
         gym_fork.ForkableEnv(42)
     with pytest.raises(ValueError, match="invalid snapshot id"):
-        store.check_id("../../etc")
+        sessiondir.check_id("../../etc")
 
 
 def test_images_are_private(env):
     snap = env.snapshot()
-    for p in (store.session_dir(), snap.payload().path):
+    for p in (sessiondir.session_dir(), snap.payload().path):
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o700
 
 

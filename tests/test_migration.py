@@ -16,8 +16,8 @@ import pytest
 import gym_fork
 from gym_fork.migration import AgentUnreachableError, AuthenticationError, RemoteRestoreError, TransferError
 from gym_fork.migration.client import NetworkHandle
-from gym_fork.migration.errors import MigratedEnvError
-from gym_fork.migration.nodes import Nodes
+from gym_fork.errors import MigratedEnvError
+from gym_fork.testing.nodes import Nodes
 from tests.conftest import assert_same_traj, run_actions
 
 pytestmark = pytest.mark.criu
@@ -199,7 +199,7 @@ def test_no_disk_space_on_target(tmp_path):
         with Nodes(["B"], use_netns=False) as n:
             ag = n.agents["B"]
             ag.stop()
-            from gym_fork.migration.nodes import AgentProcess
+            from gym_fork.testing.nodes import AgentProcess
 
             ag = AgentProcess("B", str(mnt / "state"), n.token_file, log_path=str(tmp_path / "b.log"))
             env, ref = _pair(_actions(30))
@@ -317,17 +317,18 @@ def stream(request):
 def _streamed(lo, mutate, stream=3):
     """Dump a snapshot, stream it to agent B with the trailer ``mutate(meta, digests, hello)``
     returns (signed with the right key), and return the agent's reply."""
-    from gym_fork import bundle as B
-    from gym_fork import keys, store
+    from gym_fork.snapshots import bundle as B
+    from gym_fork import keys
+    from gym_fork.snapshots import sessiondir
     from gym_fork.migration import client, wire
 
     env = gym_fork.make(ENV)
     env.reset(seed=3)
     snap = env.snapshot()
-    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"t-{os.urandom(3).hex()}"))
+    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"t-{os.urandom(3).hex()}"))
     try:
         image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
-        assert not os.path.exists(os.path.join(image.path, store.MANIFEST))  # no manifest pass, no fsync
+        assert not os.path.exists(os.path.join(image.path, sessiondir.MANIFEST))  # no manifest pass, no fsync
         base = client._bundle_meta(snap, image)
         tok = lo.token.encode()
         sock, hello = wire.connect(lo.target["B"], tok)
@@ -407,11 +408,11 @@ def test_stream3_beyond_the_announced_size_or_with_a_bad_name_is_refused(lo):
 
 def test_agent_still_accepts_a_whole_bundle_tar(lo):
     """The pre-streaming form (tar of a bundle dir with bundle.json, verified by re-hashing)."""
-    from gym_fork import store
+    from gym_fork.snapshots import sessiondir
     from gym_fork.migration import client, wire
 
     env, ref = _pair(_actions(25))
-    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"t-{os.urandom(3).hex()}"))
+    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"t-{os.urandom(3).hex()}"))
     snap = env.snapshot()
     try:
         tok = lo.token.encode()
@@ -502,7 +503,7 @@ def test_live_migration_result_switches_without_further_steps(netnodes):
 
 
 def test_live_migration_of_an_env_that_reads_the_clock_is_refused(netnodes):
-    from gym_fork.migration.live import DivergedError
+    from gym_fork.errors import DivergedError
 
     env = gym_fork.ForkableEnv(_ReadsTheClock)
     try:

@@ -89,7 +89,7 @@ def as_user():
     py = _ensure_venv()
 
     def run(*args: str, timeout: float = 240) -> tuple[dict | None, subprocess.CompletedProcess]:
-        from gym_fork.criu_support import criu_status
+        from gym_fork.criu.status import criu_status
 
         env = {"PATH": f"{os.path.dirname(py)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "HOME": "/tmp", "LANG": "C.UTF-8",

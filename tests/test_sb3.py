@@ -12,7 +12,7 @@ from stable_baselines3 import A2C, DQN, PPO, SAC
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.vec_env import DummyVecEnv, VecMonitor, VecNormalize
 
-import gym_fork.sb3
+import gym_fork.sb3.exploration
 from gym_fork.sb3 import BranchExplorationCallback
 from gym_fork.vec_env import ForkableVecEnv
 
@@ -247,7 +247,7 @@ def test_invalid_configs_raise_at_learn_start(cartpole):
 
 
 def test_docstring_example():
-    res = doctest.testmod(gym_fork.sb3, verbose=False)
+    res = doctest.testmod(gym_fork.sb3.exploration, verbose=False)
     assert res.attempted > 0 and res.failed == 0
 
 

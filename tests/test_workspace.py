@@ -169,7 +169,7 @@ def test_tampered_or_misused_workspace_is_refused(tmp_path):
     import json
     import shutil
 
-    from gym_fork.bundle import BundleError
+    from gym_fork.errors import BundleError
     from gym_fork.errors import SnapshotCorruptedError
 
     ws = str(tmp_path / "ws")

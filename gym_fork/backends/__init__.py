@@ -6,7 +6,7 @@ import logging
 import os
 
 from gym_fork.backends.base import Backend
-from gym_fork.criu_support import criu_status
+from gym_fork.criu.status import criu_status
 
 log = logging.getLogger("gym_fork")
 _announced: set[str] = set()

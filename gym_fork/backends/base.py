@@ -15,8 +15,8 @@ import threading
 from typing import Any
 
 from gym_fork.errors import WorkerDiedError, remote_exception
-from gym_fork.protocol import OK, Channel, ChannelClosed, send_fds
-from gym_fork.server import EnvServer, EnvSource
+from gym_fork.worker.channel import OK, Channel, ChannelClosed, send_fds
+from gym_fork.worker.commands import EnvServer, EnvSource
 
 
 class Handle(abc.ABC):

@@ -27,9 +27,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gym_fork import store
+from gym_fork.snapshots import sessiondir
 from gym_fork.backends.base import Backend, Handle, RemoteHandle
-from gym_fork.criu_support import criu_status, criu_timeout, log_tail, new_client
+from gym_fork.criu.status import criu_status, criu_timeout, log_tail, new_client
 from gym_fork.errors import (
     BackendUnavailableError,
     CriuError,
@@ -39,8 +39,8 @@ from gym_fork.errors import (
     WorkerDiedError,
     WorkerError,
 )
-from gym_fork.protocol import Channel, socket_inode
-from gym_fork.server import EnvSource
+from gym_fork.worker.channel import Channel, socket_inode
+from gym_fork.worker.commands import EnvSource
 
 RESTORE_TIMEOUT_S = 60.0
 log = logging.getLogger("gym_fork")
@@ -137,13 +137,13 @@ class CriuBackend(Backend):
         out = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL  # O_APPEND: see pitfall 14
         holder = ""
         if self.mode == "userns":  # the launcher joins the holder's namespaces, opens stdio there
-            from gym_fork.userns import get_holder
+            from gym_fork.criu.userns import get_holder
 
             holder = str(get_holder().pid)
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno()), self.mode, holder,
-                 os.path.abspath(self.worker_log) if self.worker_log else "", store.session_dir()],
+                 os.path.abspath(self.worker_log) if self.worker_log else "", sessiondir.session_dir()],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                 start_new_session=True, env=_worker_environ(),
             )
@@ -216,7 +216,7 @@ class CriuBackend(Backend):
             if workdir is not None:
                 c.opts.work_dir_fd = os.open(workdir, os.O_DIRECTORY)
             return c
-        from gym_fork.userns import get_holder
+        from gym_fork.criu.userns import get_holder
 
         c = new_client(get_holder().criu_wrapper(self.binary))
         c.opts.unprivileged = True
@@ -287,8 +287,8 @@ class CriuBackend(Backend):
         dir), plain images only: no manifest, no fsync, no rename (transient images that are
         hashed while they are streamed, see :meth:`dump_transient`)."""
         self._require_criu("this snapshot" if leave_running else "persist()")
-        root = store.session_dir()
-        tmp = store.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
+        root = sessiondir.session_dir()
+        tmp = sessiondir.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
         dfd = os.open(tmp, os.O_DIRECTORY)
         try:
@@ -308,8 +308,8 @@ class CriuBackend(Backend):
         if into is not None:
             return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier), 0
         try:
-            size = store.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id})
-            store.commit(tmp, final)
+            size = sessiondir.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id})
+            sessiondir.commit(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(f"could not store the snapshot images: {e}") from e
@@ -427,13 +427,13 @@ class CriuBackend(Backend):
     def _verify(self, payload: CriuPayload) -> None:
         if not os.path.isdir(payload.path):
             raise SnapshotCorruptedError(f"snapshot images at {payload.path} are missing")
-        store.verify(payload.path, full=self.verify == "full")
+        sessiondir.verify(payload.path, full=self.verify == "full")
 
     def _restore_verified(self, payload: CriuPayload) -> Handle:
         ours, theirs = socket.socketpair()
         new_ino = socket_inode(theirs.fileno())
         os.set_inheritable(theirs.fileno(), True)  # criu swrk is fork+exec'd and must inherit it
-        workdir = tempfile.mkdtemp(prefix="restore-", dir=store.session_dir())
+        workdir = tempfile.mkdtemp(prefix="restore-", dir=sessiondir.session_dir())
         dfd = os.open(payload.path, os.O_DIRECTORY)
         c = None
         try:
@@ -514,13 +514,13 @@ def _kill_socket_holders(ino: int) -> list[int]:
 # says e.g. -9).  util-linux 2.38's `unshare --fork` cannot do that (its sigprocmask call fails),
 # hence this.  `-S`: no site import, tiny process.  argv: FD MODE HOLDER_PID LOG WORKDIR.
 #   root:   the worker is PID 1 of a new PID namespace;
-#   userns: first join the holder's user + mount namespaces (gym_fork.userns), open stdio and
+#   userns: first join the holder's user + mount namespaces (gym_fork.criu.userns), open stdio and
 #           chdir there (CRIU's parasite needs a writable cwd in that mount namespace), then as root;
 #   fork:   no namespaces at all (non-root without user namespaces: the fork tier needs none).
 _PIDNS_LAUNCHER = """
 import ctypes, os, signal, sys
 fd, mode, holder, logpath, workdir = sys.argv[1:6]
-worker = [sys.executable, "-m", "gym_fork.worker", fd]
+worker = [sys.executable, "-m", "gym_fork.worker.loop", fd]
 if mode == "fork":
     os.execv(sys.executable, worker)
 libc = ctypes.CDLL(None, use_errno=True)

@@ -17,7 +17,7 @@ import numpy as np
 
 from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.errors import SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
-from gym_fork.server import EnvServer, EnvSource, build_env
+from gym_fork.worker.commands import EnvServer, EnvSource, build_env
 
 
 def refuse_if_ezpickle(env: gym.Env) -> None:

@@ -1,7 +1,7 @@
 """Live migration between nodes: the node agent (``gym-fork agent``), ``ForkableEnv.migrate``,
 managed jobs (``gym-fork run``) and their whole-tree migration. See ARCHITECTURE.md."""
 
-from gym_fork.migration.errors import (
+from gym_fork.errors import (
     AgentUnreachableError,
     AuthenticationError,
     MigratedEnvError,

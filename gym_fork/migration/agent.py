@@ -16,32 +16,25 @@ mapped-file compatibility) *before* anything is restored.  Then:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import select
 import shutil
-import signal
 import socket
 import ssl
-import sys
 import tarfile
 import threading
 import time
 from typing import Any
 
-from gym_fork import store
+from gym_fork.snapshots import sessiondir
 from gym_fork.migration import wire
-from gym_fork.migration.errors import AuthenticationError
+from gym_fork.errors import AuthenticationError, NoSpaceError
 
 log = logging.getLogger("gym_fork.agent")
 HANDSHAKE_TIMEOUT_S = 10.0
 RECEIVE_TIMEOUT_S = 60.0
-
-
-class NoSpaceError(Exception):
-    """The target has not enough free disk space for the checkpoint."""
 
 
 class Agent:
@@ -52,7 +45,7 @@ class Agent:
         self.token = token
         self.key = wire.bundle_key(token)
         self.node = node or socket.gethostname()
-        self.state_dir = store.private_mkdir(os.path.abspath(state_dir))
+        self.state_dir = sessiondir.private_mkdir(os.path.abspath(state_dir))
         self.tls: ssl.SSLContext | None = None
         if cert or key:
             if not (cert and key):
@@ -141,7 +134,7 @@ class Agent:
         return receive_checkpoint(conn, req, self.state_dir, self.node)
 
     def _op_env(self, conn: socket.socket, req: dict, who: str) -> None:
-        from gym_fork.bundle import load_snapshot
+        from gym_fork.snapshots.bundle import load_snapshot
 
         d = None
         handle = None
@@ -206,14 +199,14 @@ def receive_checkpoint(conn: socket.socket, req: dict, state_dir: str, node: str
     if size + (1 << 20) > free:
         raise NoSpaceError(f"node {node}: {free} bytes free in {state_dir}, the checkpoint needs {size}")
     wire.send_msg(conn, {"ok": True, "ready": True})  # the sender streams only after this
-    d = store.private_mkdir(os.path.join(state_dir, f"in-{os.urandom(6).hex()}"))
+    d = sessiondir.private_mkdir(os.path.join(state_dir, f"in-{os.urandom(6).hex()}"))
     t0 = time.monotonic()
     streamed = None
     try:
         conn.settimeout(RECEIVE_TIMEOUT_S)
         if req.get("stream") == 3:  # images streamed while CRIU dumped them (wire.send_images_while_dumping)
             digests = {}
-            size = wire.receive_images_while_dumped(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")),
+            size = wire.receive_images_while_dumped(conn, size, sessiondir.private_mkdir(os.path.join(d, "bundle", "images")),
                                                     digests, str(req.get("hash", "sha256")))
             try:
                 meta = wire.recv_msg(conn)
@@ -222,7 +215,7 @@ def receive_checkpoint(conn: socket.socket, req: dict, state_dir: str, node: str
             streamed = {"digests": digests, "meta": meta}
         elif req.get("stream") == 2:
             digests: dict = {}
-            wire.receive_tar(conn, size, store.private_mkdir(os.path.join(d, "bundle", "images")), digests)
+            wire.receive_tar(conn, size, sessiondir.private_mkdir(os.path.join(d, "bundle", "images")), digests)
             try:
                 meta = wire.recv_msg(conn)
             except ValueError as e:
@@ -257,34 +250,3 @@ def relay(a: socket.socket, b: socket.socket) -> None:
 
 
 # --- CLI ------------------------------------------------------------------------------------------
-def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=7000, help="TCP port (0: any free; printed)")
-    p.add_argument("--state-dir", required=True, help="private (0700) directory for received checkpoints")
-    p.add_argument("--token-file", help="file with the shared token (else $GYM_FORK_TOKEN)")
-    p.add_argument("--node", help="this node's name (default: hostname)")
-    p.add_argument("--cert", help="TLS certificate (PEM); with --key enables TLS")
-    p.add_argument("--key", help="TLS private key (PEM)")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    try:
-        token = wire.load_token(None, args.token_file)
-    except (OSError, ValueError) as e:
-        print(f"gym-fork agent: {e}", file=sys.stderr)
-        return 2
-    agent = Agent(args.host, args.port, args.state_dir, token, node=args.node, cert=args.cert, key=args.key)
-    print(f"gym-fork agent {agent.node} listening on {agent.address[0]}:{agent.address[1]}", flush=True)
-
-    def stop(*_a: Any) -> None:
-        agent._stop.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        agent.serve_forever()
-    finally:
-        agent.shutdown()
-    return 0

@@ -19,12 +19,12 @@ import threading
 import time
 from typing import Any
 
-from gym_fork import store
+from gym_fork.snapshots import sessiondir
 from gym_fork.backends.base import Backend, RemoteHandle
-from gym_fork.criu_support import dump_size_bound
+from gym_fork.criu.status import dump_size_bound
 from gym_fork.migration import wire
-from gym_fork.migration.errors import MigratedEnvError, MigrationError, RemoteRestoreError
-from gym_fork.protocol import Channel
+from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
+from gym_fork.worker.channel import Channel
 
 
 class NetworkHandle(RemoteHandle):
@@ -83,8 +83,8 @@ def _bundle_meta(snap: Any, image: Any) -> dict[str, Any]:
     import platform
     import sys
 
-    from gym_fork import bundle as B
-    from gym_fork.criu_support import criu_status
+    from gym_fork.snapshots import bundle as B
+    from gym_fork.criu.status import criu_status
 
     return {
         "format": B.FORMAT, "backend": snap.backend, "id": snap.id, "steps": snap.steps,
@@ -98,16 +98,16 @@ def _bundle_meta(snap: Any, image: Any) -> dict[str, Any]:
 
 
 def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
-    """The bundle :func:`gym_fork.bundle.save_snapshot` writes (same bundle.json, read back by
+    """The bundle :func:`gym_fork.snapshots.bundle.save_snapshot` writes (same bundle.json, read back by
     ``load_snapshot`` on the agent), minus what only a *kept* bundle needs: the images are
     hard-linked, not re-hashed (their manifest was written when CRIU dumped them, a moment ago,
     in our private dir) and nothing is fsynced (the bundle only lives until it is sent)."""
-    from gym_fork import bundle as B
+    from gym_fork.snapshots import bundle as B
     from gym_fork import keys
 
     payload = snap._backend.persist(snap.payload())
     image = getattr(payload, "image", None) or payload
-    man = store.read_manifest(image.path)
+    man = sessiondir.read_manifest(image.path)
     meta = dict(_bundle_meta(snap, image), images=man["files"])
     meta["hmac"] = keys.sign(B._canonical(meta), key)
     os.makedirs(path, mode=0o700)
@@ -174,11 +174,11 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
     over ``conn`` (a :func:`wire.connect_in_background` connection, consumed) and wait until the
     agent has verified and restored it. Returns ``(sock, hello, reply, bytes)``: the restored
     worker waits at the other end of ``sock``. ``limit``: the most bytes the images may take
-    (:func:`gym_fork.criu_support.dump_size_bound`). Raises a MigrationError (``sock`` closed, so the
+    (:func:`gym_fork.criu.status.dump_size_bound`). Raises a MigrationError (``sock`` closed, so the
     agent stops what it restored) on failure. Touches neither the env nor ``snap``: the worker
     may go on stepping meanwhile."""
     key = wire.bundle_key(tok)
-    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"mig-{os.urandom(4).hex()}"))
+    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"mig-{os.urandom(4).hex()}"))
     into = os.path.join(tmp, "images")
     sock = None
     # CRIU dumps a copy of the snapshot into a private dir in this thread while the images are
@@ -206,12 +206,12 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         timings["connect_s"] = conn.elapsed
 
         def trailer(digests: dict) -> dict:
-            from gym_fork import bundle as B
+            from gym_fork.snapshots import bundle as B
             from gym_fork import keys
 
             image = dumped["image"]
-            known = os.path.join(image.path, store.MANIFEST)  # images dumped earlier: must still match
-            if os.path.exists(known) and store.read_manifest(image.path)["files"] != digests:
+            known = os.path.join(image.path, sessiondir.MANIFEST)  # images dumped earlier: must still match
+            if os.path.exists(known) and sessiondir.read_manifest(image.path)["files"] != digests:
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
             meta = dict(_bundle_meta(snap, image), images=digests, session=hello["nonce"])  # no replay elsewhere
             meta["hmac"] = keys.sign(B._canonical(meta), key)

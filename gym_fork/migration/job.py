@@ -32,7 +32,6 @@ exactly as to an agent; the host runs the same receive path (:func:`receive_job`
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
@@ -47,10 +46,11 @@ import threading
 import time
 from typing import Any
 
-from gym_fork import keys, store
+from gym_fork import keys
+from gym_fork.snapshots import sessiondir
 from gym_fork.migration import wire
-from gym_fork.migration.errors import MigrationError, RemoteRestoreError
-from gym_fork.protocol import Channel, ChannelClosed, socket_inode
+from gym_fork.errors import MigrationError, RemoteRestoreError
+from gym_fork.worker.channel import Channel, ChannelClosed, socket_inode
 
 log = logging.getLogger("gym_fork.job")
 CONTROL_ENV = "GYM_FORK_CONTROL_FD"
@@ -206,13 +206,13 @@ class JobHost:
         self.chan.close()
 
     def migrate_out(self, req: dict) -> bool:
-        from gym_fork.criu_support import criu_status, dump_size_bound, log_tail, new_client
+        from gym_fork.criu.status import criu_status, dump_size_bound, log_tail, new_client
 
         target = req.get("target", "")
         t_freeze = time.time()
         tl: dict[str, float] = {}
-        tmp = store.private_mkdir(os.path.join(store.session_dir(), f"job-{os.urandom(4).hex()}"))
-        images = store.private_mkdir(os.path.join(tmp, "images"))
+        tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"job-{os.urandom(4).hex()}"))
+        images = sessiondir.private_mkdir(os.path.join(tmp, "images"))
         # resolve (Ray targets), connect + authenticate while CRIU dumps (off the critical path)
         conn = wire.in_background(self._connect, target)
         sock = None
@@ -398,8 +398,8 @@ def receive_job(site: Any, conn: socket.socket, req: dict, who: str) -> None:
     """
     import threading
 
-    from gym_fork.bundle import check_compatible
-    from gym_fork.criu_support import criu_status, log_tail, new_client
+    from gym_fork.snapshots.bundle import check_compatible
+    from gym_fork.criu.status import criu_status, log_tail, new_client
 
     site_log = getattr(site, "log", None) or logging.getLogger("gym_fork.agent")
     d = None
@@ -427,8 +427,8 @@ def receive_job(site: Any, conn: socket.socket, req: dict, who: str) -> None:
         if streamed is not None:  # hashed on receipt; signed for this connection only
             if not hmac.compare_digest(str(meta.get("session", "")), req["_session"]):
                 raise MigrationError("the job checkpoint was signed for another session (replayed?); nothing restored")
-            store.verify_received(streamed["digests"], meta["images"], "the job checkpoint")
-        elif store.verify(images, full=True)["files"] != meta["images"]:
+            sessiondir.verify_received(streamed["digests"], meta["images"], "the job checkpoint")
+        elif sessiondir.verify(images, full=True)["files"] != meta["images"]:
             raise MigrationError("the job's image manifest does not match job.json")
         timings["verify_s"] = time.time() - t0
         t0 = time.time()
@@ -516,41 +516,16 @@ def _kill_and_reap(pid: int) -> None:
 
 
 # --- `gym-fork run` ---------------------------------------------------------------------------------
-def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--node", default=socket.gethostname(), help="this node's name (logged; default hostname)")
-    p.add_argument("--log-dir", default=".", help="where the job's stdout.log/stderr.log go (O_APPEND)")
-    p.add_argument("--token-file", help="shared token for the agents (else $GYM_FORK_TOKEN); Ray node targets "
-                   "use it too when given, else the token derived from the gym_fork HMAC key, like the hosts")
-    p.add_argument("--tls-ca", help="CA/cert file of TLS agents")
-    p.add_argument("--ray-address", default=None,
-                   help="Ray cluster for 'ray:<node id>' targets (LiveMigrationCallback(RayNode(...))); "
-                   "default $RAY_ADDRESS, else 'auto'. Only this supervisor connects to Ray, when the job asks to move")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s gym-fork run %(levelname)s %(message)s", stream=sys.stderr)
-    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
-    if not cmd:
-        print("gym-fork run: give the command after --", file=sys.stderr)
-        return 2
-    try:
-        token: bytes | None = wire.load_token(None, args.token_file)
-    except ValueError as e:
-        if args.token_file:
-            print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
-            return 2
-        token = None  # agents ("host:port") refuse to be targets then; Ray node targets derive theirs
-        log.info("no token (--token-file, $GYM_FORK_TOKEN): the job can move to Ray nodes only")
-    except OSError as e:
-        print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
-        return 2
-    os.makedirs(args.log_dir, exist_ok=True)
-    out = open(os.path.join(os.path.abspath(args.log_dir), "stdout.log"), "ab")  # O_APPEND: pitfall 14
-    err = open(os.path.join(os.path.abspath(args.log_dir), "stderr.log"), "ab")
+def supervise(cmd: list[str], *, node: str, log_dir: str, token: bytes | None, tls_ca: str | None = None,
+              ray_address: str | None = None) -> int:
+    """Run ``cmd`` as a managed job (``gym-fork run``): its own session, stdio in O_APPEND logs,
+    a control channel for migration requests. Returns the job's exit status (0 once it moved)."""
+    os.makedirs(log_dir, exist_ok=True)
+    out = open(os.path.join(os.path.abspath(log_dir), "stdout.log"), "ab")  # O_APPEND: pitfall 14
+    err = open(os.path.join(os.path.abspath(log_dir), "stderr.log"), "ab")
     ours, theirs = socket.socketpair()
     ino = socket_inode(theirs.fileno())
-    env = dict(os.environ, **{CONTROL_ENV: str(theirs.fileno()), "GYM_FORK_NODE": args.node})
+    env = dict(os.environ, **{CONTROL_ENV: str(theirs.fileno()), "GYM_FORK_NODE": node})
     popen = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, *cmd], pass_fds=[theirs.fileno()],
                              stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True, env=env)
     theirs.close()
@@ -571,7 +546,7 @@ def run(args: argparse.Namespace) -> int:
         rc = popen.wait()
         print(f"gym-fork run: the job did not start (launcher exit {rc})", file=sys.stderr)
         return 1
-    print(f"gym-fork run: job pid {pid} on node {args.node}", flush=True)
+    print(f"gym-fork run: job pid {pid} on node {node}", flush=True)
 
     def forward(sig, _f):  # SIGUSR1 to the supervisor = SIGUSR1 to the job (a migration trigger)
         try:
@@ -580,8 +555,8 @@ def run(args: argparse.Namespace) -> int:
             pass
 
     signal.signal(signal.SIGUSR1, forward)
-    host = JobHost(Channel(ours), pid, ino, token=token, node=args.node, popen=popen, tls=args.tls_ca or False,
-                   ray_address=args.ray_address)
+    host = JobHost(Channel(ours), pid, ino, token=token, node=node, popen=popen, tls=tls_ca or False,
+                   ray_address=ray_address)
     how = host.serve()
     if how == "migrated":
         where = host.moved_to or ""

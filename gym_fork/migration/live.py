@@ -6,7 +6,7 @@ dump + transfer + restore (~0.4 s for a 50 MB worker). Here the learner keeps st
 
 1. **Snapshot** (fork tier, ~3 ms: the only pause before the switch). From now on every
    request the env sends its worker is recorded with the canonical digest of its answer
-   (:func:`gym_fork.protocol.canonical_digest`).
+   (:func:`gym_fork.worker.channel.canonical_digest`).
 2. **Ship** (background thread): CRIU dump of the frozen copy, authenticated stream, verify and
    restore on the target agent -- exactly the stop-and-copy path, off the learner's path.
 3. **Catch up** (background thread): the target worker replays the recorded requests in batches
@@ -36,22 +36,17 @@ import threading
 import time
 from typing import Any, Callable
 
-from gym_fork.criu_support import dump_size_bound
-from gym_fork.errors import GymForkError
+from gym_fork.criu.status import dump_size_bound
+from gym_fork.errors import DivergedError, GymForkError
 from gym_fork.migration import wire
 from gym_fork.migration.client import NetworkHandle, check_migratable, ship_snapshot, switch_to_remote
-from gym_fork.migration.errors import MigrationError
-from gym_fork.protocol import canonical_digest
+from gym_fork.errors import MigrationError
+from gym_fork.worker.channel import canonical_digest
 
 log = logging.getLogger("gym_fork.migration")
 
 FINAL_OPS = 16  # catch up in the background until at most this many requests are left
 MAX_ROUNDS = 50  # a learner faster than the target's replay: switch anyway after this many rounds
-
-
-class DivergedError(MigrationError):
-    """The target's replay answered differently from the source: the env depends on something
-    outside its process. Nothing was switched; the env runs locally, unchanged."""
 
 
 class _RecordingHandle:

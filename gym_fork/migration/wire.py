@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from gym_fork.migration.errors import AgentUnreachableError, AuthenticationError, TransferError
+from gym_fork.errors import AgentUnreachableError, AuthenticationError, TransferError
 
 PROTOCOL = 1
 MAX_CONTROL = 1 << 20
@@ -320,7 +320,7 @@ def _transfer_error(target: str, e: BaseException, sent: int, size: int | None, 
 
 def image_members(images: str) -> list[tuple[str, str, int]]:
     """The CRIU image files of a dump dir (no logs, stats or manifest), as tar members."""
-    from gym_fork.store import _NOT_IMAGES
+    from gym_fork.snapshots.sessiondir import _NOT_IMAGES
 
     return [(os.path.join(images, n), n, os.path.getsize(os.path.join(images, n)))
             for n in sorted(os.listdir(images))
@@ -410,7 +410,7 @@ def send_images_while_dumping(sock: socket.socket, header: dict, images: str, ta
     space against it; more raises). Returns (reply, bytes); raises TransferError, or
     ValueError when the dump failed (the caller closes ``sock``: the agent drops what it got).
     ``alg``: the digest (default :func:`stream_hash`)."""
-    from gym_fork.store import _NOT_IMAGES
+    from gym_fork.snapshots.sessiondir import _NOT_IMAGES
 
     files: dict[str, list] = {}  # name -> [fd, offset, hash, number]
     sent = 0

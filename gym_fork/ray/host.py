@@ -93,12 +93,12 @@ def prepare_process() -> str:
     base = hosts_base()
     os.makedirs(base, mode=0o700, exist_ok=True)
     reap_dead_dirs(base)
-    os.environ["GYM_FORK_DIR"] = base  # gym_fork.store puts this process's session dir here
-    from gym_fork import store
-    from gym_fork.criu_support import criu_status
+    os.environ["GYM_FORK_DIR"] = base  # gym_fork.snapshots.sessiondir puts this process's session dir here
+    from gym_fork.snapshots import sessiondir
+    from gym_fork.criu.status import criu_status
 
     criu_status()  # probed (and cached) now, not on the first restore's critical path (~0.1 s)
-    return store.session_dir()
+    return sessiondir.session_dir()
 
 
 def pack_dir(path: str) -> dict[str, np.ndarray]:
@@ -205,7 +205,7 @@ class BranchHost:
     def _restore_root(self, key: str, ref: Any) -> _Root:
         import ray
 
-        from gym_fork.bundle import load_snapshot
+        from gym_fork.snapshots.bundle import load_snapshot
         from gym_fork.env import ForkableEnv
 
         t0 = time.perf_counter()
@@ -285,7 +285,7 @@ class BranchHost:
             horizon: int, rng: str, stop_at_done: bool, deterministic: bool, record_obs: bool = False) -> dict:
         """Run the branches ``indices`` (their seeds) from snapshot ``key``; same semantics as
         :func:`gym_fork.explore` on this node's restored copy."""
-        from gym_fork.branching import explore
+        from gym_fork.exploration import explore
 
         with self._lock:
             self._busy += 1
@@ -334,7 +334,7 @@ class _Recorder:
     policy = None
 
     def __init__(self, inner: Any, deterministic: bool):
-        from gym_fork.branching import as_policy
+        from gym_fork.exploration import as_policy
 
         self.act = as_policy(inner, deterministic)
         self.calls: list[np.ndarray] = []

@@ -61,7 +61,7 @@ import uuid
 from typing import Any
 
 from gym_fork.migration.client import MigratedBackend, NetworkHandle
-from gym_fork.migration.errors import MigratedEnvError, MigrationError, RemoteRestoreError
+from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
 from gym_fork.ray.host import BranchHost, pack_dir, unpack_dir
 from gym_fork.ray.node import RayNode
 
@@ -199,7 +199,7 @@ class MigrationHost(BranchHost):
 
     def _connection(self, conn: socket.socket, peer: tuple) -> None:
         from gym_fork.migration import wire
-        from gym_fork.migration.errors import AuthenticationError
+        from gym_fork.errors import AuthenticationError
 
         try:
             conn.settimeout(10.0)
@@ -353,7 +353,7 @@ class MigrationHost(BranchHost):
         import ray
 
         t_enter = time.time()
-        from gym_fork.bundle import load_snapshot
+        from gym_fork.snapshots.bundle import load_snapshot
         from gym_fork.env import ForkableEnv
 
         _unnice_thread()
@@ -694,11 +694,11 @@ def _export_snapshot(snap: Any, tok: bytes, host_timings: dict) -> tuple[Any, in
     store; returns ``(ref, bytes)``. Does not touch the env: its worker may go on meanwhile."""
     import ray
 
-    from gym_fork import store
+    from gym_fork.snapshots import sessiondir
     from gym_fork.migration import wire
     from gym_fork.migration.client import write_transient_bundle
 
-    tmp = store.private_mkdir(os.path.join(store.session_dir(), f"rmig-{os.urandom(4).hex()}"))
+    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"rmig-{os.urandom(4).hex()}"))
     try:
         t1 = time.perf_counter()
         snap._backend.persist(snap.payload())

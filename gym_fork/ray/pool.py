@@ -27,19 +27,10 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from gym_fork.branching import ExploreResult
-from gym_fork.errors import GymForkError
+from gym_fork.exploration import ExploreResult
+from gym_fork.errors import BranchesFailedError
 from gym_fork.ray.host import BranchHost, _pid_alive, pack_dir, reap_dead_dirs
-from gym_fork.snapshot import Snapshot
-
-
-class BranchesFailedError(GymForkError):
-    """Some branches of :meth:`RayBranchPool.explore` failed (their node or actor died, or the
-    env raised); ``.result`` holds the branches that completed and ``.result.failed`` the others."""
-
-    def __init__(self, message: str, result: "PoolExploreResult"):
-        super().__init__(message)
-        self.result = result
+from gym_fork.snapshots.snapshot import Snapshot
 
 
 @dataclass

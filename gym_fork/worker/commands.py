@@ -167,7 +167,7 @@ class EnvServer:
         """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of
         each result (or of its error). Live migration's catch-up: the target replays what the
         source answered while the snapshot travelled (:mod:`gym_fork.migration.live`)."""
-        from gym_fork.protocol import canonical_digest
+        from gym_fork.worker.channel import canonical_digest
 
         out = []
         for cmd, args in ops:

@@ -29,9 +29,9 @@ class CriuStatus:
     advice: list[str] = field(default_factory=list)  # what to do about it
     rejected: list[str] = field(default_factory=list)  # criu binaries passed over, and why
     # How CRIU runs: "root" (host namespaces), "userns" (non-root: inside the holder's user +
-    # mount namespace with --unprivileged, see gym_fork.userns) or None when it cannot run.
+    # mount namespace with --unprivileged, see gym_fork.criu.userns) or None when it cannot run.
     mode: str | None = None
-    userns: object | None = None  # gym_fork.userns.UsernsSupport, for non-root users
+    userns: object | None = None  # gym_fork.criu.userns.UsernsSupport, for non-root users
 
 
 def binary_version(path: str) -> str | None:
@@ -135,7 +135,7 @@ def criu_status() -> CriuStatus:
     if not st.is_root and st.binary and not st.reasons:
         # Non-root: CRIU works inside an unprivileged user + mount namespace (--unprivileged).
         # `criu check` does not predict that; doctor probes it with a real dump/restore.
-        from gym_fork.userns import userns_support
+        from gym_fork.criu.userns import userns_support
 
         st.userns = us = userns_support()
         if us.ok:

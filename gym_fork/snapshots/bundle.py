@@ -8,7 +8,7 @@ A bundle is a directory (mode 0700)::
     payload.pkl    the cloudpickle payload                            -- pickle backend
     workspace/     the env's workspace files at the snapshot moment   -- envs with a workspace
                    (SQLite databases as online backups); bundle.json lists every file's size,
-                   sha256 and mode, so the HMAC covers them (:mod:`gym_fork.workspace`)
+                   sha256 and mode, so the HMAC covers them (:mod:`gym_fork.snapshots.workspace`)
 
 It is written aside and renamed into place (files fsynced first), so a crash leaves either the
 complete bundle or none.  ``bundle.json`` carries an HMAC-SHA256 (key: :mod:`gym_fork.keys`)
@@ -30,14 +30,11 @@ import sys
 import time
 from typing import Any
 
-from gym_fork import keys, store
-from gym_fork.errors import GymForkError, SnapshotCorruptedError
+from gym_fork import keys
+from gym_fork.snapshots import sessiondir
+from gym_fork.errors import BundleError, SnapshotCorruptedError
 
 FORMAT = 1
-
-
-class BundleError(GymForkError):
-    """A bundle cannot be loaded here; the message says exactly why."""
 
 
 def _canonical(meta: dict) -> bytes:
@@ -115,15 +112,15 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
     }
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = store.private_mkdir(f"{path}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
+    tmp = sessiondir.private_mkdir(f"{path}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
     try:
         if snap.backend == "criu":
-            from gym_fork.criu_support import criu_status
+            from gym_fork.criu.status import criu_status
 
             payload = snap._backend.persist(payload)
             image = getattr(payload, "image", None) or payload
             _copy_tree(image.path, os.path.join(tmp, "images"))
-            man = store.verify(os.path.join(tmp, "images"), full=True)  # copy is intact
+            man = sessiondir.verify(os.path.join(tmp, "images"), full=True)  # copy is intact
             st = criu_status()
             meta.update(criu_version=st.version, ino=image.ino, fork_tier=image.fork_tier,
                         images=man["files"], files=_mapped_files(os.path.join(tmp, "images")))
@@ -134,7 +131,7 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
         else:
             raise BundleError(f"backend {snap.backend!r} cannot be saved as a bundle")
         if snap.workspace is not None:  # the env's files at the snapshot moment
-            from gym_fork.workspace import pack
+            from gym_fork.snapshots.workspace import pack
 
             meta["workspace"] = pack(snap.workspace, os.path.join(tmp, "workspace"))
             meta["workspace_path"] = snap.workspace_path
@@ -174,7 +171,7 @@ def read_bundle_meta(path: str, *, key: bytes | None = None, require_hmac: bool 
 
 def check_compatible(meta: dict, path: str) -> None:
     """Refuse, with the reason, a CRIU bundle this machine cannot restore."""
-    from gym_fork.criu_support import criu_status
+    from gym_fork.criu.status import criu_status
 
     st = criu_status()
     if not st.usable:
@@ -214,7 +211,7 @@ def load_snapshot(path: str, *, key: bytes | None = None, received: dict | None 
     Raises BundleError (does not fit here / HMAC fails) or SnapshotCorruptedError.
     """
     from gym_fork.backends import get_backend
-    from gym_fork.snapshot import Snapshot
+    from gym_fork.snapshots.snapshot import Snapshot
 
     path = os.path.abspath(path)
     meta = read_bundle_meta(path, key=key)
@@ -224,10 +221,10 @@ def load_snapshot(path: str, *, key: bytes | None = None, received: dict | None 
         check_compatible(meta, path)
         images = os.path.join(path, "images")
         if received is not None:
-            store.verify_received(received, meta["images"], path)
+            sessiondir.verify_received(received, meta["images"], path)
             man = {"files": meta["images"]}
         else:
-            man = store.verify(images, full=True)
+            man = sessiondir.verify(images, full=True)
             if man["files"] != meta["images"]:
                 raise SnapshotCorruptedError(f"{path}: image manifest does not match bundle.json")
         from gym_fork.backends.criu import CriuPayload
@@ -249,7 +246,7 @@ def load_snapshot(path: str, *, key: bytes | None = None, received: dict | None 
                     snap_id=meta["id"], env_id=meta.get("env_id"))
     snap.created = meta.get("created", snap.created)
     snap.bundle_path = path
-    from gym_fork.workspace import adopt
+    from gym_fork.snapshots.workspace import adopt
 
     adopt(snap, os.path.join(path, "workspace"), meta.get("workspace"), meta.get("workspace_path"), path)
     return snap

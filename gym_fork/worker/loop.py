@@ -6,7 +6,7 @@ namespace through a small launcher).  It becomes a session leader (CRIU then nee
 ``close`` or until the controller goes away (EOF on the channel), so a worker never outlives
 its controller.
 
-Besides the env commands of :class:`~gym_fork.server.EnvServer`, the loop knows the
+Besides the env commands of :class:`~gym_fork.worker.commands.EnvServer`, the loop knows the
 process-level commands of the copy-on-write tier:
 
 ``fork_snapshot`` (+ an fd)
@@ -42,8 +42,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
-from gym_fork.protocol import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
-from gym_fork.server import EnvServer, build_env, host_pid  # noqa: E402
+from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
+from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 FD_COMMANDS = frozenset({"fork_snapshot", "clone", "promote"})

@@ -175,9 +175,9 @@ def get_holder() -> Holder:
     global _holder
     with _lock:
         if _holder is None or not _holder.alive():
-            from gym_fork import store
+            from gym_fork.snapshots import sessiondir
 
-            _holder = Holder(store.session_dir())
+            _holder = Holder(sessiondir.session_dir())
             atexit.register(_holder.close)
         return _holder
 

@@ -53,8 +53,9 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
 
-from gym_fork import keys, store
-from gym_fork.errors import GymForkError, SnapshotCorruptedError
+from gym_fork import keys
+from gym_fork.snapshots import sessiondir
+from gym_fork.errors import SnapshotCorruptedError, StoreError
 
 FORMAT = 1
 INDEX = "index.json"
@@ -62,10 +63,6 @@ CHUNK_SIZE = 16 * 1024
 _TMP_PREFIX = ".tmp-"
 # payload object -> (store, snapshot id): CRIU payloads whose images live in a store
 _STORE_PAYLOADS: "weakref.WeakKeyDictionary[Any, tuple[SnapshotStore, str]]" = weakref.WeakKeyDictionary()
-
-
-class StoreError(GymForkError):
-    """The snapshot store cannot do what was asked (unknown id, not a store, ...)."""
 
 
 def _syncfs(path: str) -> None:
@@ -140,7 +137,7 @@ class SnapshotStore:
         self.chunk_size = chunk_size
         self.verify_mode = verify
         for sub in ("", "snaps", "chunks"):
-            store.private_mkdir(os.path.join(self.path, sub))
+            sessiondir.private_mkdir(os.path.join(self.path, sub))
         self._tlock = threading.RLock()
         self._live: OrderedDict[str, weakref.ref] = OrderedDict()  # in-memory snapshots, LRU first
         self._handles: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -161,7 +158,7 @@ class SnapshotStore:
                 os.close(fd)  # releases the flock
 
     def _snap_dir(self, snap_id: str) -> str:
-        return os.path.join(self.path, "snaps", store.check_id(snap_id))
+        return os.path.join(self.path, "snaps", sessiondir.check_id(snap_id))
 
     def _read_index(self) -> dict:
         try:
@@ -194,7 +191,7 @@ class SnapshotStore:
         """Make the index list exactly the complete snapshot directories (they are the truth)."""
         idx = self._read_index()
         snaps = idx["snapshots"]
-        on_disk = {n for n in os.listdir(os.path.join(self.path, "snaps")) if store._ID_RE.match(n)}
+        on_disk = {n for n in os.listdir(os.path.join(self.path, "snaps")) if sessiondir._ID_RE.match(n)}
         changed = False
         for sid in list(snaps):
             if sid not in on_disk:
@@ -264,7 +261,7 @@ class SnapshotStore:
                 if not os.path.exists(final):
                     d = os.path.dirname(final)
                     if not os.path.isdir(d):
-                        store.private_mkdir(d)
+                        sessiondir.private_mkdir(d)
                     tmp = f"{final}.tmp-{os.getpid()}"
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                     with os.fdopen(fd, "wb") as cf:
@@ -308,21 +305,21 @@ class SnapshotStore:
             image = getattr(payload, "image", None) or payload
             self._write(snap, image)
             # the session-dir images are no longer needed: restores come from the store
-            if getattr(image, "owned", False) and image.path.startswith(store.session_dir()):
+            if getattr(image, "owned", False) and image.path.startswith(sessiondir.session_dir()):
                 shutil.rmtree(image.path, ignore_errors=True)
             self._attach(snap, ino=image.ino, fork_tier=image.fork_tier)
             self._enforce_disk(keep={snap.id})
         return self._snap_dir(snap.id)
 
     def _write(self, snap: Any, image: Any) -> None:
-        from gym_fork.bundle import _canonical, _json_actions, _mapped_files
-        from gym_fork.criu_support import criu_status
+        from gym_fork.snapshots.bundle import _canonical, _json_actions, _mapped_files
+        from gym_fork.criu.status import criu_status
 
-        man = store.verify(image.path, full=True)  # never store a corrupted image
+        man = sessiondir.verify(image.path, full=True)  # never store a corrupted image
         with self._locked():
-            tmp = store.private_mkdir(os.path.join(self.path, f"{_TMP_PREFIX}{snap.id}-{os.getpid()}-{os.urandom(3).hex()}"))
+            tmp = sessiondir.private_mkdir(os.path.join(self.path, f"{_TMP_PREFIX}{snap.id}-{os.getpid()}-{os.urandom(3).hex()}"))
             try:
-                imgs = store.private_mkdir(os.path.join(tmp, "images"))
+                imgs = sessiondir.private_mkdir(os.path.join(tmp, "images"))
                 recipe: dict = {"chunk_size": self.chunk_size, "files": {}}
                 for name in os.listdir(image.path):
                     src = os.path.join(image.path, name)
@@ -343,7 +340,7 @@ class SnapshotStore:
                     "images": man["files"], "files": _mapped_files(image.path),
                 }
                 if snap.workspace is not None:  # the env's files at the snapshot moment
-                    from gym_fork.workspace import pack
+                    from gym_fork.snapshots.workspace import pack
 
                     meta["workspace"] = pack(snap.workspace, os.path.join(tmp, "workspace"))
                     meta["workspace_path"] = snap.workspace_path
@@ -556,14 +553,14 @@ class SnapshotStore:
 
     def materialize(self, snap_id: str, dest: str) -> str:
         """Write the full CRIU images of ``snap_id`` into the new directory ``dest``, verified."""
-        from gym_fork.bundle import read_bundle_meta
+        from gym_fork.snapshots.bundle import read_bundle_meta
 
         d = self._snap_dir(snap_id)
         if not os.path.isdir(d):
             raise SnapshotCorruptedError(f"snapshot {snap_id} is no longer in the store {self.path} "
                                          "(removed or evicted by the disk budget)")
         meta = read_bundle_meta(d)  # HMAC first: it covers every image's sha256
-        store.private_mkdir(dest)
+        sessiondir.private_mkdir(dest)
         imgs = os.path.join(d, "images")
         for name in os.listdir(imgs):
             try:
@@ -583,15 +580,15 @@ class SnapshotStore:
                     if full and hashlib.sha256(data).hexdigest() != c:
                         raise SnapshotCorruptedError(f"snapshot {snap_id}: chunk {c} fails its sha256 check")
                     out.write(data)
-        man = store.read_manifest(dest)
+        man = sessiondir.read_manifest(dest)
         if man["files"] != meta["images"]:
             raise SnapshotCorruptedError(f"snapshot {snap_id}: image manifest does not match bundle.json")
-        store.verify(dest, full=full)
+        sessiondir.verify(dest, full=full)
         return dest
 
     def verify(self, snap_id: str) -> dict:
         """Reassemble and check every image of ``snap_id`` (HMAC, chunk and file sha256)."""
-        tmp = os.path.join(store.session_dir(), f"verify-{snap_id}-{os.urandom(3).hex()}")
+        tmp = os.path.join(sessiondir.session_dir(), f"verify-{snap_id}-{os.urandom(3).hex()}")
         try:
             self.materialize(snap_id, tmp)
             return self.meta(snap_id)
@@ -602,8 +599,8 @@ class SnapshotStore:
         """A :class:`Snapshot` of a stored snapshot (e.g. from an earlier process); restore it with
         ``ForkableEnv.from_snapshot(snap)`` or ``env.restore(snap)`` (same env id)."""
         from gym_fork.backends import get_backend
-        from gym_fork.bundle import check_compatible, read_bundle_meta
-        from gym_fork.snapshot import Snapshot
+        from gym_fork.snapshots.bundle import check_compatible, read_bundle_meta
+        from gym_fork.snapshots.snapshot import Snapshot
 
         with self._tlock:
             s = self._handles.get(snap_id)
@@ -626,7 +623,7 @@ class SnapshotStore:
             snap.bundle_path = d
             snap._store = self
             snap.pinned = os.path.exists(os.path.join(d, "PINNED"))
-            from gym_fork.workspace import adopt
+            from gym_fork.snapshots.workspace import adopt
 
             adopt(snap, os.path.join(d, "workspace"), meta.get("workspace"), meta.get("workspace_path"), d)
             self._handles[snap_id] = snap
@@ -644,7 +641,7 @@ def materialized(payload: Any) -> Iterator[None]:
         yield
         return
     st, snap_id = ref
-    dest = os.path.join(store.session_dir(), f"m-{snap_id}-{os.urandom(4).hex()}")
+    dest = os.path.join(sessiondir.session_dir(), f"m-{snap_id}-{os.urandom(4).hex()}")
     orig = payload.path
     try:
         st.materialize(snap_id, dest)
@@ -656,100 +653,3 @@ def materialized(payload: Any) -> Iterator[None]:
 
 
 # --- `gym-fork snapshots ...` ---------------------------------------------------------------------
-SNAPSHOTS_HELP = "list, inspect, remove and garbage-collect the snapshots in a SnapshotStore directory"
-SNAPSHOTS_DESCRIPTION = (
-    "Work on a snapshot store directory: the DIR given to SnapshotStore(DIR, ...) (from "
-    "ForkableEnv(..., store=SnapshotStore(DIR))).  Stored snapshots survive the process that took "
-    "them; load one in Python with SnapshotStore(DIR).load(ID).\n\n"
-    "ls lists them (id, steps, env, age, last use, logical size, pinned) and the bytes the store "
-    "really occupies (page images are deduplicated in DIR/chunks).  inspect prints one snapshot's "
-    "metadata as JSON (--verify also reassembles its images and checks the HMAC and every sha256).  "
-    "rm deletes snapshots and the chunks only they used.  gc removes what crashed writers left "
-    "(temporary directories, unreferenced chunks), rebuilds the index from the snapshot "
-    "directories and, with --max-bytes, deletes least recently used unpinned snapshots until the "
-    "store fits.\n\nExit status: 0 on success, 1 on an error (message on stderr)."
-)
-SNAPSHOTS_EPILOG = (
-    "examples:\n"
-    "  gym-fork snapshots ls ./store\n"
-    "  gym-fork snapshots ls ./store --json\n"
-    "  gym-fork snapshots inspect ./store 3f2a9c1e0b7d4e55 --verify\n"
-    "  gym-fork snapshots rm ./store 3f2a9c1e0b7d4e55\n"
-    "  gym-fork snapshots gc ./store --max-bytes 2G"
-)
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    return int(float(num) * units[unit])
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def configure_snapshots_cli(p: Any) -> None:
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    ls = sub.add_parser("ls", help="list the stored snapshots and the disk they use")
-    ls.add_argument("dir", help="store directory")
-    ls.add_argument("--json", action="store_true", help="print the index as JSON")
-    ins = sub.add_parser("inspect", help="print one snapshot's metadata (JSON)")
-    ins.add_argument("dir", help="store directory")
-    ins.add_argument("id", help="snapshot id (see ls)")
-    ins.add_argument("--verify", action="store_true", help="reassemble the images and check HMAC + sha256")
-    rm = sub.add_parser("rm", help="delete snapshots")
-    rm.add_argument("dir", help="store directory")
-    rm.add_argument("ids", nargs="+", metavar="ID", help="snapshot ids")
-    gc = sub.add_parser("gc", help="clean up after crashes, rebuild the index, enforce a budget")
-    gc.add_argument("dir", help="store directory")
-    gc.add_argument("--max-bytes", type=_parse_bytes, default=None,
-                    help="delete least recently used unpinned snapshots until the store fits (e.g. 500M, 2G)")
-
-
-def run_snapshots_cli(args: Any) -> int:
-    d = args.dir
-    if not os.path.isdir(os.path.join(d, "snaps")):
-        print(f"gym-fork snapshots: {d} is not a snapshot store (no snaps/ directory)", file=sys.stderr)
-        return 1
-    try:
-        st = SnapshotStore(d, max_bytes=getattr(args, "max_bytes", None))
-        if args.action == "ls":
-            snaps = st.list()
-            if args.json:
-                print(json.dumps({"snapshots": snaps, "disk_bytes": st.disk_bytes()}, indent=1, sort_keys=True))
-                return 0
-            now = time.time()
-            print(f"{'ID':16}  {'STEPS':>6}  {'ENV':18}  {'CREATED':>9}  {'USED':>9}  {'SIZE':>10}  PINNED")
-            for sid, e in sorted(snaps.items(), key=lambda kv: kv[1].get("created") or 0):
-                print(f"{sid:16}  {e.get('steps') or 0:>6}  {str(e.get('env_id'))[:18]:18}  "
-                      f"{now - (e.get('created') or now):>8.0f}s  {now - (e.get('last_used') or now):>8.0f}s  "
-                      f"{_human(e.get('logical_bytes', 0)):>10}  {'yes' if e.get('pinned') else ''}")
-            logical = sum(e.get("logical_bytes", 0) for e in snaps.values())
-            disk = st.disk_bytes()
-            print(f"{len(snaps)} snapshots, {_human(logical)} of images, {_human(disk)} on disk"
-                  + (f" (deduplicated {logical / disk:.1f}x)" if disk else ""))
-        elif args.action == "inspect":
-            meta = st.verify(args.id) if args.verify else st.meta(args.id)
-            meta = dict(meta, pinned=os.path.exists(os.path.join(st._snap_dir(args.id), "PINNED")),
-                        path=st._snap_dir(args.id))
-            if args.verify:
-                meta["verified"] = True
-            print(json.dumps(meta, indent=1, sort_keys=True))
-        elif args.action == "rm":
-            for sid in args.ids:
-                st.remove(sid)
-                print(f"removed {sid}")
-        elif args.action == "gc":
-            out = st.gc()
-            print(f"removed {out['tmp_removed']} temporary entries and {out['chunks_removed']} unreferenced "
-                  f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk")
-    except (GymForkError, ValueError, OSError) as e:
-        print(f"gym-fork snapshots {args.action}: {e}", file=sys.stderr)
-        return 1
-    return 0

@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 
 from gym_fork.env import ForkableEnv
-from gym_fork.snapshot import Snapshot
+from gym_fork.snapshots.snapshot import Snapshot
 
 Policy = Callable[[Any], Any]
 

@@ -1,12 +1,4 @@
-"""The ``gym-fork`` command line tool.
-
-    gym-fork doctor            can gym_fork use CRIU here? what is missing and how to fix it
-    gym-fork doctor --json     the same, as one JSON object (for scripts and CI)
-    gym-fork --version
-
-Also runnable as ``python -m gym_fork.cli``.  Subcommands are registered in ``COMMANDS``
-(name -> :class:`Command`); a new one needs only a ``configure(parser)`` and a ``run(args)``.
-"""
+"""``gym-fork doctor``: can gym_fork use CRIU here, what is missing and how to fix it."""
 
 from __future__ import annotations
 
@@ -15,14 +7,12 @@ import json
 import os
 import platform
 import sys
-import textwrap
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from gym_fork import __version__
-from gym_fork.criu_support import criu_candidates, criu_status
-from gym_fork import snapshot_store as _store_cli
+from gym_fork.criu.status import criu_candidates, criu_status
 
 INSTALL_CMD = "sudo PYTHON=$(which python) scripts/install_criu.sh"
 PROBE_ENV = "CartPole-v1"
@@ -142,12 +132,12 @@ def system_checks() -> tuple[list[Check], Any]:
                         "instead (see the userns line), the fork tier needs no privilege",
                         data={"euid": euid}))
     if euid != 0:
-        from gym_fork.userns import userns_blockers
+        from gym_fork.criu.userns import userns_blockers
 
         us = st.userns
         found, admin_fix = userns_blockers()
         if us is None:  # criu_status stopped earlier (no binary, no pycriu): test the namespace anyway
-            from gym_fork.userns import userns_support
+            from gym_fork.criu.userns import userns_support
 
             us = userns_support()
         checks.append(Check("userns", "user namespaces", us.ok,
@@ -417,132 +407,30 @@ def _configure_doctor(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------
 # the command table and main()
 # --------------------------------------------------------------------------------------------
-def _fill(text: str, width: int = 88) -> str:
-    """Wrap each blank-line-separated paragraph (help texts are raw so the examples keep their layout)."""
-    return "\n\n".join(textwrap.fill(par, width) for par in text.split("\n\n"))
 
 
-@dataclass
-class Command:
-    help: str  # one line, shown in `gym-fork --help`
-    description: str  # shown in `gym-fork CMD --help`
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-    epilog: str = ""
+HELP = "check whether gym_fork can use CRIU here, and what to fix if not"
+DESCRIPTION = (
+    "Check everything the 'criu' backend needs: the criu binary (>= 4.0; older ones such as "
+    "Debian's 3.17 are listed as ignored, with the reason), `criu check`, the pycriu and "
+    "protobuf Python packages, root / CAP_SYS_ADMIN / CAP_CHECKPOINT_RESTORE and the kernel. "
+    "Then, for real, start CartPole-v1 in each backend (CRIU dumps, the fork tier, pickle), take a snapshot, "
+    "step, restore and replay the same actions, and check the observations are bit-identical "
+    "(with snapshot and restore timings). Finally say which backend backend='auto' will pick "
+    "and why, and for each problem what to do about it.\n\n"
+    "Exit status: 0 when at least one backend works, 1 when none does."
+)
+EPILOG = (
+    "examples:\n"
+    "  gym-fork doctor                 human-readable report (with probes)\n"
+    "  gym-fork doctor --no-probe      only the static checks (no env is started)\n"
+    "  gym-fork doctor --probe         also probe criu when the checks say it cannot work\n"
+    "  gym-fork doctor --json | jq .auto\n\n"
+    "legend: ✔ ok   ✘ problem (a 'To fix' hint follows)   · information\n\n"
+    "CRIU missing or too old?\n"
+    f"  {INSTALL_CMD}"
+)
 
 
-COMMANDS: dict[str, Command] = {
-    "doctor": Command(
-        help="check whether gym_fork can use CRIU here, and what to fix if not",
-        description=(
-            "Check everything the 'criu' backend needs: the criu binary (>= 4.0; older ones such as "
-            "Debian's 3.17 are listed as ignored, with the reason), `criu check`, the pycriu and "
-            "protobuf Python packages, root / CAP_SYS_ADMIN / CAP_CHECKPOINT_RESTORE and the kernel. "
-            "Then, for real, start CartPole-v1 in each backend (CRIU dumps, the fork tier, pickle), take a snapshot, "
-            "step, restore and replay the same actions, and check the observations are bit-identical "
-            "(with snapshot and restore timings). Finally say which backend backend='auto' will pick "
-            "and why, and for each problem what to do about it.\n\n"
-            "Exit status: 0 when at least one backend works, 1 when none does."
-        ),
-        epilog=(
-            "examples:\n"
-            "  gym-fork doctor                 human-readable report (with probes)\n"
-            "  gym-fork doctor --no-probe      only the static checks (no env is started)\n"
-            "  gym-fork doctor --probe         also probe criu when the checks say it cannot work\n"
-            "  gym-fork doctor --json | jq .auto\n\n"
-            "legend: ✔ ok   ✘ problem (a 'To fix' hint follows)   · information\n\n"
-            "CRIU missing or too old?\n"
-            f"  {INSTALL_CMD}"
-        ),
-        configure=_configure_doctor,
-        run=cmd_doctor,
-    ),
-    "agent": Command(
-        help="node agent: receive checkpoints over TCP (authenticated) and restore them here",
-        description=(
-            "Listen for live migrations. Peers must pass an HMAC challenge-response with the shared "
-            "token (--token-file or $GYM_FORK_TOKEN); TLS with --cert/--key. Every checkpoint is "
-            "integrity-checked before anything is restored. Runs until SIGTERM/SIGINT; what it hosts "
-            "is stopped then."
-        ),
-        epilog="example:\n  gym-fork agent --host 10.0.0.2 --port 7000 --state-dir /var/lib/gym_fork --token-file tok",
-        configure=lambda p: __import__("gym_fork.migration.agent", fromlist=["x"]).configure(p),
-        run=lambda a: __import__("gym_fork.migration.agent", fromlist=["x"]).run(a),
-    ),
-    "run": Command(
-        help="run a training script as a managed job that can be live-migrated to another node",
-        description=(
-            "Start `python train.py ...` in its own PID namespace with stdio in O_APPEND log files "
-            "owned by this supervisor, so the whole job tree can be checkpointed. A "
-            "gym_fork.sb3.LiveMigrationCallback in the script asks this supervisor to move the job "
-            "to a `gym-fork agent`; this process exits once the target confirms."
-        ),
-        epilog="example:\n  gym-fork run --node A --log-dir logs -- python train.py",
-        configure=lambda p: __import__("gym_fork.migration.job", fromlist=["x"]).configure(p),
-        run=lambda a: __import__("gym_fork.migration.job", fromlist=["x"]).run(a),
-    ),
-    "snapshots": Command(
-        help=_store_cli.SNAPSHOTS_HELP,
-        description=_store_cli.SNAPSHOTS_DESCRIPTION,
-        epilog=_store_cli.SNAPSHOTS_EPILOG,
-        configure=_store_cli.configure_snapshots_cli,
-        run=_store_cli.run_snapshots_cli,
-    ),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gym-fork",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_fill(
-            "gym_fork gives any Gymnasium env snapshot(), restore() and fork().  The 'criu' backend "
-            "snapshots the env's whole worker process: copy-on-write fork() copies in milliseconds, "
-            "CRIU >= 4 images when a snapshot must last or move (exact for every env; Linux, as root "
-            "or as a plain user with unprivileged user namespaces); the 'pickle' backend copies "
-            "pure-Python envs in-process and works anywhere.  backend='auto' picks what works here.\n\n"
-            "This tool checks your setup (start with `gym-fork doctor`), runs migration agents and "
-            "managed training jobs, and manages snapshot stores."
-        ),
-        epilog=(
-            "examples:\n"
-            "  gym-fork doctor            is CRIU usable here? which backend will 'auto' pick?\n"
-            "  gym-fork doctor --json     the same, machine-readable\n"
-            "  gym-fork COMMAND --help    details and examples for one command\n\n"
-            "in Python:\n"
-            "  import gym_fork\n"
-            "  env = gym_fork.make('CartPole-v1')   # backend='auto'\n"
-            "  env.reset(seed=0); snap = env.snapshot(); ...; env.restore(snap)"
-        ),
-    )
-    parser.add_argument("--version", action="version",
-                        version=f"%(prog)s {__version__} (Python {sys.version.split()[0]}, "
-                                f"{os.path.dirname(os.path.abspath(__file__))})")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=_fill(cmd.description), epilog=cmd.epilog,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        cmd.configure(p)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``gym-fork``; returns the exit status (also for --help / --version / usage errors)."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, --version, usage errors: hand back argparse's status
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    try:
-        return COMMANDS[args.command].run(args)
-    except BrokenPipeError:  # `gym-fork doctor --json | head`: the reader left, not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+configure = _configure_doctor
+run = cmd_doctor

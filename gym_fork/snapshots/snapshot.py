@@ -55,7 +55,7 @@ class Snapshot:
     _store: Any = None  # the SnapshotStore tracking this snapshot, if any
 
     def pin(self, pinned: bool = True) -> "Snapshot":
-        """Protect this snapshot from eviction by its :class:`~gym_fork.snapshot_store.SnapshotStore`'s
+        """Protect this snapshot from eviction by its :class:`~gym_fork.snapshots.store.SnapshotStore`'s
         disk budget (``pin(False)`` / :meth:`unpin` undoes it). Returns the snapshot."""
         self.pinned = bool(pinned)
         if self._store is not None:
@@ -88,7 +88,7 @@ class Snapshot:
         HMAC) to the new directory ``path``; :func:`gym_fork.load_snapshot` reads it back, in
         another process or on another machine with the same Python and libraries.  A snapshot of
         an env with a ``workspace`` carries its captured files in the bundle (``workspace/``)."""
-        from gym_fork.bundle import save_snapshot
+        from gym_fork.snapshots.bundle import save_snapshot
 
         return save_snapshot(self, path, key=key)
 

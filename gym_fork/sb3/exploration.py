@@ -28,7 +28,7 @@ from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecCheckNan, VecEnvWrapper, VecMonitor, VecNormalize
 from stable_baselines3.common.vec_env import VecTransposeImage
 
-from gym_fork.branching import ExploreResult, explore
+from gym_fork.exploration import ExploreResult, explore
 from gym_fork.env import ForkableEnv
 from gym_fork.vec_env import ForkableVecEnv
 
@@ -458,6 +458,3 @@ class BranchExplorationCallback(BaseCallback):
             if b.snapshot is not None:
                 b.snapshot.release()
         res.root.release()
-
-
-from gym_fork.migration.callback import LiveMigrationCallback  # noqa: E402,F401  (live migration, issue 6)

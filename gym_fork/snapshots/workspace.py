@@ -42,7 +42,7 @@ import shutil
 import sqlite3
 import subprocess
 
-from gym_fork import store
+from gym_fork.snapshots import sessiondir
 from gym_fork.errors import SnapshotCorruptedError
 
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
@@ -114,7 +114,7 @@ class Workspace:
             shutil.rmtree(self.path, ignore_errors=True)
 
     def capture(self, snap_id: str) -> str:
-        dst = os.path.join(store.session_dir(), f"ws-{store.check_id(snap_id)}")
+        dst = os.path.join(sessiondir.session_dir(), f"ws-{sessiondir.check_id(snap_id)}")
         tmp = dst + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         copy_tree(self.path, tmp)
@@ -179,7 +179,7 @@ def _walk(root: str) -> dict:
             elif stat.S_ISDIR(st.st_mode):
                 out["dirs"][rel] = stat.S_IMODE(st.st_mode)
             elif stat.S_ISREG(st.st_mode):
-                out["files"][rel] = {"size": st.st_size, "sha256": store.file_digest(p),
+                out["files"][rel] = {"size": st.st_size, "sha256": sessiondir.file_digest(p),
                                      "mode": stat.S_IMODE(st.st_mode)}
             else:
                 out["other"].append(rel)
@@ -188,7 +188,7 @@ def _walk(root: str) -> dict:
 
 def pack(captured: str, dest: str) -> dict:
     """Copy the capture ``captured`` into the new directory ``dest``; returns its manifest."""
-    store.private_mkdir(dest)
+    sessiondir.private_mkdir(dest)
     names = os.listdir(captured)
     if names:
         subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(captured, n) for n in names], dest],
@@ -212,10 +212,10 @@ def unpack(src: str, manifest: dict, what: str) -> str:
         _check_rel(rel)
     if not os.path.isdir(src) or os.path.islink(src):
         raise SnapshotCorruptedError(f"{what}: the workspace directory {src} is missing")
-    dst = os.path.join(store.session_dir(), f"ws-load-{os.urandom(6).hex()}")
+    dst = os.path.join(sessiondir.session_dir(), f"ws-load-{os.urandom(6).hex()}")
     tmp = dst + ".tmp"
     try:
-        store.private_mkdir(tmp)
+        sessiondir.private_mkdir(tmp)
         names = os.listdir(src)
         if names:
             subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(src, n) for n in names], tmp],

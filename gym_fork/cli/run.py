@@ -1,0 +1,54 @@
+"""``gym-fork run``: run a training script as a managed job that can be live-migrated."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+log = logging.getLogger("gym_fork.job")
+
+HELP = "run a training script as a managed job that can be live-migrated to another node"
+DESCRIPTION = (
+    "Start `python train.py ...` in its own PID namespace with stdio in O_APPEND log files "
+    "owned by this supervisor, so the whole job tree can be checkpointed. A "
+    "gym_fork.sb3.LiveMigrationCallback in the script asks this supervisor to move the job "
+    "to a `gym-fork agent`; this process exits once the target confirms."
+)
+EPILOG = "example:\n  gym-fork run --node A --log-dir logs -- python train.py"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node", default=socket.gethostname(), help="this node's name (logged; default hostname)")
+    p.add_argument("--log-dir", default=".", help="where the job's stdout.log/stderr.log go (O_APPEND)")
+    p.add_argument("--token-file", help="shared token for the agents (else $GYM_FORK_TOKEN); Ray node targets "
+                   "use it too when given, else the token derived from the gym_fork HMAC key, like the hosts")
+    p.add_argument("--tls-ca", help="CA/cert file of TLS agents")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster for 'ray:<node id>' targets (LiveMigrationCallback(RayNode(...))); "
+                   "default $RAY_ADDRESS, else 'auto'. Only this supervisor connects to Ray, when the job asks to move")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gym_fork.migration import job, wire
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gym-fork run %(levelname)s %(message)s", stream=sys.stderr)
+    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+    if not cmd:
+        print("gym-fork run: give the command after --", file=sys.stderr)
+        return 2
+    try:
+        token: bytes | None = wire.load_token(None, args.token_file)
+    except ValueError as e:
+        if args.token_file:
+            print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
+            return 2
+        token = None  # agents ("host:port") refuse to be targets then; Ray node targets derive theirs
+        log.info("no token (--token-file, $GYM_FORK_TOKEN): the job can move to Ray nodes only")
+    except OSError as e:
+        print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
+        return 2
+    return job.supervise(cmd, node=args.node, log_dir=args.log_dir, token=token, tls_ca=args.tls_ca,
+                         ray_address=args.ray_address)

@@ -1,0 +1,110 @@
+"""``gym-fork snapshots``: list, inspect, remove and garbage-collect a SnapshotStore directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from gym_fork.errors import GymForkError
+from gym_fork.snapshots.store import SnapshotStore
+
+HELP = "list, inspect, remove and garbage-collect the snapshots in a SnapshotStore directory"
+DESCRIPTION = (
+    "Work on a snapshot store directory: the DIR given to SnapshotStore(DIR, ...) (from "
+    "ForkableEnv(..., store=SnapshotStore(DIR))).  Stored snapshots survive the process that took "
+    "them; load one in Python with SnapshotStore(DIR).load(ID).\n\n"
+    "ls lists them (id, steps, env, age, last use, logical size, pinned) and the bytes the store "
+    "really occupies (page images are deduplicated in DIR/chunks).  inspect prints one snapshot's "
+    "metadata as JSON (--verify also reassembles its images and checks the HMAC and every sha256).  "
+    "rm deletes snapshots and the chunks only they used.  gc removes what crashed writers left "
+    "(temporary directories, unreferenced chunks), rebuilds the index from the snapshot "
+    "directories and, with --max-bytes, deletes least recently used unpinned snapshots until the "
+    "store fits.\n\nExit status: 0 on success, 1 on an error (message on stderr)."
+)
+EPILOG = (
+    "examples:\n"
+    "  gym-fork snapshots ls ./store\n"
+    "  gym-fork snapshots ls ./store --json\n"
+    "  gym-fork snapshots inspect ./store 3f2a9c1e0b7d4e55 --verify\n"
+    "  gym-fork snapshots rm ./store 3f2a9c1e0b7d4e55\n"
+    "  gym-fork snapshots gc ./store --max-bytes 2G"
+)
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    return int(float(num) * units[unit])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def configure(p: Any) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ls = sub.add_parser("ls", help="list the stored snapshots and the disk they use")
+    ls.add_argument("dir", help="store directory")
+    ls.add_argument("--json", action="store_true", help="print the index as JSON")
+    ins = sub.add_parser("inspect", help="print one snapshot's metadata (JSON)")
+    ins.add_argument("dir", help="store directory")
+    ins.add_argument("id", help="snapshot id (see ls)")
+    ins.add_argument("--verify", action="store_true", help="reassemble the images and check HMAC + sha256")
+    rm = sub.add_parser("rm", help="delete snapshots")
+    rm.add_argument("dir", help="store directory")
+    rm.add_argument("ids", nargs="+", metavar="ID", help="snapshot ids")
+    gc = sub.add_parser("gc", help="clean up after crashes, rebuild the index, enforce a budget")
+    gc.add_argument("dir", help="store directory")
+    gc.add_argument("--max-bytes", type=_parse_bytes, default=None,
+                    help="delete least recently used unpinned snapshots until the store fits (e.g. 500M, 2G)")
+
+
+def run(args: Any) -> int:
+    d = args.dir
+    if not os.path.isdir(os.path.join(d, "snaps")):
+        print(f"gym-fork snapshots: {d} is not a snapshot store (no snaps/ directory)", file=sys.stderr)
+        return 1
+    try:
+        st = SnapshotStore(d, max_bytes=getattr(args, "max_bytes", None))
+        if args.action == "ls":
+            snaps = st.list()
+            if args.json:
+                print(json.dumps({"snapshots": snaps, "disk_bytes": st.disk_bytes()}, indent=1, sort_keys=True))
+                return 0
+            now = time.time()
+            print(f"{'ID':16}  {'STEPS':>6}  {'ENV':18}  {'CREATED':>9}  {'USED':>9}  {'SIZE':>10}  PINNED")
+            for sid, e in sorted(snaps.items(), key=lambda kv: kv[1].get("created") or 0):
+                print(f"{sid:16}  {e.get('steps') or 0:>6}  {str(e.get('env_id'))[:18]:18}  "
+                      f"{now - (e.get('created') or now):>8.0f}s  {now - (e.get('last_used') or now):>8.0f}s  "
+                      f"{_human(e.get('logical_bytes', 0)):>10}  {'yes' if e.get('pinned') else ''}")
+            logical = sum(e.get("logical_bytes", 0) for e in snaps.values())
+            disk = st.disk_bytes()
+            print(f"{len(snaps)} snapshots, {_human(logical)} of images, {_human(disk)} on disk"
+                  + (f" (deduplicated {logical / disk:.1f}x)" if disk else ""))
+        elif args.action == "inspect":
+            meta = st.verify(args.id) if args.verify else st.meta(args.id)
+            meta = dict(meta, pinned=os.path.exists(os.path.join(st._snap_dir(args.id), "PINNED")),
+                        path=st._snap_dir(args.id))
+            if args.verify:
+                meta["verified"] = True
+            print(json.dumps(meta, indent=1, sort_keys=True))
+        elif args.action == "rm":
+            for sid in args.ids:
+                st.remove(sid)
+                print(f"removed {sid}")
+        elif args.action == "gc":
+            out = st.gc()
+            print(f"removed {out['tmp_removed']} temporary entries and {out['chunks_removed']} unreferenced "
+                  f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk")
+    except (GymForkError, ValueError, OSError) as e:
+        print(f"gym-fork snapshots {args.action}: {e}", file=sys.stderr)
+        return 1
+    return 0

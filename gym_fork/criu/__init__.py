@@ -1,0 +1,1 @@
+"""Finding and checking CRIU, and running it without root (user namespaces)."""
