@@ -27,6 +27,11 @@ _lock = threading.Lock()
 _session: str | None = None
 
 
+def is_image_name(name: str) -> bool:
+    """Whether ``name`` in a dump directory is a CRIU image file (not a log, stats or manifest)."""
+    return not _NOT_IMAGES.search(name)
+
+
 def private_mkdir(path: str) -> str:
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
