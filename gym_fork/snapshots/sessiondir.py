@@ -21,7 +21,7 @@ from gym_fork.errors import SnapshotCorruptedError
 
 MANIFEST = "MANIFEST.json"
 _NOT_IMAGES = re.compile(r"(\.log|^stats-.*|^" + re.escape(MANIFEST) + r")$")
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would accept a trailing newline
 
 _lock = threading.Lock()
 _session: str | None = None

@@ -1,0 +1,178 @@
+"""The worker channel: length-prefixed pickled frames and SCM_RIGHTS fd passing, over real
+socketpairs (the same AF_UNIX stream sockets a ForkableEnv and its worker use)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
+
+HEADER = struct.Struct("!Q")  # the frame header: 8-byte big-endian payload length
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(20)  # a framing bug shows as a failure, never as a hung suite
+    b.settimeout(20)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _in_thread(fn, *args):
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def test_round_trip_keeps_values_and_order(pair):
+    a, b = pair
+    tx, rx = Channel(a), Channel(b)
+    msgs = [("step", (1,)), (OK, {"obs": np.arange(5, dtype=np.float32)}), (ERR, "ValueError", "bad", "tb"),
+            None, b"", "x" * 10_000]
+    for m in msgs:
+        tx.send(m)
+    for want in msgs:
+        got = rx.recv()
+        if isinstance(want, tuple) and len(want) == 2 and isinstance(want[1], dict):
+            assert got[0] == want[0] and got[1]["obs"].dtype == np.float32
+            assert got[1]["obs"].tobytes() == want[1]["obs"].tobytes()
+        else:
+            assert got == want
+
+
+def test_one_frame_is_header_plus_pickle(pair):
+    """The on-wire layout: an 8-byte big-endian length, then exactly that many pickle bytes."""
+    a, b = pair
+    Channel(a).send({"k": 1})
+    (n,) = HEADER.unpack(b.recv(HEADER.size, socket.MSG_WAITALL))
+    body = b.recv(n, socket.MSG_WAITALL)
+    assert len(body) == n and pickle.loads(body) == {"k": 1}
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing after the frame
+        b.recv(1)
+
+
+def test_frame_arriving_byte_by_byte(pair):
+    """recv() assembles a frame from many short reads (header and payload split anywhere)."""
+    a, b = pair
+    data = pickle.dumps(("reset", {"seed": 7}), protocol=5)
+    frame = HEADER.pack(len(data)) + data
+
+    def trickle():
+        for i in range(len(frame)):
+            a.sendall(frame[i:i + 1])
+            time.sleep(0.0005)
+
+    t = _in_thread(trickle)
+    assert Channel(b).recv() == ("reset", {"seed": 7})
+    t.join()
+
+
+def test_frame_larger_than_the_socket_buffer(pair):
+    """A frame several times the kernel buffer needs many partial recv_into calls."""
+    a, b = pair
+    big = np.random.default_rng(0).integers(0, 255, size=8 << 20, dtype=np.uint8)
+    t = _in_thread(Channel(a).send, big)
+    got = Channel(b).recv()
+    t.join()
+    assert got.dtype == np.uint8 and got.tobytes() == big.tobytes()
+
+
+def test_clean_eof_before_a_frame(pair):
+    a, b = pair
+    a.close()
+    with pytest.raises(ChannelClosed, match="closed"):
+        Channel(b).recv()
+
+
+def test_eof_inside_the_header(pair):
+    a, b = pair
+    a.sendall(HEADER.pack(100)[:3])
+    a.close()
+    with pytest.raises(ChannelClosed):
+        Channel(b).recv()
+
+
+def test_eof_inside_the_payload(pair):
+    """A peer that dies mid-frame is a ChannelClosed, never a truncated (mis-unpickled) message."""
+    a, b = pair
+    data = pickle.dumps(list(range(1000)), protocol=5)
+    a.sendall(HEADER.pack(len(data)) + data[: len(data) // 2])
+    a.close()
+    with pytest.raises(ChannelClosed):
+        Channel(b).recv()
+
+
+def test_oversized_length_is_refused_before_allocating(pair):
+    """A corrupted header claiming more than the bound is refused at once (no 2**60-byte buffer,
+    no wait for a payload that never comes)."""
+    a, b = pair
+    a.sendall(HEADER.pack(1 << 60))
+    with pytest.raises(ChannelClosed, match="corrupt message header"):
+        Channel(b).recv()
+
+
+def test_peer_reset_is_channel_closed(pair):
+    """A peer that closes with unread data resets the connection: still a ChannelClosed."""
+    a, b = pair
+    b.sendall(b"unread by a")
+    a.close()
+    with pytest.raises(ChannelClosed):
+        Channel(b).recv()
+
+
+def test_channel_from_fd_and_close(pair):
+    a, b = pair
+    fd = os.dup(b.fileno())
+    ch = Channel.from_fd(fd)
+    assert ch.fileno() == fd
+    Channel(a).send("via a dup'd fd")
+    assert ch.recv() == "via a dup'd fd"
+    ch.close()
+    ch.close()  # closing twice is harmless
+    assert ch.sock.fileno() == -1
+
+
+def test_fd_passing_shares_the_open_file(pair, tmp_path):
+    """send_fds/recv_fds: the received descriptors are the same open files (a write through one
+    is seen through the other), and the payload arrives with them."""
+    a, b = pair
+    r, w = os.pipe()
+    p = tmp_path / "f"
+    f = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        send_fds(a, b"two fds", [w, f])
+        msg, fds = recv_fds(b)
+        assert msg == b"two fds" and len(fds) == 2
+        assert all(x not in (r, w, f) for x in fds)  # new numbers in this process...
+        os.write(fds[0], b"through the passed fd")
+        assert os.read(r, 100) == b"through the passed fd"  # ...for the same pipe
+        assert os.fstat(fds[1]).st_ino == os.stat(p).st_ino
+        for x in fds:
+            os.close(x)
+    finally:
+        for x in (r, w, f):
+            os.close(x)
+
+
+def test_recv_fds_without_fds(pair):
+    a, b = pair
+    a.sendall(b"plain")
+    assert recv_fds(b) == (b"plain", [])
+
+
+def test_socket_inode_names_the_socket(pair):
+    a, b = pair
+    ino = socket_inode(a.fileno())
+    assert ino == os.fstat(a.fileno()).st_ino
+    assert ino != socket_inode(b.fileno())  # each end is its own socket inode
