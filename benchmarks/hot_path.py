@@ -1,0 +1,512 @@
+"""What a step, a snapshot and a restore cost the learner: the hot path, side by side with the
+natural baselines, against the performance targets.
+
+    .venv/bin/python benchmarks/hot_path.py                    # ~2-3 min on 2 cores
+    .venv/bin/python benchmarks/hot_path.py --quick            # smoke run, ~40 s
+    .venv/bin/python benchmarks/hot_path.py --json out.json    # numbers to a file as well
+
+Rows (medians of ``--reps`` repetitions, modes interleaved rep by rep so that machine-load drift
+hits them alike):
+
+* **step** (CartPole, LunarLander, HalfCheetah): µs per step over pre-drawn random actions
+  (reset at episode ends) in-process (``gymnasium.make``), in a ``ForkableEnv`` worker, and in
+  SB3's ``SubprocVecEnv`` with one env. The target is on the overhead over in-process.
+* **snapshot()+step − step** / **restore()+step − step** (LunarLander): the learner-visible
+  cost: the call plus the next step (which waits for work the call deferred), minus the median
+  plain step of the same env; fork tier (``fork_tier=True``) and CRIU dumps (``fork_tier=False``).
+  Restores are timed twice: after a short idle pause (what a learner that steps in between
+  sees) and back to back.
+* **Pong**: ALE's own ``cloneState()`` / ``restoreState()`` in one process vs a fork-tier
+  ``restore()`` (+ step − step); 16 closed-loop branches x 100 steps from depth 300: a native
+  restore loop in one process (``restoreState`` + 100 ``env.step`` per branch, the policy
+  called on every observation) vs ``snapshot()`` + ``gym_fork.explore()``.
+* **break-even depth** (LunarLander, 16 closed-loop branches x 100 steps): the prefix depth D
+  above which branching from a snapshot beats replaying ``reset(seed) + D + 100`` steps per
+  branch in process, from the measured costs: D* = (T_branch / 16 - t_reset) / t_step - 100.
+* **ForkableVecEnv(4)** (CartPole): µs per batch step vs ``SubprocVecEnv(4)``.
+
+Only gym_fork's public API is used, so the same script measures an older checkout too::
+
+    cd OLD && PYTHONPATH=OLD /path/to/.venv/bin/python /path/to/benchmarks/hot_path.py --json old.json
+
+(the env workers import gym_fork from where the controller did). Tables go to stdout, progress to
+stderr. Tests never assert these timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+# After PYTHONPATH (an older checkout measured with this script keeps its own gym_fork).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+
+import gym_fork  # noqa: E402
+
+SEED = 0
+WARM_STEPS = 100
+K, H, PONG_DEPTH = 16, 100, 300
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def progress(msg: str) -> None:
+    print(f"[hot_path {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class NoGC:
+    """Collect before, keep the collector off while timing."""
+
+    def __enter__(self) -> None:
+        gc.collect()
+        gc.disable()
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.enable()
+
+
+def make_plain(env_id: str) -> gym.Env:
+    if env_id.startswith("ALE/"):
+        import ale_py
+
+        gym.register_envs(ale_py)
+    return gym.make(env_id)
+
+
+def forkable(env_id: str, **kw: Any) -> gym_fork.ForkableEnv:
+    return gym_fork.ForkableEnv(env_id, backend="criu", **kw)
+
+
+def actions_for(env_id: str, n: int) -> list:
+    space = make_plain(env_id).action_space
+    space.seed(SEED)
+    return [space.sample() for _ in range(n)]
+
+
+def warm(env: gym.Env, actions: list, n: int = WARM_STEPS) -> Any:
+    obs, _ = env.reset(seed=SEED)
+    for a in actions[:n]:
+        obs, _, term, trunc, _ = env.step(a)
+        if term or trunc:
+            obs, _ = env.reset()
+    return obs
+
+
+def step_loop(env: gym.Env, actions: list) -> float:
+    """Seconds per step over ``actions`` (reset at episode ends, not timed apart)."""
+    step, reset = env.step, env.reset
+    with NoGC():
+        t0 = time.perf_counter()
+        for a in actions:
+            _, _, term, trunc, _ = step(a)
+            if term or trunc:
+                reset()
+        dt = time.perf_counter() - t0
+    return dt / len(actions)
+
+
+def vec_loop(venv: Any, batches: list) -> float:
+    """Seconds per batch step of an SB3 VecEnv (it auto-resets)."""
+    with NoGC():
+        t0 = time.perf_counter()
+        for b in batches:
+            venv.step(b)
+        dt = time.perf_counter() - t0
+    return dt / len(batches)
+
+
+def plain_step_s(env: gym.Env, actions: list, n: int = 30) -> float:
+    """Median single-step time (a reference for 'minus a plain step')."""
+    out = []
+    for a in actions[:n]:
+        t0 = time.perf_counter()
+        _, _, term, trunc, _ = env.step(a)
+        out.append(time.perf_counter() - t0)
+        if term or trunc:
+            env.reset()
+    return statistics.median(out)
+
+
+# --- rows ------------------------------------------------------------------------------------------
+def bench_steps(env_id: str, n_steps: int, reps: int) -> dict:
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    acts = actions_for(env_id, n_steps + WARM_STEPS)
+    run_acts = acts[WARM_STEPS:]
+    inproc = make_plain(env_id)
+    fenv = gym_fork.ForkableEnv(env_id)
+    sub = SubprocVecEnv([lambda: make_plain(env_id)], start_method="forkserver")
+    batches = [np.array([a]) for a in run_acts]
+    samples: dict[str, list[float]] = {"inproc": [], "gym_fork": [], "subproc": []}
+    try:
+        warm(inproc, acts)
+        warm(fenv, acts)
+        sub.reset()
+        vec_loop(sub, batches[:WARM_STEPS])
+        for _ in range(reps):
+            samples["inproc"].append(step_loop(inproc, run_acts))
+            samples["gym_fork"].append(step_loop(fenv, run_acts))
+            samples["subproc"].append(vec_loop(sub, batches))
+    finally:
+        fenv.close()
+        sub.close()
+        inproc.close()
+    return {k: {"median_us": med(v) * 1e6, "samples_us": [x * 1e6 for x in v]} for k, v in samples.items()}
+
+
+def bench_vec(env_id: str, n_envs: int, n_steps: int, reps: int) -> dict | None:
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    try:
+        from gym_fork import ForkableVecEnv
+    except ImportError:  # sb3 extra missing
+        return None
+    space = make_plain(env_id).action_space
+    space.seed(SEED)
+    batches = [np.array([space.sample() for _ in range(n_envs)]) for _ in range(n_steps)]
+    fv = ForkableVecEnv(env_id, n_envs=n_envs, backend="criu", seed=SEED)
+    sub = SubprocVecEnv([lambda: make_plain(env_id)] * n_envs, start_method="forkserver")
+    samples: dict[str, list[float]] = {"gym_fork": [], "subproc": []}
+    try:
+        fv.reset()
+        sub.reset()
+        vec_loop(fv, batches[:50])
+        vec_loop(sub, batches[:50])
+        for _ in range(reps):
+            samples["gym_fork"].append(vec_loop(fv, batches))
+            samples["subproc"].append(vec_loop(sub, batches))
+    finally:
+        fv.close()
+        sub.close()
+    return {k: {"median_us": med(v) * 1e6, "samples_us": [x * 1e6 for x in v]} for k, v in samples.items()}
+
+
+def bench_snapshot(env_id: str, fork_tier: bool, reps: int, pause_s: float) -> dict:
+    """snapshot()+step and restore()+step, each minus a plain step, in ms."""
+    acts = actions_for(env_id, 400)
+    env = forkable(env_id, fork_tier=fork_tier)
+    snap_s, rest_s, rest_b2b_s, rest_call_s, plain = [], [], [], [], []
+    try:
+        warm(env, acts)
+        it = iter(acts[WARM_STEPS:] * 100)
+        for _ in range(reps):
+            plain.append(plain_step_s(env, [next(it) for _ in range(10)], 10))
+            a = next(it)
+            with NoGC():
+                t0 = time.perf_counter()
+                s = env.snapshot()
+                env.step(a)
+                snap_s.append(time.perf_counter() - t0)
+            s.release()
+            time.sleep(pause_s)
+        root = env.snapshot()
+        time.sleep(pause_s)
+        for _ in range(reps):  # restores with a pause between (the learner steps meanwhile)
+            plain.append(plain_step_s(env, [next(it) for _ in range(10)], 10))
+            time.sleep(pause_s)
+            a = next(it)
+            with NoGC():
+                t0 = time.perf_counter()
+                env.restore(root)
+                t1 = time.perf_counter()
+                env.step(a)
+                rest_s.append(time.perf_counter() - t0)
+            rest_call_s.append(t1 - t0)
+        time.sleep(pause_s)
+        a = acts[WARM_STEPS]
+        for _ in range(reps):  # back to back
+            with NoGC():
+                t0 = time.perf_counter()
+                env.restore(root)
+                env.step(a)
+                rest_b2b_s.append(time.perf_counter() - t0)
+        root.release()
+    finally:
+        env.close()
+    p = med(plain)
+    ms = lambda xs: {"median_ms": (med(xs) - p) * 1e3, "samples_ms": [(x - p) * 1e3 for x in xs]}  # noqa: E731
+    return {"plain_step_us": p * 1e6, "snapshot_step": ms(snap_s), "restore_step": ms(rest_s),
+            "restore_step_back_to_back": ms(rest_b2b_s),
+            "restore_call": {"median_ms": med(rest_call_s) * 1e3}}
+
+
+class Planned:
+    """A closed-loop policy that plays pre-drawn actions but looks at every observation (the
+    call is what a closed loop costs; the actions are what makes runs comparable)."""
+
+    def __init__(self, branches: list):
+        self.branches, self.k, self.calls = branches, len(branches), 0
+
+    def __call__(self, obs: Any) -> Any:
+        _ = obs[0]
+        i, t = self.calls % self.k, self.calls // self.k
+        self.calls += 1
+        return self.branches[i][t]
+
+
+def bench_pong(reps: int) -> dict:
+    env_id = "ALE/Pong-v5"
+    rng = np.random.default_rng(1)
+    prefix = [int(a) for a in rng.integers(0, 6, PONG_DEPTH)]
+    branches = [[int(a) for a in rng.integers(0, 6, H)] for _ in range(K)]
+    plain = make_plain(env_id)
+    fenv = forkable(env_id, fork_tier=True)
+    out: dict = {}
+    try:
+        obs0 = warm(plain, prefix, PONG_DEPTH)
+        warm(fenv, prefix, PONG_DEPTH)
+        ale = plain.unwrapped.ale
+        clone_t, rest_t = [], []
+        for _ in range(max(50, reps * 10)):
+            t0 = time.perf_counter()
+            st = ale.cloneState()
+            t1 = time.perf_counter()
+            ale.restoreState(st)
+            t2 = time.perf_counter()
+            clone_t.append(t1 - t0)
+            rest_t.append(t2 - t1)
+        out["ale_clone_ms"], out["ale_restore_ms"] = med(clone_t) * 1e3, med(rest_t) * 1e3
+        root = fenv.snapshot()
+        time.sleep(0.05)
+        r_step, r_call, plain_s = [], [], []
+        for _ in range(reps):
+            plain_s.append(plain_step_s(fenv, prefix[:10], 10))
+            time.sleep(0.05)
+            with NoGC():
+                t0 = time.perf_counter()
+                fenv.restore(root)
+                t1 = time.perf_counter()
+                fenv.step(0)
+                r_step.append(time.perf_counter() - t0)
+            r_call.append(t1 - t0)
+        p = med(plain_s)
+        out["restore_step_ms"] = (med(r_step) - p) * 1e3
+        out["restore_call_ms"] = med(r_call) * 1e3
+        fenv.restore(root)
+        root.release()
+
+        def native() -> None:
+            pol = Planned(branches)
+            for _b in range(K):
+                ale.restoreState(st0)
+                obs = obs0
+                for _t in range(H):
+                    obs, _, term, trunc, _ = plain.step(pol(obs))
+                    if term or trunc:
+                        obs, _ = plain.reset()
+
+        def forked() -> None:
+            snap = fenv.snapshot()
+            gym_fork.explore(fenv, snap, Planned(branches), n_branches=K, horizon=H, rng="same",
+                             stop_at_done=False, progress=False)
+            snap.release()
+
+        obs0 = warm(plain, prefix, PONG_DEPTH)
+        st0 = ale.cloneState()
+        nat, frk = [], []
+        for _ in range(reps):
+            for fn, xs in ((native, nat), (forked, frk)):
+                with NoGC():
+                    t0 = time.perf_counter()
+                    fn()
+                    xs.append(time.perf_counter() - t0)
+        out["native_branches_s"], out["explore_branches_s"] = med(nat), med(frk)
+        out["native_samples_s"], out["explore_samples_s"] = nat, frk
+    finally:
+        fenv.close()
+        plain.close()
+    return out
+
+
+def bench_break_even(reps: int) -> dict:
+    env_id = "LunarLander-v3"
+    rng = np.random.default_rng(2)
+    prefix = [int(a) for a in rng.integers(0, 4, 1000)]
+    branches = [[int(a) for a in rng.integers(0, 4, H)] for _ in range(K)]
+    plain = make_plain(env_id)
+    fenv = forkable(env_id, fork_tier=True)
+    try:
+        warm(fenv, prefix, WARM_STEPS)
+        branch_t = []
+        for _ in range(reps):
+            with NoGC():
+                t0 = time.perf_counter()
+                snap = fenv.snapshot()
+                gym_fork.explore(fenv, snap, Planned(branches), n_branches=K, horizon=H, rng="same",
+                                 stop_at_done=False, progress=False)
+                branch_t.append(time.perf_counter() - t0)
+            snap.release()
+        reset_t, step_t = [], []
+        for _ in range(reps):
+            with NoGC():
+                t0 = time.perf_counter()
+                plain.reset(seed=SEED)
+                t1 = time.perf_counter()
+                pol = Planned([prefix])
+                obs = None
+                for _i in range(len(prefix)):
+                    obs, _, term, trunc, _ = plain.step(pol(obs if obs is not None else [0]))
+                    if term or trunc:
+                        obs, _ = plain.reset()
+                t2 = time.perf_counter()
+            reset_t.append(t1 - t0)
+            step_t.append((t2 - t1) / len(prefix))
+    finally:
+        fenv.close()
+        plain.close()
+    tb, tr, ts = med(branch_t), med(reset_t), med(step_t)
+    depth = (tb / K - tr) / ts - H
+    return {"branch_s": tb, "reset_ms": tr * 1e3, "inproc_step_us": ts * 1e6, "break_even_depth": depth,
+            "branch_samples_s": branch_t}
+
+
+# --- table -----------------------------------------------------------------------------------------
+def us(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f} µs"
+
+
+def ms(x: float | None) -> str:
+    return "—" if x is None else (f"{x:.2f} ms" if abs(x) < 10 else f"{x:.0f} ms")
+
+
+def rx(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
+
+
+def verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("yes" if ok else "no")
+
+
+def table(r: dict) -> list[list[str]]:
+    rows = []
+    for env_id, name in (("CartPole-v1", "CartPole"), ("LunarLander-v3", "LunarLander"),
+                         ("HalfCheetah-v5", "HalfCheetah")):
+        s = r["steps"].get(env_id)
+        if not s:
+            continue
+        i, g, p = s["inproc"]["median_us"], s["gym_fork"]["median_us"], s["subproc"]["median_us"]
+        rows.append([f"{name} step", us(i), us(g), us(p),
+                     f"{rx(g, i)} in-proc, {rx(g, p)} Subproc; +{g - i:.0f} µs",
+                     "overhead ≤ 40 µs", "≤ 15 µs", verdict(g - i <= 40)])
+    for tier, label, bar, head in (("fork", "fork tier", 1.0, 0.3), ("criu", "CRIU dump", 50.0, 25.0)):
+        s = r["snapshot"].get(tier)
+        if not s:
+            continue
+        x = s["snapshot_step"]["median_ms"]
+        rows.append([f"LunarLander snapshot()+step − step, {label}", "—", ms(x), "—", "—",
+                     f"≤ {bar:g} ms", f"≤ {head:g} ms", verdict(x <= bar)])
+    for tier, label, bar, head in (("fork", "fork tier", 1.0, 0.3), ("criu", "CRIU", 50.0, 25.0)):
+        s = r["snapshot"].get(tier)
+        if not s:
+            continue
+        x, b2b = s["restore_step"]["median_ms"], s["restore_step_back_to_back"]["median_ms"]
+        rows.append([f"LunarLander restore()+step − step, {label}", "—",
+                     f"{ms(x)} (back to back {ms(b2b)})", "—", "—",
+                     f"≤ {bar:g} ms", f"≤ {head:g} ms", verdict(max(x, b2b) <= bar)])
+    pg = r.get("pong")
+    if pg:
+        rows.append(["Pong: ALE cloneState / restoreState vs gym_fork restore()+step − step",
+                     f"{pg['ale_clone_ms']:.2f} / {pg['ale_restore_ms']:.2f} ms", ms(pg["restore_step_ms"]), "—",
+                     f"{rx(pg['restore_step_ms'], pg['ale_restore_ms'])} restoreState",
+                     "≤ 1 ms", "≤ 0.3 ms", verdict(pg["restore_step_ms"] <= 1.0)])
+        n, e = pg["native_branches_s"], pg["explore_branches_s"]
+        rows.append([f"Pong: {K} closed-loop branches x {H} steps from depth {PONG_DEPTH}",
+                     f"native restore loop {n:.2f} s", f"explore() {e:.2f} s", "—",
+                     f"{n / e:.2f}× faster than native", "≥ 1.5× faster", "—", verdict(n / e >= 1.5)])
+    be = r.get("break_even")
+    if be:
+        d = be["break_even_depth"]
+        rows.append([f"Break-even depth vs replay from reset (LunarLander, {K} x {H}, closed loop)", "—",
+                     f"{max(d, 0):.0f} steps", "—",
+                     f"branching {be['branch_s']:.2f} s; in-proc step {be['inproc_step_us']:.0f} µs",
+                     "≤ 100 steps", "≤ 20 steps", verdict(d <= 100)])
+    v = r.get("vec")
+    if v:
+        g, p = v["gym_fork"]["median_us"], v["subproc"]["median_us"]
+        rows.append([f"CartPole ForkableVecEnv({r['vec_n']}) batch step", "—", us(g), us(p) + f" ({r['vec_n']})",
+                     f"{rx(g, p)} Subproc", "one wake-up per batch", "—", "—"])
+    return rows
+
+
+def print_md(rows: list[list[str]]) -> None:
+    head = ["work", "in-process / native", "gym_fork", "SB3 SubprocVecEnv(1)", "ratio",
+            "target (bar)", "target (heading)", "meets bar"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def code_version() -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(gym_fork.__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "gym_fork"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", False
+    return {"gym_fork": gym_fork.__file__, "commit": commit, "dirty": dirty}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions (~40 s)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per cell (default 7, quick 3)")
+    ap.add_argument("--only", default="steps,snapshot,pong,break_even,vec",
+                    help="comma-separated parts: steps,snapshot,pong,break_even,vec")
+    ap.add_argument("--json", dest="json_path", default=None, help="write all numbers to this file")
+    args = ap.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 7)
+    n_steps = 300 if args.quick else 2000
+    parts = set(args.only.split(","))
+    r: dict = {"version": code_version(), "reps": reps, "n_steps": n_steps, "quick": args.quick,
+               "loadavg_start": list(os.getloadavg()), "steps": {}, "snapshot": {}}
+    progress(f"gym_fork from {r['version']['gym_fork']} ({r['version']['commit']}"
+             f"{', dirty' if r['version']['dirty'] else ''})")
+    if "steps" in parts:
+        for env_id in ("CartPole-v1", "LunarLander-v3", "HalfCheetah-v5"):
+            progress(f"steps {env_id}")
+            r["steps"][env_id] = bench_steps(env_id, n_steps, reps)
+    if "snapshot" in parts:
+        for tier, ft in (("fork", True), ("criu", False)):
+            progress(f"snapshot/restore LunarLander, {tier}")
+            r["snapshot"][tier] = bench_snapshot("LunarLander-v3", ft, reps * (2 if ft else 1), 0.03)
+    if "pong" in parts:
+        progress("Pong")
+        r["pong"] = bench_pong(max(3, reps // 2) if args.quick else reps)
+    if "break_even" in parts:
+        progress("break-even LunarLander")
+        r["break_even"] = bench_break_even(reps)
+    if "vec" in parts:
+        progress("ForkableVecEnv")
+        r["vec_n"] = 4
+        r["vec"] = bench_vec("CartPole-v1", 4, n_steps // 2, reps)
+    r["loadavg_end"] = list(os.getloadavg())
+    print_md(table(r))
+    print(f"\nmedians of {reps} repetitions; load average {r['loadavg_start'][0]:.2f} -> "
+          f"{r['loadavg_end'][0]:.2f} on {os.cpu_count()} CPUs; gym_fork {r['version']['commit']}"
+          f"{' (dirty)' if r['version']['dirty'] else ''}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(r, f, indent=1)
+        progress(f"wrote {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
