@@ -2,6 +2,7 @@
 
     gym-fork doctor            can gym_fork use CRIU here? what is missing and how to fix it
     gym-fork doctor --json     the same, as one JSON object (for scripts and CI)
+    gym-fork install-criu      build and install CRIU 4.1.1 + pycriu (root; the installer ships in the package)
     gym-fork --version
 
 Also runnable as ``python -m gym_fork.cli``.  Subcommands are registered in ``COMMANDS``
@@ -41,12 +42,12 @@ def _lazy(module: str) -> tuple[Callable, Callable]:
     return (lambda p: mod().configure(p)), (lambda a: mod().run(a))
 
 
-def _command(module: str) -> Command:
-    m = importlib.import_module(f"gym_fork.cli.{module}")
+def _command(name: str) -> Command:
+    m = importlib.import_module(f"gym_fork.cli.{name.replace('-', '_')}")
     return Command(help=m.HELP, description=m.DESCRIPTION, epilog=m.EPILOG, configure=m.configure, run=m.run)
 
 
-COMMANDS: dict[str, Command] = {name: _command(name) for name in ("doctor", "agent", "run", "snapshots")}
+COMMANDS: dict[str, Command] = {name: _command(name) for name in ("doctor", "agent", "run", "snapshots", "install-criu")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  gym-fork doctor            is CRIU usable here? which backend will 'auto' pick?\n"
             "  gym-fork doctor --json     the same, machine-readable\n"
+            "  sudo $(which gym-fork) install-criu   set up CRIU (root)\n"
             "  gym-fork COMMAND --help    details and examples for one command\n\n"
             "in Python:\n"
             "  import gym_fork\n"

@@ -14,7 +14,7 @@ from typing import Any
 from gym_fork import __version__
 from gym_fork.criu.status import criu_candidates, criu_status
 
-INSTALL_CMD = "sudo PYTHON=$(which python) scripts/install_criu.sh"
+INSTALL_CMD = "sudo $(which gym-fork) install-criu"
 PROBE_ENV = "CartPole-v1"
 PROBE_WARMUP, PROBE_STEPS = 20, 10
 
@@ -428,7 +428,8 @@ EPILOG = (
     "  gym-fork doctor --json | jq .auto\n\n"
     "legend: ✔ ok   ✘ problem (a 'To fix' hint follows)   · information\n\n"
     "CRIU missing or too old?\n"
-    f"  {INSTALL_CMD}"
+    f"  {INSTALL_CMD}\n"
+    "  (in a gym_fork checkout the same is: sudo PYTHON=$(which python) scripts/install_criu.sh)"
 )
 
 

@@ -87,7 +87,7 @@ def criu_candidates() -> list[dict]:
     return [dict(zip(("path", "version", "rejected"), (c, *_judge(c)))) for c in _candidate_paths()]
 
 
-KDAT_DIR = "/run/gym_fork-criu"  # scripts/install_criu.sh builds CRIU with RUNDIR=KDAT_DIR
+KDAT_DIR = "/run/gym_fork-criu"  # `gym-fork install-criu` builds CRIU with RUNDIR=KDAT_DIR
 
 
 def ensure_kdat_cache(binary: str) -> bool:
@@ -128,10 +128,10 @@ def criu_status() -> CriuStatus:
         st.pycriu = getattr(getattr(pycriu, "version", None), "__version__", None) or "installed"
     except Exception as e:  # noqa: BLE001
         st.reasons.append(f"pycriu does not import ({type(e).__name__}: {e})")
-        st.advice.append("run scripts/install_criu.sh (it installs pycriu into the current venv)")
+        st.advice.append("run `gym-fork install-criu` (it installs pycriu into the Python gym_fork runs in)")
     if st.binary is None:
         st.reasons.append("no criu >= 4.0 found (looked at $GYM_FORK_CRIU, PATH, /usr/local/sbin, /usr/sbin)")
-        st.advice.append("run `sudo PYTHON=$(which python) scripts/install_criu.sh` to build CRIU 4.1.1")
+        st.advice.append("run `sudo $(which gym-fork) install-criu` to build CRIU 4.1.1")
     if not st.is_root and st.binary and not st.reasons:
         # Non-root: CRIU works inside an unprivileged user + mount namespace (--unprivileged).
         # `criu check` does not predict that; doctor probes it with a real dump/restore.

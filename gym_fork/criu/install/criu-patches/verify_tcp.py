@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check that the installed (patched) CRIU dumps and restores TCP sockets; print timings.
 
-Root only.  Usage:  sudo .venv/bin/python scripts/criu-patches/verify_tcp.py [--reps N] [--criu PATH]
+Root only.  Usage:  sudo .venv/bin/python gym_fork/criu/install/criu-patches/verify_tcp.py [--reps N] [--criu PATH]
 Redis cases need `redis-server` on PATH and the `redis` module in this interpreter; else skipped.
 
 Each case starts a small tree as PID 1 of its own PID namespace (`unshare --pid --fork`, the app
