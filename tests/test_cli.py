@@ -116,3 +116,20 @@ def test_old_criu_is_listed_but_does_not_block(tmp_path, monkeypatch, capsys):
     code, out = run_main(capsys, "doctor", "--no-probe")
     assert code == 0
     assert "ignored criu" in out and "3.17" in out
+
+
+@pytest.mark.parametrize("argv", [["snapshots", "ls", "{store}"], ["snapshots", "ls", "{store}", "--json"],
+                                  ["--help"], ["install-criu", "--help"]])
+def test_reader_that_left_is_no_error(tmp_path, argv):
+    """`gym-fork ... | head`: when the reader has gone, the command ends quietly (no traceback,
+    no 'Broken pipe' message). Here the pipe's read end is closed before the command writes."""
+    (tmp_path / "store" / "snaps").mkdir(parents=True)
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "gym_fork.cli", *[a.format(store=tmp_path / "store") for a in argv]],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert p.stderr == "", p.stderr
+    assert p.returncode in (0, 1)

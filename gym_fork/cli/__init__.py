@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command].run(args)
+        status = COMMANDS[args.command].run(args)
+        sys.stdout.flush()  # a reader that left shows here, not as a traceback when Python exits
+        return status
     except BrokenPipeError:  # `gym-fork doctor --json | head`: the reader left, not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

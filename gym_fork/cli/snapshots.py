@@ -104,6 +104,8 @@ def run(args: Any) -> int:
             out = st.gc()
             print(f"removed {out['tmp_removed']} temporary entries and {out['chunks_removed']} unreferenced "
                   f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk")
+    except BrokenPipeError:  # `... | head`: the reader left; main() ends quietly
+        raise
     except (GymForkError, ValueError, OSError) as e:
         print(f"gym-fork snapshots {args.action}: {e}", file=sys.stderr)
         return 1
