@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-stop set-up: a venv in .venv with gym_fork and every extra, plus CRIU 4.x and pycriu.
+# One-stop set-up: a venv in .venv (or $GYM_FORK_VENV) with gym_fork and every extra (tests, docs
+# included), plus CRIU 4.x and pycriu.
 # Idempotent and quick when everything is already there.  Usage: scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
   # torch first and pinned: SB3 would otherwise pull a multi-GB CUDA build.
   "$PY" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" >&2 || true
   "$PY" -m pip install -q -e '.[all]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
-  "$PY" -c 'import gym_fork, gymnasium, stable_baselines3, ale_py, Box2D, mujoco, torch' \
+  "$PY" -c 'import gym_fork, gymnasium, stable_baselines3, ale_py, Box2D, mujoco, torch, importlinter, build, mkdocs, mkdocstrings_handlers.python, material' \
     || { echo "[setup] ERROR: the Python dependencies did not install" >&2; exit 1; }
   touch "$stamp"
 fi

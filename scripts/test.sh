@@ -6,17 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -c 'from gym_fork.criu.status import criu_status as s; st=s(); print("[test] CRIU:", st.binary, st.version, "usable" if st.usable else "NOT usable: " + "; ".join(st.reasons))' || true
+VENV=${GYM_FORK_VENV:-.venv}  # as in scripts/setup.sh
+"$VENV"/bin/python -c 'from gym_fork.criu.status import criu_status as s; st=s(); print("[test] CRIU:", st.binary, st.version, "usable" if st.usable else "NOT usable: " + "; ".join(st.reasons))' || true
 failed=()
 echo "[test] import contracts: lint-imports"
-.venv/bin/lint-imports || failed+=("import contracts (lint-imports: a module imports across a layer, see above)")
+"$VENV"/bin/lint-imports || failed+=("import contracts (lint-imports: a module imports across a layer, see above)")
 echo "[test] docs: mkdocs build --strict"
 site=$(mktemp -d)
 export NO_MKDOCS_2_WARNING=1  # (a notice about MkDocs 2 on every build)
-.venv/bin/mkdocs build --strict --quiet --site-dir "$site" || failed+=("docs (mkdocs build --strict: a broken page or API reference, see above)")
+"$VENV"/bin/mkdocs build --strict --quiet --site-dir "$site" || failed+=("docs (mkdocs build --strict: a broken page or API reference, see above)")
 rm -rf "$site"
 rc=0
-.venv/bin/python -m pytest -p no:cacheprovider -q "$@" || rc=$?
+"$VENV"/bin/python -m pytest -p no:cacheprovider -q "$@" || rc=$?
 for f in "${failed[@]}"; do echo "[test] FAILED: $f" >&2; done
 [ "${#failed[@]}" -eq 0 ] || [ "$rc" -ne 0 ] || rc=1
 exit "$rc"
