@@ -6,7 +6,7 @@ Typical use in a benchmark script::
 
     t = median_ms(lambda: env.snapshot(), reps=7, warmup=1, teardown=lambda s: s.release())
     print_table(["env", "snapshot ms"], [["CartPole-v1", fmt(t)]])
-    save_results("my_bench", {"snapshot_ms": t})        # -> results/my_bench.json
+    save_results("my_bench", {"snapshot_ms": t})        # -> results/my_bench.json, or --out DIR
 
 Run benchmark scripts from the repository root as modules (``python -m benchmarks.NAME``) or as
 files (``python benchmarks/NAME.py``); both work.
@@ -14,6 +14,7 @@ files (``python benchmarks/NAME.py``); both work.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import json
@@ -27,7 +28,26 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "results"
+# Where results go: ``--out DIR`` (:func:`add_out_option`), else $GYM_FORK_RESULTS, else results/.
+_results_dir = Path(os.environ.get("GYM_FORK_RESULTS") or REPO_ROOT / "results")
+
+
+def results_dir() -> Path:
+    """The directory results are written to (created by :func:`save_results`)."""
+    return _results_dir
+
+
+class _OutAction(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        global _results_dir
+        _results_dir = Path(values).resolve()
+        setattr(namespace, self.dest, _results_dir)
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR``: write this benchmark's results (JSON, figures) to DIR instead of results/."""
+    parser.add_argument("--out", metavar="DIR", action=_OutAction, default=_results_dir,
+                        help="directory for the results (default: $GYM_FORK_RESULTS, else results/ in the checkout)")
 
 # --- timing ------------------------------------------------------------------------------------
 
@@ -259,9 +279,11 @@ def _jsonable(o: Any) -> Any:
 
 
 def save_results(name: str, data: dict, *, with_machine: bool = True) -> Path:
-    """Write ``data`` (plus ``machine`` info) to ``results/<name>.json``; returns the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    """Write ``data`` (plus ``machine`` info) to ``<results dir>/<name>.json`` (see
+    :func:`results_dir`); returns the path."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     payload = dict(data)
     if with_machine and "machine" not in payload:
         payload["machine"] = machine_info()

@@ -3,7 +3,7 @@ that 100 snapshots of one LunarLander episode cost.
 
     .venv/bin/python benchmarks/fork_tier.py [--reps 7] [--mb 500] [--snapshots 100]
 
-Prints markdown tables (medians, ratios) and writes results/fork_tier.json.
+Prints markdown tables (medians, ratios) and writes results/fork_tier.json (``--out DIR``: DIR/fork_tier.json).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import busy_check, fmt, fmt_ratio, print_table, save_results, summarize, time_reps  # noqa: E402
+from benchmarks.common import add_out_option, busy_check, fmt, fmt_ratio, print_table, save_results, summarize, time_reps  # noqa: E402
 
 import gym_fork  # noqa: E402
 
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--mb", type=int, default=500, help="size of the big worker's state (MB)")
     ap.add_argument("--snapshots", type=int, default=100)
+    add_out_option(ap)
     args = ap.parse_args(argv)
     busy = busy_check()
     big = bench_big(args.mb, args.reps)

@@ -42,7 +42,7 @@ Also measured: branches per second when forking n = 1, 2, 4, 8, 16 at once from 
 (``env.fork(snap, n)`` + one step in each + close), for both tiers.
 
 Tables go to stdout (markdown), progress to stderr, numbers to ``results/recompute.json`` and the
-plot to ``results/recompute.png`` (``--name`` changes both; ``--quick`` uses ``recompute_quick``).
+plot to ``results/recompute.png`` (``--out DIR`` puts them in DIR; ``--name`` changes both; ``--quick`` uses ``recompute_quick``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ import numpy as np  # noqa: E402
 
 import gym_fork  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
+    REPO_ROOT,
+    add_out_option,
+    results_dir,
     Progress,
     fmt,
     fmt_ratio,
@@ -516,7 +518,7 @@ def code_version() -> dict:
 
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", *a], cwd=RESULTS_DIR.parent, capture_output=True, text=True,
+            return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True,
                                   timeout=10).stdout.rstrip("\n")
         except (OSError, subprocess.SubprocessError):
             return ""
@@ -547,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                         "explore(actions=...) (open: one per branch), or both (default)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--replot", metavar="JSON", help="only redraw the tables and plot of a results JSON")
+    add_out_option(p)
     args = p.parse_args(argv)
     if args.replot:
         results = load_results(Path(args.replot))
@@ -570,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     results["code"] = code_version()
     report(results)
     if not args.no_plot:
-        png = RESULTS_DIR / f"{args.name}.png"
+        png = results_dir() / f"{args.name}.png"
         plot(results, png)
         results["plot"] = str(png)
     path = save_results(args.name, results)

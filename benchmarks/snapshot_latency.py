@@ -20,7 +20,7 @@ for the env stepped in-process (``gymnasium.make``), in a bare echo process (the
 ForkableEnv CRIU worker (freshly started, and CRIU-restored from a dump), in SB3's
 ``SubprocVecEnv`` with one env, and in a ForkableEnv pickle env (in-process, where allowed).
 
-Tables go to stdout (markdown), progress to stderr, all numbers to ``results/snapshot_latency.json``.
+Tables go to stdout (markdown), progress to stderr, all numbers to ``results/snapshot_latency.json`` (``--out DIR``: DIR/).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 
 import gym_fork  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
+    add_out_option,
+    results_dir,
     Progress,
     busy_check,
     fmt,
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-breakdown", action="store_true", help="skip the CRIU restore breakdown")
     p.add_argument("--no-steps", action="store_true", help="skip part 2 (per-step cost)")
     p.add_argument("--name", default="snapshot_latency", help="results/<name>.json (default snapshot_latency)")
+    add_out_option(p)
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
     steps = args.steps or (500 if args.quick else 2000)
@@ -449,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # MuJoCo appends warnings to ./MUJOCO_LOG.TXT of whichever process hits them (workers too):
     # run from the git-ignored results/ folder so they land there, not in the repository root.
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    os.chdir(RESULTS_DIR)
+    results_dir().mkdir(parents=True, exist_ok=True)
+    os.chdir(results_dir())
 
     load_start = busy_check()
     criu_ok = criu_status().usable

@@ -10,7 +10,9 @@ from a mid-episode snapshot each get their own copy of the files and database an
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -30,7 +32,7 @@ class WebAppAgentEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, workspace: str | None = None):
-        self.workspace = workspace or tempfile.mkdtemp(prefix="webapp-")
+        self.workspace = workspace  # set by gym_fork: ForkableEnv(..., workspace=DIR)
         self.action_space = gym.spaces.Discrete(10)
         self.observation_space = gym.spaces.Box(0, 1000, shape=(3,), dtype=np.float32)
 
@@ -65,6 +67,8 @@ class WebAppAgentEnv(gym.Env):
     # --- gymnasium API -----------------------------------------------------------------------
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        if self.workspace is None:
+            raise ValueError("WebAppAgentEnv needs a workspace directory: ForkableEnv(WebAppAgentEnv, workspace=DIR)")
         os.makedirs(os.path.join(self.workspace, "routes"), exist_ok=True)
         for name in os.listdir(os.path.join(self.workspace, "routes")):
             os.unlink(os.path.join(self.workspace, "routes", name))
@@ -108,6 +112,9 @@ def main() -> None:
     from agent_workspace import WebAppAgentEnv as Env  # importable by the worker too
 
     ws = tempfile.mkdtemp(prefix="agent-ws-")
+    # gym_fork never deletes a workspace the user passed in (only the branches' copies): this
+    # script removes its own when it exits.
+    atexit.register(shutil.rmtree, ws, True)
     env = gym_fork.ForkableEnv(Env, workspace=ws)
     env.reset(seed=0)
     for a in [0, 1, 8, 9]:  # two routes, one user, run the tests
@@ -133,6 +140,7 @@ def main() -> None:
     for b in branches:
         b.close()
     env.close()
+    assert os.path.isdir(ws)  # the user's workspace outlives the env
 
 
 if __name__ == "__main__":
