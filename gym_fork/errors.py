@@ -29,6 +29,18 @@ class SnapshotError(GymForkError):
     """Taking a snapshot failed. The running env is unchanged and no snapshot was created."""
 
 
+class UncapturableStateError(SnapshotError):
+    """The env holds something no available snapshot mechanism captures exactly (a connection to
+    another machine, a file open for writing, a listening address without a network namespace of
+    its own, CRIU unavailable for a process tree, ...).  Raised before anything was copied or
+    diverged; the env keeps running.  ``resources`` lists what was found (kind, pid, fd, path or
+    peer, and the fix for each); the message names them and what to do."""
+
+    def __init__(self, message: str, resources: list | None = None):
+        super().__init__(message)
+        self.resources = list(resources or [])
+
+
 class RestoreError(GymForkError):
     """Restoring a snapshot failed. The running env is unchanged."""
 
