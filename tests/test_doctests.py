@@ -25,6 +25,8 @@ MODULES = [
     "gym_fork.vec_env",
     "gym_fork.sb3.exploration",
     "gym_fork.migration.targets",
+    "gym_fork.vector",
+    "gym_fork.worker.resources",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {
