@@ -60,7 +60,7 @@ def bench_env(n: Nodes, reps: int, mb: int) -> list[dict]:
 def bench_env_live(n: Nodes, reps: int, mb: int) -> list[dict]:
     """Pre-copy: the learner keeps stepping (random actions) while the snapshot travels; downtime
     is the learner's pauses (fork-tier snapshot + the switch), and we also record how slow its
-    steps got meanwhile (the dump, transfer and restore share this machine's 2 cores)."""
+    steps got meanwhile (the dump, transfer and restore share the machine's cores)."""
     import numpy as np
 
     import gym_fork

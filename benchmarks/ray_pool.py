@@ -163,7 +163,7 @@ def migration_hops(env, hops: int) -> dict:
     import ray
 
     from gym_fork.ray import RayNode
-    from gym_fork.ray.migration import close_hosts
+    from gym_fork.ray.hosts import close_hosts
 
     head = ray.get_runtime_context().get_node_id()
     ring = [head] + sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)
@@ -224,7 +224,7 @@ def live_hops(n: int) -> dict:
 
     import gym_fork
     from gym_fork.ray import RayNode
-    from gym_fork.ray.migration import close_hosts
+    from gym_fork.ray.hosts import close_hosts
 
     head = ray.get_runtime_context().get_node_id()
     nid = sorted(x["NodeID"] for x in ray.nodes() if x.get("Alive") and x["NodeID"] != head)[0]

@@ -308,19 +308,23 @@ def test_job_migration_failure_keeps_training(netnodes, reference_job, tmp_path)
 
 
 # --- streamed images (hashed in one pass on each side; trailer signed for this session) -----------
-@pytest.fixture(params=[2, 3])
-def stream(request):
-    """Both stream forms: 2 (tar after the dump, sha256), 3 (frames while dumping, BLAKE3)."""
+@pytest.fixture(params=["sha256", "blake3"])
+def alg(request):
+    """Both digests a stream may use: sha256 (images dumped earlier), BLAKE3 (dumped while sent)."""
     return request.param
 
 
-def _streamed(lo, mutate, stream=3):
+def _streamed(lo, mutate, alg="blake3", check=None):
     """Dump a snapshot, stream it to agent B with the trailer ``mutate(meta, digests, hello)``
-    returns (signed with the right key), and return the agent's reply."""
-    from gym_fork.snapshots import bundle as B
+    returns (signed with the right key), and return the agent's reply (``check(sock, reply)``
+    runs before the connection closes)."""
     from gym_fork import keys
+    from gym_fork.migration.client import _bundle_meta
+    from gym_fork.migration.wire.auth import bundle_key
+    from gym_fork.migration.wire.connect import connect
+    from gym_fork.migration.wire.streams import send_images
+    from gym_fork.snapshots import bundle as B
     from gym_fork.snapshots import sessiondir
-    from gym_fork.migration import client, wire
 
     env = gym_fork.make(ENV)
     env.reset(seed=3)
@@ -329,23 +333,22 @@ def _streamed(lo, mutate, stream=3):
     try:
         image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
         assert not os.path.exists(os.path.join(image.path, sessiondir.MANIFEST))  # no manifest pass, no fsync
-        base = client._bundle_meta(snap, image)
+        base = _bundle_meta(snap, image)
         tok = lo.token.encode()
-        sock, hello = wire.connect(lo.target["B"], tok)
+        sock, hello = connect(lo.target["B"], tok)
 
         def trailer(digests):
             meta = mutate(dict(base, images=digests, session=hello["nonce"]), digests, hello)
-            meta["hmac"] = keys.sign(B._canonical(meta), wire.bundle_key(tok))
+            meta["hmac"] = keys.sign(B._canonical(meta), bundle_key(tok))
             return meta
 
         try:
-            if stream == 2:
-                reply, _n = wire.send_images(sock, {"op": "env"}, image.path, lo.target["B"], trailer)
-            else:
-                done = threading.Event()
-                done.set()
-                reply, _n = wire.send_images_while_dumping(sock, {"op": "env"}, image.path, lo.target["B"], trailer,
-                                                           done, threading.Event(), 1 << 30)
+            done = threading.Event()
+            done.set()
+            reply, _n = send_images(sock, {"op": "env"}, image.path, lo.target["B"], trailer,
+                                    done, threading.Event(), 1 << 30, alg)
+            if check is not None:
+                check(sock, reply)
         finally:
             sock.close()
         return reply
@@ -357,30 +360,28 @@ def _streamed(lo, mutate, stream=3):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_streamed_bundle_signed_for_another_session_is_refused(lo, stream):
-    reply = _streamed(lo, lambda m, d, h: dict(m, session=os.urandom(32).hex()), stream)  # a replay's session
+def test_streamed_bundle_signed_for_another_session_is_refused(lo, alg):
+    reply = _streamed(lo, lambda m, d, h: dict(m, session=os.urandom(32).hex()), alg)  # a replay's session
     assert not reply["ok"] and reply["error"] == "BundleError" and "another session" in reply["message"]
     _clean(lo.agents["B"])
 
 
-def test_streamed_image_not_in_signed_list_is_refused(lo, stream):
+def test_streamed_image_not_in_signed_list_is_refused(lo, alg):
     def drop_one(meta, digests, hello):  # sign all but one image: that one arrives unsigned
         name = sorted(digests)[0]
         return dict(meta, images={k: v for k, v in digests.items() if k != name})
 
-    reply = _streamed(lo, drop_one, stream)
+    reply = _streamed(lo, drop_one, alg)
     assert not reply["ok"] and reply["error"] == "SnapshotCorruptedError" and "signed list" in reply["message"]
     _clean(lo.agents["B"])
 
 
-def test_streamed_digest_mismatch_is_refused(lo, stream):
-    alg = "sha256" if stream == 2 else "blake3"
-
+def test_streamed_digest_mismatch_is_refused(lo, alg):
     def lie(meta, digests, hello):
         name = max(digests, key=lambda k: digests[k]["size"])
         return dict(meta, images=dict(digests, **{name: dict(digests[name], **{alg: "0" * 64})}))
 
-    reply = _streamed(lo, lie, stream)
+    reply = _streamed(lo, lie, alg)
     assert not reply["ok"] and f"{alg} check" in reply["message"]
     _clean(lo.agents["B"])
 
@@ -389,16 +390,17 @@ def test_stream3_beyond_the_announced_size_or_with_a_bad_name_is_refused(lo):
     """A sender that announces less than it sends, or names a file '../x', gets nothing written."""
     import struct
 
-    from gym_fork.migration import wire
+    from gym_fork.migration.wire.connect import connect
+    from gym_fork.migration.wire.messages import recv_msg, send_msg
 
     for name, n in ((b"pages-1.img", 8192), (b"../escape", 10)):
-        sock, hello = wire.connect(lo.target["B"], lo.token.encode())
+        sock, hello = connect(lo.target["B"], lo.token.encode())
         try:
-            wire.send_msg(sock, {"op": "env", "size": 4096, "stream": 3, "hash": "blake3"})
-            assert wire.recv_msg(sock)["ok"]
+            send_msg(sock, {"op": "env", "size": 4096, "stream": 3, "hash": "blake3"})
+            assert recv_msg(sock)["ok"]
             frame = struct.Struct("!BIQ")
             sock.sendall(frame.pack(1, 0, len(name)) + name + frame.pack(2, 0, n) + b"x" * n)
-            reply = wire.recv_msg(sock)
+            reply = recv_msg(sock)
             assert not reply["ok"] and ("announced" in reply["message"] or "refusing" in reply["message"]), reply
         finally:
             sock.close()
@@ -406,33 +408,40 @@ def test_stream3_beyond_the_announced_size_or_with_a_bad_name_is_refused(lo):
         assert not os.path.exists(os.path.join(lo.agents["B"].state_dir, "..", "escape"))
 
 
-def test_agent_still_accepts_a_whole_bundle_tar(lo):
-    """The pre-streaming form (tar of a bundle dir with bundle.json, verified by re-hashing)."""
-    from gym_fork.snapshots import sessiondir
-    from gym_fork.migration import client, wire
+def test_agent_refuses_another_stream_format(lo):
+    """The tar forms of older senders (stream 1, 2) are refused before anything is sent."""
+    from gym_fork.migration.wire.connect import connect
+    from gym_fork.migration.wire.messages import recv_msg, send_msg
 
-    env, ref = _pair(_actions(25))
-    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"t-{os.urandom(3).hex()}"))
-    snap = env.snapshot()
-    try:
-        tok = lo.token.encode()
-        client.write_transient_bundle(snap, os.path.join(tmp, "bundle"), wire.bundle_key(tok))
-        sock, _hello = wire.connect(lo.target["B"], tok)
+    for stream in (None, 2):
+        sock, _hello = connect(lo.target["B"], lo.token.encode())
         try:
-            reply, _n = wire.send_bundle(sock, {"op": "env"}, tmp, lo.target["B"])
-            assert reply["ok"], reply
-            h = client.NetworkHandle(sock, reply["pid"], "B", lo.target["B"])  # the relayed worker channel
-            for a in _actions(20, seed=5):
-                assert np.array_equal(h.request("step", a)[0], ref.step(a)[0])
+            send_msg(sock, {"op": "env", "size": 4096, **({} if stream is None else {"stream": stream})})
+            reply = recv_msg(sock)
+            assert not reply["ok"] and "stream format" in reply["message"], reply
         finally:
             sock.close()
-    finally:
-        snap.release()
-        env.close()
-        ref.close()
-        import shutil
+    _clean(lo.agents["B"])
 
-        shutil.rmtree(tmp, ignore_errors=True)
+
+def test_streamed_worker_channel_is_relayed(lo):
+    """A hand-driven stream (sha256, as for images dumped earlier) is restored, and the
+    connection then carries the worker's own channel."""
+    ref = gym_fork.make(ENV)
+    ref.reset(seed=3)
+    steps = []
+
+    def step_through(sock, reply):
+        assert reply["ok"], reply
+        h = NetworkHandle(sock, reply["pid"], "B", lo.target["B"])  # the relayed worker channel
+        for a in _actions(20, seed=5):
+            steps.append(np.array_equal(h.request("step", a)[0], ref.step(a)[0]))
+
+    try:
+        _streamed(lo, lambda m, d, h: m, "sha256", check=step_through)
+    finally:
+        ref.close()
+    assert steps and all(steps)
     _clean(lo.agents["B"])
 
 

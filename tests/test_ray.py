@@ -308,7 +308,7 @@ def test_branch_exploration_callback_with_pool(pool):
         venv.close()
 
 
-# --- migration targets named by Ray node (gym_fork.ray.migration) -------------------------------
+# --- migration targets named by Ray node (gym_fork.ray.env_migration) -------------------------------
 def _run_crc(env, obs, n, traj):
     for _ in range(n):
         obs, r, term, trunc, _info = env.step(crc_policy(obs))
@@ -322,7 +322,7 @@ def test_live_migration_to_a_ray_node_then_on(cluster):
     """live=True to a Ray node: the driver keeps stepping while the snapshot is exported, restored
     on the node and replayed; the switch happens inside a step; the worker can then move on."""
     from gym_fork.ray import RayNode
-    from gym_fork.ray.migration import close_hosts
+    from gym_fork.ray.hosts import close_hosts
 
     head = ray.get_runtime_context().get_node_id()
     others = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)[:2]
@@ -354,7 +354,7 @@ def test_live_migration_to_a_ray_node_then_on(cluster):
 def test_migrate_across_nodes_and_back_bit_identical(cluster):
     from gym_fork.migration import MigratedEnvError, RemoteRestoreError
     from gym_fork.ray import RayNode
-    from gym_fork.ray.migration import close_hosts, host_for
+    from gym_fork.ray.hosts import close_hosts, host_for
 
     head = ray.get_runtime_context().get_node_id()
     others = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head]
@@ -398,7 +398,7 @@ def test_migrate_across_nodes_and_back_bit_identical(cluster):
 def test_killed_migration_host_leaves_nothing_and_env_raises(cluster):
     from gym_fork.errors import WorkerDiedError
     from gym_fork.ray import RayNode
-    from gym_fork.ray.migration import close_hosts, host_for
+    from gym_fork.ray.hosts import close_hosts, host_for
 
     head = ray.get_runtime_context().get_node_id()
     nid = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)
@@ -461,7 +461,7 @@ def _run_job_to(cluster, node_id: str, logd: str, at: int | str, total: int,
 
 
 def _job_host(node_id: str):
-    from gym_fork.ray.migration import HOST_NAME, JOB_NAMESPACE
+    from gym_fork.ray.hosts import HOST_NAME, JOB_NAMESPACE
 
     return ray.get_actor(HOST_NAME.format(node_id), namespace=JOB_NAMESPACE)
 

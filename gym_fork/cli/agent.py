@@ -29,13 +29,13 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gym_fork.migration import wire
     from gym_fork.migration.agent import Agent
+    from gym_fork.migration.wire.auth import load_token
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
-        token = wire.load_token(None, args.token_file)
+        token = load_token(None, args.token_file)
     except (OSError, ValueError) as e:
         print(f"gym-fork agent: {e}", file=sys.stderr)
         return 2
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"gym-fork agent {agent.node} listening on {agent.address[0]}:{agent.address[1]}", flush=True)
 
     def stop(*_a: Any) -> None:
-        agent._stop.set()
+        agent.stop()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

@@ -32,7 +32,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gym_fork.migration import job, wire
+    from gym_fork.migration.job import supervise
+    from gym_fork.migration.targets import TargetContext
+    from gym_fork.migration.wire.auth import load_token
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gym-fork run %(levelname)s %(message)s", stream=sys.stderr)
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         print("gym-fork run: give the command after --", file=sys.stderr)
         return 2
     try:
-        token: bytes | None = wire.load_token(None, args.token_file)
+        token: bytes | None = load_token(None, args.token_file)
     except ValueError as e:
         if args.token_file:
             print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
@@ -50,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
         return 2
-    return job.supervise(cmd, node=args.node, log_dir=args.log_dir, token=token, tls_ca=args.tls_ca,
-                         ray_address=args.ray_address)
+    targets = TargetContext(token=token, tls=args.tls_ca or False, options={"ray_address": args.ray_address})
+    return supervise(cmd, node=args.node, log_dir=args.log_dir, token=token, targets=targets)

@@ -1,13 +1,9 @@
-"""``ForkableEnv.migrate(target)``: move one env worker to another node's agent.
+"""``ForkableEnv.migrate("host:port")``: move one env worker to an agent, stop-and-copy.
 
-1. snapshot (copy-on-write fork tier when available: the worker is not stopped), persisted
-   and saved as a bundle signed with the token-derived key;
-2. connect + mutual challenge-response, stream the bundle as a tar;
-3. the agent verifies and restores it and answers; only then is the local worker stopped and
-   the env's handle switched to a :class:`NetworkHandle` over the same TCP connection.
-
-Any failure before step 3's answer leaves the env exactly as it was (same worker, same step
-count and action record) and raises a typed :mod:`gym_fork.migration.errors` error.
+The worker is snapshotted (copy-on-write where it can be: it is not stopped), CRIU dumps that
+copy while the images are streamed to the agent, which verifies and restores it; only after the
+agent's answer is the local worker stopped and the env switched to a :class:`NetworkHandle` over
+the same connection. Any failure before that leaves the env as it was.
 """
 
 from __future__ import annotations
@@ -22,7 +18,9 @@ from typing import Any
 from gym_fork.snapshots import sessiondir
 from gym_fork.backends.base import Backend, RemoteHandle
 from gym_fork.criu.status import dump_size_bound
-from gym_fork.migration import wire
+from gym_fork.migration.wire.auth import bundle_key, load_token
+from gym_fork.migration.wire.connect import connect_in_background, parse_host_port
+from gym_fork.migration.wire.streams import send_images
 from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
 from gym_fork.worker.channel import Channel
 
@@ -125,12 +123,12 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
     env unchanged. The learner waits for the whole move (stop-and-copy); see
     :mod:`gym_fork.migration.live` for the pre-copy variant."""
     check_migratable(env, target)
-    tok = wire.load_token(token, token_file)
+    tok = load_token(token, token_file)
     t_start = time.monotonic()
     timings: dict[str, float] = {}
     saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     # Connect + authenticate while the snapshot is dumped (off the critical path).
-    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+    conn = connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
     snap = None
     try:
         t0 = time.monotonic()
@@ -154,7 +152,7 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
 
 def check_migratable(env: Any, target: str) -> None:
     """Everything checked before anything is done (raises; the env is untouched)."""
-    wire.parse_target(target)  # a malformed address fails here, not in a background thread
+    parse_host_port(target)  # a malformed address fails here, not in a background thread
     env._check_open()
     if isinstance(env._handle, NetworkHandle):
         raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
@@ -171,13 +169,13 @@ def check_migratable(env: Any, target: str) -> None:
 def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
                   limit: int) -> tuple[socket.socket, dict, dict, int]:
     """Dump ``snap`` (a copy of it, when it is a copy-on-write snapshot), stream it to the agent
-    over ``conn`` (a :func:`wire.connect_in_background` connection, consumed) and wait until the
+    over ``conn`` (a :func:`~gym_fork.migration.wire.connect.connect_in_background`, consumed) and wait until the
     agent has verified and restored it. Returns ``(sock, hello, reply, bytes)``: the restored
     worker waits at the other end of ``sock``. ``limit``: the most bytes the images may take
     (:func:`gym_fork.criu.status.dump_size_bound`). Raises a MigrationError (``sock`` closed, so the
     agent stops what it restored) on failure. Touches neither the env nor ``snap``: the worker
     may go on stepping meanwhile."""
-    key = wire.bundle_key(tok)
+    key = bundle_key(tok)
     tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"mig-{os.urandom(4).hex()}"))
     into = os.path.join(tmp, "images")
     sock = None
@@ -222,7 +220,7 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         payload = snap.payload()
         persisted = getattr(payload, "image", payload) is not None
         try:
-            reply, nbytes = wire.send_images_while_dumping(
+            reply, nbytes = send_images(
                 sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, into, target, trailer,
                 done, failed, limit, "sha256" if persisted else None)
         except ValueError:

@@ -1,31 +1,17 @@
 """``env.migrate(target, live=True)``: pre-copy live migration of one env worker.
 
-Stop-and-copy (:func:`gym_fork.migration.client.migrate_env`) blocks the learner for the whole
-dump + transfer + restore (~0.4 s for a 50 MB worker). Here the learner keeps stepping the
-*local* worker while a copy-on-write snapshot of it travels:
+The learner keeps stepping its *local* worker while a copy-on-write snapshot of it travels and
+is restored on the target; every request made meanwhile is recorded with the digest of its
+answer (:func:`gym_fork.worker.channel.canonical_digest`). The target replays them in batches
+and must answer each identically; at most :data:`FINAL_OPS` are left for the switch, which
+happens inside a later ``step()``/``reset()`` (or :meth:`LiveMigration.result`). The learner
+pauses twice: for the snapshot and for the switch.
 
-1. **Snapshot** (fork tier, ~3 ms: the only pause before the switch). From now on every
-   request the env sends its worker is recorded with the canonical digest of its answer
-   (:func:`gym_fork.worker.channel.canonical_digest`).
-2. **Ship** (background thread): CRIU dump of the frozen copy, authenticated stream, verify and
-   restore on the target agent -- exactly the stop-and-copy path, off the learner's path.
-3. **Catch up** (background thread): the target worker replays the recorded requests in batches
-   (``replay``: one round trip per batch, no IPC per step, so it runs far faster than the
-   learner) and must answer each with the same digest. Rounds repeat until at most
-   :data:`FINAL_OPS` requests are left.
-4. **Switch** (in the learner's thread, inside its next ``step()``/``reset()``, or in
-   :meth:`LiveMigration.result`): replay the last few requests, compare, point the env at the
-   target and stop the local worker. This is the learner's second (and last) pause.
-
-Why it is exact: the target starts from the very state the source had at the snapshot and is
-given the very same requests; every answer is compared, so a worker whose answers depend on
-anything outside its process (wall clock, network, files changed by others) is caught as a
-divergence -- the migration is then abandoned and the env keeps running locally, untouched.
-Why it needs the env to be free of outside effects: the target *re-executes* the steps, so an
-env that writes to an external service would write twice. Use ``live=False`` for those.
-
+The comparison is what makes it exact: a worker whose answers depend on anything outside its
+process (clock, network, files) diverges and the move is abandoned, the env untouched. Because
+the target *re-executes* the steps, envs with outside effects must use ``live=False``.
 Anything but plain requests (``snapshot``, ``restore``, ``fork``, ``migrate``, ``close``)
-cancels the live migration first; an error answer from the local worker cancels it too.
+cancels a live migration first, and so does an error answer from the local worker.
 """
 
 from __future__ import annotations
@@ -37,10 +23,10 @@ import time
 from typing import Any, Callable
 
 from gym_fork.criu.status import dump_size_bound
-from gym_fork.errors import DivergedError, GymForkError
-from gym_fork.migration import wire
+from gym_fork.errors import DivergedError, GymForkError, MigrationError
 from gym_fork.migration.client import NetworkHandle, check_migratable, ship_snapshot, switch_to_remote
-from gym_fork.errors import MigrationError
+from gym_fork.migration.wire.auth import load_token
+from gym_fork.migration.wire.connect import connect_in_background
 from gym_fork.worker.channel import canonical_digest
 
 log = logging.getLogger("gym_fork.migration")
@@ -375,9 +361,9 @@ def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None,
     """Start a pre-copy migration of ``env``'s worker to the agent at ``target``; see the module doc."""
     check_migratable(env, target)
     check_live(env)
-    tok = wire.load_token(token, token_file)
+    tok = load_token(token, token_file)
     limit = dump_size_bound(env._handle.pid)
-    conn = wire.connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+    conn = connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
 
     def ship(mig: LiveMigration) -> tuple[NetworkHandle, dict]:
         sock, hello, reply, nbytes = ship_snapshot(mig._snap, target, tok, _Conn(conn, mig), mig._timings, limit)

@@ -4,9 +4,10 @@
   actor per node; a snapshot's bundle travels through the object store once per node and is
   verified and restored once there.
 * :class:`RayNode`: a migration target, ``env.migrate(RayNode(node_id))`` (one migration host
-  actor per node; hops chain: :mod:`gym_fork.ray.migration`), and
+  actor per node; hops chain: :mod:`gym_fork.ray.env_migration`), and
   ``LiveMigrationCallback(RayNode(node_id))`` (a whole ``gym-fork run`` job moves into that node's
-  host; the supervisor, not the job, talks to Ray).
+  host; the supervisor, not the job, talks to Ray: :mod:`gym_fork.ray.targets`, registered as
+  the ``"ray"`` target kind through an entry point).
 
 ``import ray`` in this package is the top-level Ray (absolute imports), not ``gym_fork.ray``.
 ``from gym_fork.ray import RayNode`` does not import Ray (a migratable job must stay Ray-free:

@@ -1,19 +1,13 @@
 """The per-node host actor of :mod:`gym_fork.ray`: restores a snapshot's bundle once on its node and
 serves branches from it (copy-on-write fork tier where available).
 
-Process rules inside a Ray worker (facts and traps: ``shared/ray/README.md``):
-
-* **SIGCHLD is reset to SIG_DFL.** Ray may set it to SIG_IGN (subreaper mode); criu inherits that
-  through exec and then fails in kerndat while *returning 0*. Restores are checked by a ping of
-  the restored worker anyway (``CriuBackend._restore_verified``), never by criu's exit code.
-* **The actor is a child subreaper.** Everything it restores (``rst_sibling``) is its child, and
-  anything orphaned below it is re-parented to it, not to PID 1: Ray's kill-children-on-exit then
-  reaches them, and every gym_fork process also exits on EOF of its channel (held by the actor).
-* **Ray's inherited fds are made close-on-exec**, so the ``criu swrk`` pycriu forks never holds
-  the raylet's pipe or Ray's log files.
-* **Images live in a per-actor session directory** ``$GYM_FORK_DIR/ray-hosts/s<pid>-*``; an actor
-  killed with ``ray.kill`` cannot clean up, so every host reaps the directories of dead pids when
-  it starts (and :func:`reap_dead_dirs` runs as a pinned task when a pool closes).
+What a Ray worker process needs before it can run CRIU (:func:`prepare_process`): SIGCHLD back
+to SIG_DFL (Ray may set SIG_IGN; criu inherits it and then fails while exiting 0, so restores
+are checked by pinging the restored worker, never by criu's exit code); the actor a child
+subreaper, so whatever it restores or orphans stays below it and dies with it; Ray's inherited
+fds close-on-exec, so criu never holds them. Images live in a per-actor session directory under
+:func:`hosts_base`; an actor killed by ``ray.kill`` cannot clean up, so every host deletes the
+directories of dead pids when it starts (and :func:`reap_dead_dirs` runs when a pool closes).
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ def hosts_base() -> str:
     return os.path.join(base, "ray-hosts")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not: e.g. a host whose node died, not reaped yet)."""
     try:
         os.kill(pid, 0)
@@ -70,7 +64,7 @@ def reap_dead_dirs(base: str | None = None) -> list[str]:
             pid = int(name[1:name.index("-")])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
             gone.append(name)
     return gone
@@ -97,7 +91,7 @@ def prepare_process() -> str:
     from gym_fork.snapshots import sessiondir
     from gym_fork.criu.status import criu_status
 
-    criu_status()  # probed (and cached) now, not on the first restore's critical path (~0.1 s)
+    criu_status()  # probed (and cached) now, not on the first restore's critical path
     return sessiondir.session_dir()
 
 
@@ -172,6 +166,10 @@ class BranchHost:
     def info(self) -> dict:
         return {"node_id": self.node_id, "pid": os.getpid(), "session": self.session,
                 "roots": list(self._roots), "busy": self._busy, "descendants": descendants(os.getpid())}
+
+    def branches_busy(self) -> bool:
+        """Whether this host holds a restored snapshot or runs branches now."""
+        return bool(self._roots or self._busy)
 
     # --- snapshots --------------------------------------------------------------------------------
     def prepare(self, key: str, refs: list) -> dict:

@@ -1,6 +1,6 @@
-"""``RayNode``: a migration target named by Ray node id (kept import-light: the migration code in
-:mod:`gym_fork.ray.migration` is loaded only when an env actually migrates, and a training job
-that names a ``RayNode`` for :class:`~gym_fork.sb3.LiveMigrationCallback` never imports Ray)."""
+"""``RayNode``: a migration target named by Ray node id. Import-light: the migration code is
+loaded only when an env actually migrates, and a training job that names a ``RayNode`` for
+:class:`~gym_fork.sb3.LiveMigrationCallback` never imports Ray."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ class RayNode:
     def _gym_fork_migrate(self, env: Any, *, token: str | bytes | None = None, timeout: float = 60.0,
                           live: bool = False, **_ignored: Any) -> Any:
         if live:
-            from gym_fork.ray.migration import migrate_env_to_node_live
+            from gym_fork.ray.env_migration import migrate_env_to_node_live
 
             return migrate_env_to_node_live(env, self, token=token, timeout=timeout)
-        from gym_fork.ray.migration import migrate_env_to_node
+        from gym_fork.ray.env_migration import migrate_env_to_node
 
         return migrate_env_to_node(env, self, token=token, timeout=timeout)
 

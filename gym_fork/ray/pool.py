@@ -29,7 +29,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gym_fork.exploration import ExploreResult
 from gym_fork.errors import BranchesFailedError
-from gym_fork.ray.host import BranchHost, _pid_alive, pack_dir, reap_dead_dirs
+from gym_fork.ray.errors import cause, first_line
+from gym_fork.ray.host import BranchHost, pack_dir, pid_alive, reap_dead_dirs
 from gym_fork.snapshots.snapshot import Snapshot
 
 
@@ -249,12 +250,12 @@ class RayBranchPool:
             try:
                 out = ray.get(call)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                why = f"the host actor on node {node} died during the call ({type(e).__name__}: {_first_line(e)})"
+                why = f"the host actor on node {node} died during the call ({type(e).__name__}: {first_line(e)})"
                 self._dead[node] = why
                 fail(node, idx, why)
                 continue
             except ray.exceptions.RayError as e:  # the actor raised: env error, bad bundle, policy error
-                fail(node, idx, f"on node {node}: {_cause(e)}")
+                fail(node, idx, f"on node {node}: {cause(e)}")
                 continue
             rt = time.perf_counter() - t_sub
             result.ray_overhead_s += max(0.0, rt - out["prepare_s"] - out["run_s"])
@@ -353,18 +354,6 @@ def _reap_task(pids: list[int]) -> list[str]:
     """On one node: wait (<= 5 s) for the given host pids to be gone, then delete the session
     directories of every dead host there."""
     deadline = time.monotonic() + 5
-    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return reap_dead_dirs()
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__
-
-
-def _cause(e: BaseException) -> str:
-    cause = getattr(e, "cause", None)
-    if cause is not None:
-        return f"{type(cause).__name__}: {cause}"
-    return _first_line(e)

@@ -10,7 +10,7 @@ from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
 
-from gym_fork.migration.job import CONTROL_ENV, prepare_migration, request_migration
+from gym_fork.migration.control import is_managed_job, prepare_migration, request_migration
 
 
 class LiveMigrationCallback(BaseCallback):
@@ -49,9 +49,9 @@ class LiveMigrationCallback(BaseCallback):
         self._prepare()
 
     def _prepare(self) -> None:
-        """Ray node targets: have the supervisor start their job hosts now and keep them warm, so
-        that a move does not wait for Ray (connect, actor start). Agents need nothing."""
-        if os.environ.get(CONTROL_ENV) and any(t.startswith("ray:") for t in self.route):
+        """Tell the supervisor the route now: target kinds that need set-up (a Ray node's job host
+        to start and keep warm) do it in the background, so a move does not wait for it."""
+        if is_managed_job():
             try:
                 prepare_migration(self.route)
             except Exception:  # noqa: BLE001 - an older supervisor: moves just resolve later
