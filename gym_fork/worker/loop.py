@@ -12,7 +12,12 @@ process-level commands of the copy-on-write tier:
 ``fork_snapshot`` (+ an fd)
     ``fork()`` a *frozen* child that keeps this exact state, copy-on-write, and serves the
     frozen loop on the given fd.  The worker answers *before* it forks (the controller carries
-    on at once; the worker's next command waits for the fork) and then carries on.
+    on at once; the worker's next command waits for the fork) and then carries on.  First it
+    looks for what ``fork()`` cannot copy (:mod:`gym_fork.worker.resources`: other threads, child
+    processes, shared descriptors); if anything is there it does not fork and answers with the
+    findings instead, and the controller takes a CRIU dump of the whole tree or refuses.
+``resources``
+    the same scan, answered as is (before a CRIU dump: what the dump would not capture).
 ``clone`` (frozen loop, + an fd)
     ``fork()`` an active worker from the frozen state, serving env commands on the fd.
 ``promote`` (frozen loop, + an fd)
@@ -44,6 +49,7 @@ os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
+from gym_fork.worker import resources  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 FD_COMMANDS = frozenset({"fork_snapshot", "clone", "promote"})
@@ -60,13 +66,14 @@ def _error_reply(exc: BaseException) -> tuple:
     return (ERR, type(exc).__name__, str(exc), traceback.format_exc())
 
 
+# This worker's own fork-tier children (frozen snapshots): the env's child processes are the env's.
+_FORKED: set[int] = set()
+
+
 def _reap_zombies() -> None:
-    """Collect exited children (frozen snapshots that were released) without blocking."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
+    """Collect exited fork-tier children (frozen snapshots that were released, clones orphaned to
+    a namespace init) without blocking. The env's own children are left to the env to wait for."""
+    resources.reap_fork_zombies(_FORKED)
 
 
 def thread_count() -> int:
@@ -77,8 +84,10 @@ def thread_count() -> int:
 
 
 def _retire_or_exit(code: int = 0) -> None:
-    """Leave the loop. A PID-namespace init becomes a reaper so that its namespace's other
-    processes (clones, frozen snapshots) live on; any other process just exits."""
+    """Leave the loop. The env's own child processes are killed (no process outlives its env). A
+    PID-namespace init becomes a reaper so that its namespace's other processes (clones, frozen
+    snapshots) live on; any other process just exits."""
+    resources.kill_env_processes()
     if os.getpid() == 1:
         os.closerange(3, 65536)
         os.execv(sys.executable, [sys.executable, "-S", "-c", REAPER])
@@ -100,6 +109,8 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     _check_single_threaded()
     pid = os.fork()
     if pid == 0:
+        resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
+        _FORKED.clear()  # the parent's frozen snapshots are not this process's children
         for ch in drop:
             if ch is not None:
                 ch.close()
@@ -129,10 +140,18 @@ def serve(chan: Channel, server: EnvServer) -> None:
             if cmd == "fork_snapshot":
                 fd = _recv_one_fd(chan)
                 try:
-                    _check_single_threaded()
-                except RuntimeError:
+                    # What fork() cannot copy (threads, children, shared descriptors): then no
+                    # fork; the controller gets the findings and takes a CRIU dump or refuses.
+                    scan = resources.fork_blockers({chan.fileno(), fd}, _FORKED)
+                    if not scan.resources:
+                        _check_single_threaded()
+                except BaseException:
                     os.close(fd)
                     raise
+                if scan.resources:
+                    os.close(fd)
+                    chan.send((OK, scan.to_wire()))
+                    continue
                 # Answer first, then fork: nothing is read from the channel before the fork, so
                 # the child holds exactly the state this request saw, while the controller goes
                 # on (its next request waits in the socket; work it does meanwhile -- the
@@ -148,9 +167,13 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 if pid == 0:
                     frozen_loop(Channel.from_fd(fd), server)
                     os._exit(0)
+                _FORKED.add(pid)
                 os.close(fd)
                 _reap_zombies()
                 continue
+            elif cmd == "resources":  # before a CRIU dump: what it would (not) capture
+                _reap_zombies()
+                reply = (OK, resources.fork_blockers({chan.fileno()}, _FORKED).to_wire())
             else:
                 reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller

@@ -1,0 +1,148 @@
+"""Deciding how a worker's state can be snapshotted exactly, from what its scan found.
+
+The worker reports what ``fork()`` cannot copy (:mod:`gym_fork.worker.resources`).  Here the
+controller decides, per snapshot:
+
+* nothing found: a copy-on-write ``fork()`` snapshot (the fork tier), or a plain CRIU dump;
+* only things a CRIU dump of the whole process tree restores exactly: such a dump (children,
+  threads, pipes and sockets between the tree's processes, unlinked files, ...), provided the
+  worker can be dumped with its tree (it is the init of its PID namespace and no fork-tier process
+  of gym_fork's lives in its tree) and CRIU runs here;
+* anything else: :class:`~gym_fork.errors.UncapturableStateError`, naming each resource (pid, fd,
+  path or peer) and the fix, before anything was copied.
+
+Example:
+    >>> from gym_fork.worker.resources import Resource, Scan
+    >>> scan = Scan(pid=42, ns_init=True, resources=[Resource("child", 43, "process 43 (redis-server)", "criu")],
+    ...             fork_processes=[], tree=[42, 43])
+    >>> check_tree(scan, criu_ok=True, private_network=False)
+    ['process 43 (redis-server)']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+from gym_fork.errors import UncapturableStateError
+from gym_fork.worker.resources import Resource, Scan
+
+#: the key under which a worker's own network namespace is handed to CRIU (external ``net[INO]``)
+NETNS_KEY = "gym_fork-netns"
+
+
+def _names(rs: list[Resource]) -> str:
+    return "; ".join(r.describe() for r in rs)
+
+
+def check_tree(scan: Scan, *, criu_ok: bool, private_network: bool, unavailable: str | None = None,
+               fork_tier_required: bool = False) -> list[str]:
+    """Whether a CRIU dump of the scanned worker's whole tree is exact; the reasons it is needed.
+
+    Args:
+        scan: what the worker found.
+        criu_ok: CRIU can dump this worker (not fork-only mode).
+        private_network: the worker has a network namespace of its own.
+        unavailable: why CRIU cannot run here (for the message).
+        fork_tier_required: the user asked for ``fork_tier=True``.
+
+    Returns:
+        Short descriptions of what only the CRIU dump captures (empty: nothing special).
+
+    Raises:
+        UncapturableStateError: something would not be captured exactly; names it and the fix.
+    """
+    res = scan.resources
+    none = [r for r in res if r.capture == "none"]
+    if not private_network:
+        none += [r for r in res if r.capture == "criu+netns"]
+    if none:
+        fixes = list(dict.fromkeys(r.fix for r in none if r.fix))
+        raise UncapturableStateError(
+            f"gym_fork cannot snapshot this env exactly: its worker (pid {scan.pid}) holds "
+            f"{_names(none)}. To fix: " + " | ".join(fixes) + ". Nothing was copied; the env keeps running.",
+            none)
+    need = [r for r in res if r.capture in ("criu", "criu+netns")]
+    if not need:
+        return []
+    what = [r.what for r in need]
+    if fork_tier_required:
+        raise UncapturableStateError(
+            f"fork_tier=True, but a fork() copy of this env's worker (pid {scan.pid}) would not be exact: it "
+            f"holds {_names(need)}. Use fork_tier='auto' (a CRIU dump of the whole process tree then) or False.",
+            need)
+    if not criu_ok:
+        raise UncapturableStateError(
+            f"gym_fork cannot snapshot this env exactly: its worker (pid {scan.pid}) holds {_names(need)}, which "
+            f"a copy-on-write fork() does not copy and only a CRIU dump of the whole process tree captures, and "
+            f"CRIU is unavailable here ({unavailable or 'see `gym-fork doctor`'}). To fix: run as root or enable "
+            "unprivileged user namespaces so that CRIU runs (`gym-fork doctor` says how); or keep the env's "
+            "state in its own memory (no threads, child processes or open files between steps).", need)
+    if not scan.ns_init or scan.fork_processes:
+        why = ("it runs as a copy-on-write clone (restored or forked from an in-memory snapshot), which "
+               "CRIU cannot dump together with its child processes" if not scan.ns_init else
+               f"its process tree also holds gym_fork's in-memory snapshots or branches (pids "
+               f"{scan.fork_processes}), which a dump of the whole tree would include")
+        raise UncapturableStateError(
+            f"gym_fork cannot snapshot this env exactly now: its worker (pid {scan.pid}) holds {_names(need)}, "
+            f"which a copy-on-write fork() does not copy, and {why}. To fix: create the env with "
+            "ForkableEnv(..., fork_tier=False), so every snapshot is a CRIU dump of the whole process tree "
+            "from the start. Nothing was copied; the env keeps running.", need)
+    return what
+
+
+def dump_options(scan: Scan | None, private_network: bool) -> dict:
+    """Extra CRIU options a dump of the scanned tree needs (pycriu ``opts`` field -> value)."""
+    from gym_fork.worker.resources import GHOST_LIMIT
+
+    opts: dict = {"ghost_limit": GHOST_LIMIT}
+    if private_network:
+        # Every connection end is in the frozen tree (its own network namespace has only lo), so
+        # nothing can arrive during the dump: no firewall lock needed.
+        opts.update(tcp_established=True, network_lock=3)  # CRIU_NETWORK_LOCK_SKIP
+    return opts
+
+
+def summary(resources: list[Resource]) -> str:
+    """``"2 child processes (python, redis-server), 3 pipes, 1 thread"``: what a scan found, by kind."""
+    kinds: dict[str, list[Resource]] = {}
+    for r in resources:
+        kinds.setdefault(r.kind, []).append(r)
+    parts = []
+    for kind, rs in kinds.items():
+        if kind == "child":
+            names = ", ".join(dict.fromkeys(r.what.split("(", 1)[-1].rstrip(")") for r in rs))
+            parts.append(f"{len(rs)} child process{'es' if len(rs) > 1 else ''} ({names})")
+        elif kind == "thread":
+            parts.append(rs[0].what)
+        elif len(rs) == 1:
+            parts.append(rs[0].what)
+        else:
+            parts.append(f"{len(rs)} {kind}s")
+    return ", ".join(parts)
+
+
+def describe_switch(scan: Scan) -> str:
+    """The one log line an env gets when its snapshots become CRIU dumps of its whole tree."""
+    need = [r for r in scan.resources if r.capture != "none"]
+    return (f"gym_fork: env worker {scan.pid} holds what a copy-on-write fork() does not copy ({summary(need)}); "
+            "its snapshots are CRIU dumps of the whole process tree from now on")
+
+
+_ghost_locks: dict[str, threading.Lock] = {}
+_ghost_guard = threading.Lock()
+
+
+def image_lock(images_dir: str):
+    """A lock for restoring images that hold unlinked ("ghost") files: CRIU re-creates each one at a
+    fixed path next to the original while it restores, so two restores of one image at the same
+    time collide. Other images restore concurrently (a no-op context)."""
+    try:
+        ghosts = any(n.startswith("ghost-file-") for n in os.listdir(images_dir))
+    except OSError:
+        ghosts = False
+    if not ghosts:
+        return contextlib.nullcontext()
+    with _ghost_guard:
+        return _ghost_locks.setdefault(os.path.realpath(images_dir), threading.Lock())

@@ -1,0 +1,711 @@
+"""What a worker holds that ``fork()`` cannot copy: a cheap scan of ``/proc``.
+
+A copy-on-write snapshot is a ``fork()`` of the worker.  ``fork()`` copies the calling thread's
+memory and nothing else: other threads are gone in the copy, child processes stay the original's,
+and every file descriptor is *shared* (one file offset, one pipe, one socket peer, one eventfd
+counter for both).  Any of those makes a forked copy silently wrong.  Before each fork snapshot
+the worker therefore looks at itself (:func:`fork_blockers`, a few hundred microseconds on the
+common path, where nothing is found); when something is there, the snapshot is taken as a CRIU
+dump of the whole process tree instead, or refused when nothing can capture it exactly.
+
+Each finding is a :class:`Resource`: what it is, who holds it (host pid, fd), the path or peer,
+and how it can be captured:
+
+``"criu"``
+    a CRIU dump of the worker's whole tree restores it exactly (threads, child processes, pipes
+    and unix sockets between the tree's processes, unlinked files up to :data:`GHOST_LIMIT`,
+    anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset);
+``"criu+netns"``
+    the same, but only when the worker has a network namespace of its own (TCP/UDP sockets and
+    abstract unix sockets: a restored copy would otherwise collide with the original's address);
+``"none"``
+    nothing captures it: a socket or pipe to a process outside the tree or to another machine, a
+    file open for writing (its content is not in any image), shared memory or a shared file
+    mapping other processes can write, a terminal or a GPU device.  ``fix`` says what to do.
+
+The scan also reports the tree's shape (:class:`Scan`): whether the worker is the init of its PID
+namespace (only such a process can be dumped with its children) and which of its children are
+gym_fork's own fork-tier processes (frozen snapshots, clones), which a whole-tree dump must not
+include.
+
+Example:
+    >>> import os
+    >>> scan = fork_blockers(own_fds={0, 1, 2})
+    >>> isinstance(scan.resources, list) and scan.pid > 0
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import stat
+import struct
+from dataclasses import asdict, dataclass, field
+
+#: unlinked files up to this size are copied into CRIU images (``--ghost-limit``); larger ones are refused
+GHOST_LIMIT = 256 << 20
+#: what gym_fork's fork-tier processes call themselves (``/proc/PID/comm``), so a scan can tell
+#: them from the env's own child processes
+FORK_COMM = b"gym_fork-fork"
+
+_HARMLESS_DEVICES = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"})
+_CRIU_ANON = {
+    "[eventfd]": "an eventfd",
+    "[timerfd]": "a timerfd",
+    "inotify": "an inotify instance",
+    "[signalfd]": "a signalfd",
+    "[eventpoll]": "an epoll instance",
+    "[pidfd]": "a pidfd",
+}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+
+
+@dataclass
+class Resource:
+    """One thing in the worker's process tree that ``fork()`` does not copy."""
+
+    kind: str  # thread, child, pipe, socket, listener, file, unlinked-file, shared-memory, device, ...
+    pid: int  # host pid of the process that holds it
+    what: str  # path, socket address, peer or thread name, as words
+    capture: str  # "criu", "criu+netns" or "none"
+    fd: int | None = None
+    fix: str = ""  # for capture == "none" (and "criu+netns"): what to do instead
+    detail: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        where = f"pid {self.pid}" + (f" fd {self.fd}" if self.fd is not None else "")
+        return f"{self.kind} {self.what} ({where})"
+
+
+@dataclass
+class Scan:
+    """The outcome of one scan of a worker's process tree."""
+
+    pid: int  # the worker's host pid
+    ns_init: bool  # PID 1 of its own PID namespace (a whole-tree CRIU dump is possible)
+    resources: list[Resource]
+    fork_processes: list[int]  # gym_fork fork-tier processes among the worker's descendants
+    tree: list[int]  # host pids of the env's own processes (worker first, then its descendants)
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Scan":
+        return cls(pid=d["pid"], ns_init=d["ns_init"], resources=[Resource(**r) for r in d["resources"]],
+                   fork_processes=list(d["fork_processes"]), tree=list(d["tree"]))
+
+
+def host_pid() -> int:
+    try:
+        return int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return os.getpid()
+
+
+def mark_fork_process() -> None:
+    """Name this process :data:`FORK_COMM` (a fork-tier process, not one of the env's)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, ctypes.c_char_p(FORK_COMM), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _children(proc: str, tids: list[str] | None = None) -> list[int]:
+    """Children of every thread of the process ``proc`` ("self" or a pid)."""
+    out: list[int] = []
+    if tids is None:
+        try:
+            tids = os.listdir(f"/proc/{proc}/task")
+        except OSError:
+            return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{proc}/task/{tid}/children", "rb") as f:
+                out.extend(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _comm(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return b""
+
+
+def _status(pid: int) -> tuple[bytes, bytes, int]:
+    """(name, state letter, pid in the innermost PID namespace) of a host pid (/proc shows host
+    pids, while ``os.fork()`` inside a worker's namespace returns namespace-local ones)."""
+    name, state, local = b"", b"", pid
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Name:"):
+                    name = line[5:].strip()
+                elif line.startswith(b"State:"):
+                    state = line[6:].strip()[:1]
+                elif line.startswith(b"NSpid:"):
+                    local = int(line.split()[-1])
+                    break
+    except (OSError, ValueError):
+        pass
+    return name, state, local
+
+
+def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tuple[list[int], list[tuple[int, int, bool]]]:
+    """Split this process's children (host pids) into the env's own and gym_fork's fork-tier
+    processes ``(host pid, local pid, is a zombie)``.  ``forked``: namespace-local pids of the
+    frozen snapshots this process forked and has not reaped.  When the counts match, every child
+    is one of those (nothing is read); else each child's status is read."""
+    if len(kids) == len(forked):
+        return [], [(p, -1, False) for p in kids]
+    env, fork = [], []
+    for pid in kids:
+        name, state, local = _status(pid)
+        if local in forked or name == FORK_COMM:
+            fork.append((pid, local, state == b"Z"))
+        else:
+            env.append(pid)
+    return env, fork
+
+
+def reap_fork_zombies(forked: set[int]) -> None:
+    """Collect exited fork-tier children without blocking: frozen snapshots that were released
+    (``forked``, namespace-local pids, updated in place) and clones orphaned to this namespace
+    init.  The env's own children are left to the env to wait for."""
+    for pid in list(forked):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                forked.discard(pid)
+        except ChildProcessError:
+            forked.discard(pid)
+    kids = _children("self")
+    if len(kids) != len(forked):
+        for _host, local, zombie in classify_children(kids, forked)[1]:
+            if zombie and local not in forked:
+                try:
+                    os.waitpid(local, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+def _fd_flags(proc: str, fd: str) -> int:
+    try:
+        with open(f"/proc/{proc}/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _link(proc: str, fd: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{proc}/fd/{fd}")
+    except OSError:
+        return None
+
+
+def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children: set[int] | frozenset[int] = frozenset(),
+                  log_files: tuple[tuple[int, int], ...] | None = None) -> Scan:
+    """Scan this process (the worker) and its descendants for what ``fork()`` cannot copy.
+
+    Args:
+        own_fds: this process's own gym_fork descriptors (its channel, an fd that came with the
+            request): never reported.
+        own_children: namespace-local pids of this process's own fork-tier children (frozen
+            snapshots it forked and has not reaped).
+        log_files: ``(st_dev, st_ino)`` of files that count as the worker's log (opened
+            ``O_APPEND`` by gym_fork); default: whatever fds 1 and 2 are.
+
+    Returns:
+        A :class:`Scan`; ``scan.resources`` is empty when a ``fork()`` copy is exact.
+    """
+    me = host_pid()
+    logs = set(log_files) if log_files is not None else _stdio_files()
+    found: list[Resource] = []
+    tids = os.listdir("/proc/self/task")
+    if len(tids) > 1:
+        names = _thread_names("self")
+        found.append(Resource("thread", me, f"{len(tids) - 1} other thread(s) ({', '.join(names)})", "criu"))
+    env_kids, fork_kids = classify_children(_children("self", tids), own_children)
+    fork_procs = [p for p, _local, _z in fork_kids]
+    fds = _scan_fds("self", me, set(own_fds), logs)
+    shared = _scan_maps("self", me)
+    tree = [me]
+    if env_kids or fds or shared:
+        found.extend(fds)
+        found.extend(shared)
+        if env_kids:
+            tree.extend(_descendants(env_kids))
+            for pid in tree[1:]:
+                found.append(Resource("child", pid, f"process {pid} ({_comm(pid).decode(errors='replace')})", "criu"))
+                found.extend(_scan_fds(str(pid), pid, set(), logs))
+                found.extend(_scan_maps(str(pid), pid))
+        _resolve_peers(found, tree)
+    return Scan(pid=me, ns_init=os.getpid() == 1, resources=found, fork_processes=fork_procs, tree=tree)
+
+
+def _stdio_files() -> set[tuple[int, int]]:
+    out = set()
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            flags = _fd_flags("self", str(fd))
+            if flags & os.O_APPEND:
+                out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def _thread_names(proc: str) -> list[str]:
+    names = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{proc}/task"), key=int)[1:]
+    except OSError:
+        return names
+    for tid in tids[:8]:
+        try:
+            with open(f"/proc/{proc}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    return names
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        if pid in out:
+            continue
+        out.append(pid)
+        todo.extend(_children(str(pid)))
+    return out
+
+
+def _scan_fds(proc: str, pid: int, own: set[int], logs: set[tuple[int, int]]) -> list[Resource]:
+    out: list[Resource] = []
+    try:
+        fds = os.listdir(f"/proc/{proc}/fd")
+    except OSError:
+        return out
+    for name in fds:
+        fd = int(name)
+        if fd in own:
+            continue
+        target = _link(proc, name)
+        if target is None:
+            continue
+        if target.startswith("socket:["):
+            out.append(Resource("socket", pid, target, "?", fd, detail={"ino": int(target[8:-1])}))
+        elif target.startswith("pipe:["):
+            flags = _fd_flags(proc, name)
+            end = "write" if flags & os.O_WRONLY else "read"
+            out.append(Resource("pipe", pid, f"{target} ({end} end)", "?", fd,
+                                detail={"ino": int(target[6:-1]), "end": end}))
+        elif target.startswith("anon_inode:"):
+            kind = target[len("anon_inode:"):]
+            if kind in _CRIU_ANON:
+                out.append(Resource(kind.strip("[]"), pid, _CRIU_ANON[kind], "criu", fd))
+            else:
+                out.append(Resource("anon-inode", pid, target, "none", fd,
+                                    fix="nothing captures this kind of descriptor; create it during a step "
+                                        "and close it before the step returns"))
+        elif target.startswith("/"):
+            r = _file_resource(proc, name, pid, fd, target, logs)
+            if r is not None:
+                out.append(r)
+        else:  # net:[...], mnt:[...] namespace fds, [fanotify] ...
+            out.append(Resource("descriptor", pid, target, "none", fd,
+                                fix="nothing captures this kind of descriptor; close it between steps"))
+    return out
+
+
+def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
+                   logs: set[tuple[int, int]]) -> Resource | None:
+    if target in _HARMLESS_DEVICES:
+        return None
+    try:
+        st = os.stat(f"/proc/{proc}/fd/{name}")
+    except OSError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    flags = _fd_flags(proc, name)
+    writing = bool(flags & _WRITE_FLAGS)
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        gpu = target.startswith(("/dev/nvidia", "/dev/dri", "/dev/kfd", "/dev/accel"))
+        tty = target.startswith(("/dev/pts", "/dev/tty", "/dev/console", "/dev/ptmx"))
+        what = "a GPU" if gpu else "a terminal" if tty else "a device"
+        fix = ("GPU memory and device state are not captured by any snapshot: keep the GPU in the learner, "
+               "not in the env" if gpu else
+               "start the env with stdin/stdout/stderr not on a terminal" if tty else
+               "device state is not captured; open the device only during a step")
+        return Resource("device", pid, f"{target} ({what})", "none", fd, fix=fix)
+    if not stat.S_ISREG(st.st_mode):  # FIFOs by path, sockets by path (rare): treat as foreign
+        return Resource("file", pid, target, "none", fd,
+                        fix="a named pipe or socket file is shared with whoever else opens it; open it only "
+                            "during a step")
+    deleted = target.endswith(" (deleted)")
+    path = target[: -len(" (deleted)")] if deleted else target
+    if deleted or path.startswith("/memfd:"):
+        if st.st_size > GHOST_LIMIT:
+            return Resource("unlinked-file", pid, f"{path} ({st.st_size} bytes)", "none", fd,
+                            fix=f"unlinked files larger than {GHOST_LIMIT >> 20} MiB are not copied into "
+                                "snapshots; keep it smaller, or keep it in workspace=DIR under a name")
+        return Resource("unlinked-file", pid, f"{path} ({st.st_size} bytes)", "criu", fd,
+                        detail={"size": st.st_size})
+    if writing:
+        if flags & os.O_APPEND and (st.st_dev, st.st_ino) in logs:
+            return None  # the worker's own log (worker_log=): appended to by every copy
+        return Resource("file", pid, f"{path} (open for writing)", "none", fd, detail={"path": path},
+                        fix=f"its content is not part of a process snapshot, so copies would share one "
+                            f"{os.path.basename(path)}: put it in the env's workspace (ForkableEnv(..., "
+                            "workspace=DIR)) and open it only during a step (for SQLite: connect per step)")
+    return Resource("file", pid, f"{path} (open for reading)", "criu", fd, detail={"path": path})
+
+
+class _ProcmapQuery(ctypes.Structure):
+    """``struct procmap_query`` (linux/fs.h, Linux >= 6.11): one VMA per ioctl, filtered in the kernel."""
+
+    _fields_ = [("size", ctypes.c_uint64), ("query_flags", ctypes.c_uint64), ("query_addr", ctypes.c_uint64),
+                ("vma_start", ctypes.c_uint64), ("vma_end", ctypes.c_uint64), ("vma_flags", ctypes.c_uint64),
+                ("vma_page_size", ctypes.c_uint64), ("vma_offset", ctypes.c_uint64), ("inode", ctypes.c_uint64),
+                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32), ("vma_name_size", ctypes.c_uint32),
+                ("build_id_size", ctypes.c_uint32), ("vma_name_addr", ctypes.c_uint64),
+                ("build_id_addr", ctypes.c_uint64)]
+
+
+_PROCMAP_QUERY = 0xC0000000 | (ctypes.sizeof(_ProcmapQuery) << 16) | (ord("f") << 8) | 17
+_VMA_WRITABLE, _VMA_SHARED, _COVERING_OR_NEXT = 0x02, 0x08, 0x10
+_procmap_ok = True
+_libc: ctypes.CDLL | None = None
+_name_buf = _query = None
+
+
+def _shared_maps_fast() -> list[tuple[bytes, bool]] | None:
+    """(name, writable) of this process's shared mappings through PROCMAP_QUERY: tens of
+    microseconds where reading ``/proc/self/maps`` (hundreds of VMAs: pygame, Box2D) takes a
+    millisecond or more.  None where the kernel lacks the ioctl."""
+    global _procmap_ok
+    global _libc, _name_buf, _query
+    if not _procmap_ok:
+        return None
+    if _libc is None:
+        _libc, _name_buf, _query = ctypes.CDLL(None, use_errno=True), ctypes.create_string_buffer(4096), _ProcmapQuery()
+    libc, name, q = _libc, _name_buf, _query
+    out: list[tuple[bytes, bool]] = []
+    fd = os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = 0
+        while True:
+            q.size, q.query_flags, q.query_addr = ctypes.sizeof(q), _VMA_SHARED | _COVERING_OR_NEXT, addr
+            q.vma_name_size, q.vma_name_addr, q.build_id_size = len(name), ctypes.addressof(name), 0
+            if libc.ioctl(fd, _PROCMAP_QUERY, ctypes.byref(q)) != 0:
+                err = ctypes.get_errno()
+                if err == 2:  # ENOENT: no more shared VMAs
+                    return out
+                _procmap_ok = False
+                return None
+            out.append((name.value[: max(q.vma_name_size - 1, 0)] or b"[anonymous shared]",
+                        bool(q.vma_flags & _VMA_WRITABLE)))
+            addr = q.vma_end
+    finally:
+        os.close(fd)
+
+
+def _shared_maps_text(proc: str) -> list[tuple[bytes, bool]]:
+    try:
+        with open(f"/proc/{proc}/maps", "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in data.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) >= 2 and parts[1][3:4] == b"s":
+            out.append((parts[5].strip() if len(parts) > 5 else b"[anonymous shared]", parts[1][1:2] == b"w"))
+    return out
+
+
+def _scan_maps(proc: str, pid: int) -> list[Resource]:
+    """Shared memory mappings: ``fork()`` shares them between the copies."""
+    out: list[Resource] = []
+    maps = _shared_maps_fast() if proc == "self" else None
+    if maps is None:
+        maps = _shared_maps_text(proc)
+    seen: set[bytes] = set()
+    for path, writable in maps:
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.decode(errors="replace")
+        anon = (text.startswith("/dev/zero") or text.startswith("/memfd:") or text.startswith("[anon_shmem")
+                or text == "[anonymous shared]" or (text.endswith(" (deleted)") and not text.startswith("/SYSV")))
+        if text.startswith("/SYSV"):
+            out.append(Resource("shared-memory", pid, f"System V shared memory {text}", "none",
+                                fix="System V shared memory is shared with other processes and not captured; "
+                                    "keep the env's state in its own memory"))
+        elif anon:
+            out.append(Resource("shared-memory", pid, f"anonymous shared memory {text}", "criu"))
+        elif not writable:
+            continue  # read-only mapping of a file (e.g. a locale cache): the same in every copy
+        elif text.startswith("/dev/shm/"):
+            out.append(Resource("shared-memory", pid, f"shared memory {text}", "none",
+                                fix="POSIX shared memory is shared with any process that opens it and not "
+                                    "captured; keep the env's state in its own memory"))
+        else:
+            out.append(Resource("shared-mapping", pid, f"{text} (mapped shared, writable)", "none",
+                                fix="writes to a shared file mapping go to the file, which is not captured; "
+                                    "map it privately, or keep the file in workspace=DIR and map it during a step"))
+    return out
+
+
+# --- sockets and pipes: who is at the other end? ------------------------------------------------
+
+def _resolve_peers(found: list[Resource], tree: list[int]) -> None:
+    """Fill in ``capture`` for sockets and pipes: inside the tree (CRIU restores both ends) or not."""
+    socks = [r for r in found if r.kind == "socket"]
+    pipes = [r for r in found if r.kind == "pipe"]
+    if pipes:
+        ends: dict[int, set[str]] = {}
+        for r in pipes:
+            ends.setdefault(r.detail["ino"], set()).add(r.detail["end"])
+        outside = None
+        for r in pipes:
+            ino = r.detail["ino"]
+            if ends[ino] == {"read", "write"}:
+                r.capture = "criu"
+                r.what = f"pipe:[{ino}] between processes of the env"
+                continue
+            if outside is None:
+                outside = _holders_outside({r.detail["ino"] for r in pipes}, "pipe", tree)
+            holders = outside.get(ino, [])
+            if holders:
+                r.capture = "none"
+                r.what = f"pipe:[{ino}] to process(es) {holders} outside the env"
+                r.detail["peer"] = holders
+                r.fix = ("a process outside the env's process tree holds the other end, and it is not "
+                         "snapshotted: start that process from the env (its child), or talk to it only "
+                         "during a step")
+            else:
+                r.capture = "criu"
+                r.what = f"pipe:[{ino}] ({r.detail['end']} end; the other end is closed)"
+    if socks:
+        _resolve_sockets(socks, tree)
+
+
+def _holders_outside(inos: set[int], kind: str, tree: list[int]) -> dict[int, list[int]]:
+    """Pids outside ``tree`` holding ``kind:[ino]`` (a walk over /proc: only on the slow path)."""
+    want = {f"{kind}:[{i}]": i for i in inos}
+    out: dict[int, list[int]] = {}
+    skip = set(tree)
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            t = _link(name, fd)
+            if t in want:
+                out.setdefault(want[t], []).append(int(name))
+    return out
+
+
+_TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
+               7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
+
+
+def _inet_table() -> dict[int, dict]:
+    """inode -> {proto, local, remote, state} from /proc/self/net/{tcp,tcp6,udp,udp6}."""
+    out: dict[int, dict] = {}
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            with open(f"/proc/self/net/{proto}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            p = line.split()
+            if len(p) < 10:
+                continue
+            out[int(p[9])] = {"proto": proto.rstrip("6"), "local": _addr(p[1]), "remote": _addr(p[2]),
+                              "state": _TCP_STATES.get(int(p[3], 16), p[3]) if proto.startswith("tcp") else "UDP"}
+    return out
+
+
+def _addr(hexaddr: str) -> tuple[str, int]:
+    ip, port = hexaddr.split(":")
+    raw = bytes.fromhex(ip)
+    if len(raw) == 4:
+        host = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:
+        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        host = socket.inet_ntop(socket.AF_INET6, words)
+        if host.startswith("::ffff:"):
+            host = host[7:]
+    return host, int(port, 16)
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "0.0.0.0", "::")
+
+
+_NETNS_FIX = ("a restored copy needs the same addresses and connections while the original holds them: give "
+              "the env's worker a network namespace of its own, ForkableEnv(..., private_network=True)")
+
+
+def _resolve_sockets(socks: list[Resource], tree: list[int]) -> None:
+    inos = {r.detail["ino"] for r in socks}
+    inet = _inet_table()
+    unix = _unix_diag()
+    tree_inos = inos
+    by_local = {(v["proto"], v["local"]): k for k, v in inet.items() if k in tree_inos}
+    for r in socks:
+        ino = r.detail["ino"]
+        if ino in inet:
+            v = inet[ino]
+            lhost, lport = v["local"]
+            r.detail.update(proto=v["proto"], local=f"{lhost}:{lport}", state=v["state"])
+            if v["state"] == "LISTEN" or v["proto"] == "udp":
+                r.kind = "listener" if v["state"] == "LISTEN" else "udp-socket"
+                r.what = f"{v['proto'].upper()} {lhost}:{lport}" + (" (listening)" if v["state"] == "LISTEN" else "")
+                r.capture = "criu+netns"
+                r.fix = _NETNS_FIX
+                continue
+            rhost, rport = v["remote"]
+            peer_in_tree = by_local.get((v["proto"], (rhost, rport))) is not None
+            r.what = f"{v['proto'].upper()} {lhost}:{lport} -> {rhost}:{rport} ({v['state']})"
+            r.detail["peer"] = f"{rhost}:{rport}"
+            if peer_in_tree:
+                r.capture = "criu+netns"
+                r.fix = _NETNS_FIX
+            elif _is_loopback(rhost):
+                r.capture = "none"
+                r.fix = ("the peer is a process outside the env's process tree, which is not snapshotted: start "
+                         "the server from the env (as its child), or connect only during a step")
+            else:
+                r.capture = "none"
+                r.fix = ("a connection to another machine cannot be copied (the other side is not snapshotted): "
+                         "connect during a step and close before it returns, or keep the remote service out of "
+                         "the env's state")
+            continue
+        if ino in unix:
+            u = unix[ino]
+            name, peer, state = u.get("name"), u.get("peer"), u.get("state")
+            r.detail.update(family="unix", name=name, peer=peer)
+            if state == 10:  # TCP_LISTEN: a listening unix socket
+                r.kind = "listener"
+                if name and name.startswith("@"):
+                    r.what = f"unix socket {name} (abstract, listening)"
+                    r.capture = "criu+netns"
+                    r.fix = ("abstract unix socket names are per network namespace: ForkableEnv(..., "
+                             "private_network=True) gives every copy its own")
+                elif name and os.path.exists(name):
+                    r.what = f"unix socket {name} (listening)"
+                    r.capture = "none"
+                    r.fix = ("a socket path is one name in the shared file system: every restored copy would bind "
+                             "it again and take it from the original and its siblings. Connect the env's client, "
+                             "then unlink the path (established connections stay private to each copy), or use "
+                             "TCP on 127.0.0.1 with ForkableEnv(..., private_network=True)")
+                else:
+                    r.what = f"unix socket {name or '(unnamed)'} (listening, path unlinked)"
+                    r.capture = "criu"
+                continue
+            if peer and peer in tree_inos:
+                r.what = f"unix socket {ino} <-> {peer} (between processes of the env)"
+                r.capture = "criu"
+            elif peer:
+                holders = _holders_outside({peer}, "socket", tree).get(peer, [])
+                r.what = f"unix socket {name or ino} connected to process(es) {holders or '?'} outside the env"
+                r.detail["peer"] = holders
+                r.capture = "none"
+                r.fix = ("the process at the other end is not part of the env's process tree, so it is not "
+                         "snapshotted: start it from the env (as its child), or connect only during a step")
+            else:
+                r.what = f"unix socket {name or ino} (not connected)"
+                r.capture = "criu"
+            continue
+        r.what = f"socket {ino} (not TCP, UDP or unix)"
+        r.capture = "none"
+        r.fix = "only TCP, UDP and unix sockets are captured; open other sockets only during a step"
+
+
+# sock_diag for unix sockets: the peer inode (not in /proc/net/unix) and the bound name.
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
+_UDIAG_SHOW_NAME, _UDIAG_SHOW_PEER = 0x1, 0x4
+
+
+def _unix_diag() -> dict[int, dict]:
+    """inode -> {state, name, peer} of every unix socket in this network namespace."""
+    out: dict[int, dict] = {}
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+    except OSError:
+        return out
+    try:
+        req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0,
+                          _UDIAG_SHOW_NAME | _UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
+        hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
+        s.send(hdr + req)
+        done = False
+        while not done:
+            data = s.recv(1 << 16)
+            pos = 0
+            while pos + 16 <= len(data):
+                length, mtype, _flags, _seq, _pid = struct.unpack_from("=IHHII", data, pos)
+                if length < 16:
+                    done = True
+                    break
+                if mtype in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
+                    done = True
+                    break
+                body = data[pos + 16: pos + length]
+                _fam, _typ, state, _pad, ino = struct.unpack_from("=BBBBI", body, 0)
+                entry: dict = {"state": state}
+                apos = 16
+                while apos + 4 <= len(body):
+                    alen, atype = struct.unpack_from("=HH", body, apos)
+                    if alen < 4:
+                        break
+                    val = body[apos + 4: apos + alen]
+                    if atype == 0:  # UNIX_DIAG_NAME
+                        entry["name"] = ("@" + val[1:].decode(errors="replace")) if val[:1] == b"\0" \
+                            else val.rstrip(b"\0").decode(errors="replace")
+                    elif atype == 2:  # UNIX_DIAG_PEER
+                        entry["peer"] = struct.unpack_from("=I", val)[0]
+                    apos += (alen + 3) & ~3
+                out[ino] = entry
+                pos += (length + 3) & ~3
+    except OSError:
+        pass
+    finally:
+        s.close()
+    return out
+
+
+def kill_env_processes(root: str = "self") -> list[int]:
+    """SIGKILL the env's own descendants of ``root`` (not gym_fork's fork-tier processes and what they
+    started): what a worker that stops, or retires into a reaper, must not leave behind."""
+    start = [p for p in _children(root) if _comm(p) != FORK_COMM]
+    victims = _descendants(start) if start else []
+    for pid in reversed(victims):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    return victims

@@ -1,0 +1,306 @@
+"""Small deterministic envs whose state lives outside plain process memory, as agents' envs do:
+in a child process, a Redis server, a SQLite file, an unlinked temporary file, a thread, or the
+global RNGs.  Each step's observation depends on that outside state, so a copy that does not
+carry it exactly shows up as a different trajectory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+
+# A child that keeps state of its own (a running sum and its own RNG) and answers over pipes.
+_COUNTER_CHILD = r"""
+import random, sys
+rng = random.Random(int(sys.argv[1]))
+total = 0
+for line in sys.stdin:
+    total = total * 31 % 1000003 + int(line) + rng.randrange(1000)
+    sys.stdout.write(f"{total}\n")
+    sys.stdout.flush()
+"""
+
+
+class _Base(gym.Env):
+    metadata = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(-1e12, 1e12, (3,), np.float64)
+        self.action_space = gym.spaces.Discrete(4)
+        self.t = 0
+
+    def _obs(self, value: float) -> np.ndarray:
+        return np.array([self.t, value, float(self.np_random.integers(0, 100))], dtype=np.float64)
+
+    def _done(self) -> tuple[bool, bool]:
+        return False, self.t >= 40
+
+
+class PipeChildEnv(_Base):
+    """State in a child process (started at reset) that the env talks to over a pipe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proc: subprocess.Popen | None = None
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._stop()
+        self.proc = subprocess.Popen([sys.executable, "-c", _COUNTER_CHILD, str(int(self.np_random.integers(1 << 30)))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.t = 0
+        return self._obs(0.0), {"child": self.proc.pid}
+
+    def step(self, action):
+        self.t += 1
+        self.proc.stdin.write(f"{int(action)}\n")
+        self.proc.stdin.flush()
+        value = float(self.proc.stdout.readline())
+        return self._obs(value), value % 7, *self._done(), {}
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def close(self) -> None:
+        self._stop()
+
+
+def start_redis(*, unix_socket: str | None = None, port: int = 0) -> subprocess.Popen:
+    """A redis-server child with no persistence (nothing written to disk)."""
+    args = ["redis-server", "--save", "", "--appendonly", "no", "--dir", tempfile.gettempdir(), "--port", str(port),
+            "--daemonize", "no", "--logfile", ""]
+    if port:
+        args += ["--bind", "127.0.0.1"]
+    if unix_socket:
+        args += ["--unixsocket", unix_socket, "--unixsocketperm", "700"]
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError("the server did not come up")
+        time.sleep(0.02)
+
+
+class RedisEnv(_Base):
+    """State in a redis-server child, used through the ``redis`` client over a unix socket or TCP.
+
+    ``transport="unix"``: the socket path is unlinked once the client is connected (a path is one
+    name in the shared file system; the established connection stays private to each copy).
+    ``transport="tcp"``: 127.0.0.1:``port``; copies need ``private_network=True``.
+    ``keep_socket_path=True`` keeps the unix socket path (for the refusal test)."""
+
+    def __init__(self, transport: str = "unix", port: int = 6391, keep_socket_path: bool = False) -> None:
+        super().__init__()
+        self.transport, self.port, self.keep = transport, port, keep_socket_path
+        self.dir = tempfile.mkdtemp(prefix="gf-redis-")
+        self.proc: subprocess.Popen | None = None
+        self.db = None
+
+    def reset(self, *, seed=None, options=None):
+        import redis
+
+        super().reset(seed=seed)
+        if self.proc is None:
+            sock = os.path.join(self.dir, "redis.sock")
+            if self.transport == "unix":
+                self.proc = start_redis(unix_socket=sock)
+                wait_until(lambda: os.path.exists(sock))
+                self.db = redis.Redis(unix_socket_path=sock)
+                wait_until(lambda: self.db.ping())
+                if not self.keep:
+                    os.unlink(sock)
+            else:
+                self.proc = start_redis(port=self.port)
+                self.db = redis.Redis(host="127.0.0.1", port=self.port)
+                wait_until(lambda: self.db.ping())
+        self.db.flushall()
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        n = self.db.incrby("total", int(action) + int(self.np_random.integers(0, 5)))
+        self.db.rpush("moves", int(action))
+        moves = self.db.lrange("moves", -3, -1)
+        value = float(n * 100 + sum(int(m) for m in moves))
+        return self._obs(value), float(n % 5), *self._done(), {"keys": self.db.dbsize()}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SqliteEnv(_Base):
+    """Keeps a SQLite database file open across steps (a row per step)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.conn = sqlite3.connect(path)
+        self.conn.execute("create table if not exists moves (t integer, a integer)")
+        self.conn.commit()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.conn.execute("delete from moves")
+        self.conn.commit()
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        self.conn.execute("insert into moves values (?, ?)", (self.t, int(action)))
+        self.conn.commit()
+        n, s = self.conn.execute("select count(*), coalesce(sum(a), 0) from moves").fetchone()
+        return self._obs(float(n * 10 + s)), 0.0, *self._done(), {}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class UnlinkedFileEnv(_Base):
+    """Appends to an unlinked temporary file it holds open, and reads it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = tempfile.TemporaryFile()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.f.seek(0)
+        self.f.truncate()
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        self.f.write(f"{int(action)}{int(self.np_random.integers(0, 10))};".encode())
+        self.f.flush()
+        self.f.seek(0)
+        data = self.f.read()
+        return self._obs(float(len(data) * 1000 + sum(data) % 997)), 0.0, *self._done(), {}
+
+
+class ThreadAfterResetEnv(_Base):
+    """Starts a helper thread at its first reset (like a render or I/O thread); the state itself
+    is in memory, where the thread keeps a counter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.ticks = 0
+        self.go = threading.Event()
+        self.done = threading.Event()
+
+    def _worker(self) -> None:
+        while True:
+            self.go.wait()
+            self.go.clear()
+            with self.lock:
+                self.ticks = self.ticks * 3 % 10007 + 1
+            self.done.set()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._worker, daemon=True)
+            self.thread.start()
+        self.t, self.ticks = 0, 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        self.done.clear()
+        self.go.set()
+        self.done.wait()
+        with self.lock:
+            value = float(self.ticks + int(action))
+        return self._obs(value), 0.0, *self._done(), {}
+
+
+class GlobalRNGEnv(_Base):
+    """Draws from the global RNGs of ``random``, ``numpy`` (and ``torch`` when ``use_torch``) in
+    ``step()``: state no pickle of the env holds."""
+
+    def __init__(self, use_torch: bool = False) -> None:
+        super().__init__()
+        self.use_torch = use_torch
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        random.seed(seed)
+        np.random.seed(seed if seed is not None else 0)
+        if self.use_torch:
+            import torch
+
+            torch.manual_seed(seed if seed is not None else 0)
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        value = random.random() + float(np.random.rand())
+        if self.use_torch:
+            import torch
+
+            value += float(torch.randn(1).item())
+        return self._obs(value + int(action)), 0.0, *self._done(), {}
+
+
+# Module-level factories (the worker imports this module to build the envs).
+def pipe_child():
+    return PipeChildEnv()
+
+
+def redis_unix():
+    return RedisEnv("unix")
+
+
+def redis_unix_kept_path():
+    return RedisEnv("unix", keep_socket_path=True)
+
+
+def redis_tcp():
+    return RedisEnv("tcp")
+
+
+def unlinked_file():
+    return UnlinkedFileEnv()
+
+
+def thread_after_reset():
+    return ThreadAfterResetEnv()
+
+
+def global_rng():
+    return GlobalRNGEnv()
+
+
+def global_rng_torch():
+    return GlobalRNGEnv(use_torch=True)
