@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy as copy_module
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -124,6 +123,8 @@ def _start(factories: list[_SlotFactory], kwargs: dict) -> list[ForkableEnv]:
     importing); on any failure the ones already started are closed."""
     if len(factories) == 1:
         return [ForkableEnv(factories[0], **kwargs)]
+    from concurrent.futures import ThreadPoolExecutor  # not at import: workers import this module
+
     with ThreadPoolExecutor(max_workers=min(len(factories), 16)) as pool:
         futures = [pool.submit(ForkableEnv, f, **kwargs) for f in factories]
     envs, error = [], None
@@ -467,6 +468,16 @@ class ForkableVectorEnv(VectorEnv):
             raise error
 
     # --- snapshots -------------------------------------------------------------------------------
+    @property
+    def pending_reset(self) -> np.ndarray:
+        """Which sub-envs have ended their episode and not been reset yet (a copy): with
+        ``NEXT_STEP`` their next ``step()`` resets them, with ``DISABLED`` the caller must reset
+        them; always all ``False`` with ``SAME_STEP``.  Restores and forks set it from the
+        snapshot."""
+        if self.autoreset_mode == AutoresetMode.SAME_STEP:
+            return np.zeros((self.num_envs,), dtype=np.bool_)
+        return self._autoreset_envs.copy()
+
     def snapshot(self, index: int) -> Snapshot:
         """Capture sub-env ``index`` now, including whether its episode has just ended; the
         sub-env keeps running.  Restorable into any slot of this env.

@@ -79,3 +79,24 @@ def test_live_migration_demo_end_to_end(tmp_path, monkeypatch):
     assert os.path.getsize(tmp_path / "lm.png") > 10_000
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before  # its namespaces are gone
+
+
+@pytest.mark.criu
+def test_cleanrl_ppo_branching_smoke(capsys):
+    """The CleanRL-style PPO trains with ForkableVectorEnv, branches once mid-training, and --
+    without the branch -- gives exactly the numbers gymnasium's SyncVectorEnv gives."""
+    pytest.importorskip("torch")
+    ppo = _load("cleanrl_ppo_branching")
+    budget = ["--total-timesteps", "1536", "--num-envs", "4", "--num-steps", "128"]
+    res = ppo.main(budget)
+    assert res["global_step"] == 1536 and res["iterations"] == 3
+    branch = res["branch"]
+    assert branch["step"] == 512 and branch["same_state"]
+    assert len(branch["targets"]) == 2 and branch["source"] not in branch["targets"]
+    assert res["episodes"] > 0 and all(math.isfinite(v) for v in res["losses"].values())
+    out = capsys.readouterr().out
+    assert f"branch at step 512: slot {branch['source']} is" in out and out.count("iteration ") == 3
+    plain = ppo.main(budget + ["--no-branch"])
+    sync = ppo.main(budget + ["--vector", "sync"])
+    assert plain["branch"] is None and sync["branch"] is None
+    assert plain["returns"] == sync["returns"] and plain["losses"] == sync["losses"]

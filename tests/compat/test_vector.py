@@ -254,7 +254,9 @@ def test_restore_carries_the_pending_autoreset_of_an_ended_episode():
         assert after_end[1][0] == 0.0 and not after_end[2][0]
         envs.reset(options={"reset_mask": np.array([False, True])})
         envs.step(np.array([0, 0]))  # slot 1 is mid-episode
+        assert envs.pending_reset.tolist() == [False, False]
         obs, _ = envs.restore(1, snap)
+        assert envs.pending_reset.tolist() == [False, True]
         res = envs.step(np.array([0, 0]))
         assert res[1][1] == 0.0 and not res[2][1] and not res[3][1], "slot 1 must reset, not step"
         assert_same(res[0][1], after_end[0][0])
@@ -276,7 +278,9 @@ def test_restore_clears_the_pending_autoreset_for_a_mid_episode_snapshot():
         cont = envs.step(np.array([1, 1]))  # slot 0 steps on from the snapshot
         assert cont[1][0] == 1.0
         _step_until_end(envs, 1, np.array([0, 1]))  # slot 1 has just ended
+        assert envs.pending_reset[1]
         envs.restore(1, snap)
+        assert not envs.pending_reset[1]
         res = envs.step(np.array([1, 1]))
         assert res[1][1] == 1.0, "slot 1 must step, not reset"
         for part in range(4):
