@@ -243,7 +243,11 @@ class ForkableVectorEnv(VectorEnv):
         self.metadata = dict(envs[0].metadata)
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = envs[0].render_mode
-        self._init_spaces(observation_mode)
+        try:
+            self._init_spaces(observation_mode)
+        except BaseException:
+            self.close()  # the workers are running: stop them before the error goes up
+            raise
 
         self._env_obs: list[Any] = [None] * self.num_envs
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
