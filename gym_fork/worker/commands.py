@@ -45,6 +45,7 @@ def make_source(env: Any, env_kwargs: dict | None = None) -> EnvSource:
     if env_kwargs:
         raise TypeError("env_kwargs is only accepted together with an env id string")
     if isinstance(env, gym.Env):
+        _refuse_ezpickle_instance(env)
         try:
             return ("instance", cloudpickle.dumps(env))
         except Exception as e:  # noqa: BLE001 - any pickling failure means the same thing here
@@ -64,6 +65,26 @@ def make_source(env: Any, env_kwargs: dict | None = None) -> EnvSource:
     raise TypeError(
         f"env must be an env id (str), a zero-argument factory or a gymnasium.Env, not {type(env).__name__}"
     )
+
+
+def _refuse_ezpickle_instance(env: gym.Env) -> None:
+    """An EzPickle env (Box2D, MuJoCo, ALE) pickles as its constructor arguments only: the worker
+    would build a fresh, un-reset env instead of this one."""
+    layer = env
+    while True:
+        if isinstance(layer, gym.utils.EzPickle):
+            spec = getattr(env, "spec", None)
+            kw = f", env_kwargs={dict(spec.kwargs)!r}" if spec is not None and spec.kwargs else ""
+            by_id = f"ForkableEnv({spec.id!r}{kw}) or " if spec is not None else ""
+            raise EnvNotShippableError(
+                f"cannot send the env instance {env!r} to the worker process exactly: "
+                f"{type(layer).__name__} is a gymnasium EzPickle env, whose pickle holds only its constructor "
+                "arguments, so the worker would get a fresh, different env (its state, even whether it was "
+                f"reset, would be lost). Pass its id or a factory instead, so the worker builds it: {by_id}"
+                "ForkableEnv(lambda: gym.make(...)).")
+        if not isinstance(layer, gym.Wrapper):
+            return
+        layer = layer.env
 
 
 class EnvServer:

@@ -102,12 +102,24 @@ def _check_single_threaded() -> None:
         )
 
 
+def _fork_exact() -> int:
+    """``os.fork()``, but the child keeps the global ``random`` state: Python reseeds it in every
+    forked child (an at-fork hook), which would make a copy-on-write snapshot of an env that draws
+    from ``random`` continue differently from the original."""
+    rnd = sys.modules.get("random")
+    state = rnd.getstate() if rnd is not None else None
+    pid = os.fork()
+    if pid == 0 and state is not None:
+        rnd.setstate(state)
+    return pid
+
+
 def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
     its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
     Returns the child's pid in the parent and 0 in the child."""
     _check_single_threaded()
-    pid = os.fork()
+    pid = _fork_exact()
     if pid == 0:
         resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
         _FORKED.clear()  # the parent's frozen snapshots are not this process's children
@@ -282,7 +294,7 @@ def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
         if libc.unshare(CLONE_NEWPID) != 0:
             os.write(w, b"E%d" % ctypes.get_errno())
             os._exit(1)
-        if os.fork() == 0:
+        if _fork_exact() == 0:
             os.setsid()
             os.write(w, str(host_pid()).encode())
             os.close(w)

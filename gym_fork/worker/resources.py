@@ -300,12 +300,13 @@ def _scan_fds(proc: str, pid: int, own: set[int], logs: set[tuple[int, int]]) ->
         fds = os.listdir(f"/proc/{proc}/fd")
     except OSError:
         return out
+    own_links = {_link(proc, str(fd)) for fd in own}
     for name in fds:
         fd = int(name)
         if fd in own:
             continue
         target = _link(proc, name)
-        if target is None:
+        if target is None or target in own_links:  # e.g. a dup of the channel
             continue
         if target.startswith("socket:["):
             out.append(Resource("socket", pid, target, "?", fd, detail={"ino": int(target[8:-1])}))

@@ -1,0 +1,156 @@
+"""Is a pickled copy of an env exact?  Checked by behaviour, not only by structure.
+
+A pickle holds the env object's attributes.  What it does not hold -- the global RNGs of
+``random``, ``numpy`` and ``torch``, module-level counters, a C library's hidden state -- can
+still decide what ``step()`` returns, and then a restored copy silently continues differently.
+Comparing the copy's attributes with the original's cannot see that.  So two copies are
+unpickled from the same bytes and stepped one after the other with the same actions: a copy
+whose future lives entirely in the pickle answers exactly like its twin; one that draws from
+state outside it (the second copy finds the global RNG where the first one left it) does not.
+
+The original is left as it was: the global RNG states are saved before the check and put back
+after it, and an env with a workspace (an attribute ``workspace`` naming its directory, see
+:mod:`gym_fork.snapshots.workspace`) has each copy work in a private copy of that directory.  An
+env with other effects outside its process (files elsewhere, services) is not one the pickle
+backend can copy exactly in the first place; its copies' steps would touch those.
+
+Example:
+    >>> import cloudpickle, gymnasium as gym
+    >>> env = gym.make("CartPole-v1"); _ = env.reset(seed=0)
+    >>> copies_diverge(cloudpickle.dumps(env), env.action_space)
+    (None, 8)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import shutil
+import sys
+import tempfile
+from typing import Any, Callable
+
+import cloudpickle
+import numpy as np
+
+
+def global_rng_state() -> dict[str, Any]:
+    """The process-wide RNG states a pickle of an env does not hold."""
+    state: dict[str, Any] = {"random": random.getstate(), "numpy": np.random.get_state()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state()
+    return state
+
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in state:
+        torch.set_rng_state(state["torch"])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit-exact equality of nested step results (arrays by dtype, shape and bytes)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and (a.dtype == object or a.tobytes() == b.tobytes())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (float, np.floating)) and isinstance(b, (float, np.floating)):
+        return np.float64(a).tobytes() == np.float64(b).tobytes()
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable objects: compare their pickles
+        return cloudpickle.dumps(a) == cloudpickle.dumps(b)
+
+
+_FIELDS = ("observation", "reward", "terminated", "truncated", "info")
+
+
+class _Raised(tuple):
+    """A step that raised: (exception type name, message)."""
+
+
+def _run(env: Any, actions: list) -> list:
+    out: list = []
+    for a in actions:
+        try:
+            res = env.step(a)
+        except Exception as e:  # noqa: BLE001 - the twin must fail the same way
+            out.append(_Raised((type(e).__name__, str(e))))
+            break
+        out.append(tuple(res))
+        if res[2] or res[3]:
+            break
+    return out
+
+
+def _private_workspace(env: Any) -> str | None:
+    """Point a copy's ``workspace`` at a private copy of the directory (None: it has none)."""
+    u = getattr(env, "unwrapped", env)
+    ws = getattr(u, "workspace", None)
+    if not isinstance(ws, str) or not os.path.isdir(ws):
+        return None
+    from gym_fork.snapshots.workspace import copy_tree
+
+    tmp = tempfile.mkdtemp(prefix="gym_fork-check-")
+    copy_tree(ws, tmp)
+    u.workspace = tmp
+    return tmp
+
+
+def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
+                   unpack: Callable[[Any], Any] | None = None) -> tuple[str | None, int]:
+    """Step two copies unpickled from ``blob`` with the same ``steps`` actions, one after the other.
+
+    Args:
+        blob: the pickled env (or a tuple holding it; ``unpack`` picks the env out).
+        action_space: where the actions come from (a copy is seeded, the space is not touched).
+        steps: how many actions (fewer if an episode ends).
+        unpack: maps the unpickled object to the env (default: the object itself).
+
+    Returns:
+        ``(None, n)`` when both copies answered identically for ``n`` steps (``n == 0``: both
+        raised at once, e.g. before ``reset()``, so nothing was compared); else ``(where they first
+        differed, as words, n)``.
+    """
+    saved = global_rng_state()
+    space = copy.deepcopy(action_space)
+    space.seed(12345)
+    actions = [space.sample() for _ in range(steps)]
+    runs = []
+    try:
+        for _ in range(2):
+            obj = cloudpickle.loads(blob)
+            env = unpack(obj) if unpack else obj
+            private = _private_workspace(env)
+            try:
+                runs.append(_run(env, actions))
+            finally:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - a copy that fails to close says nothing about exactness
+                    pass
+                if private:
+                    shutil.rmtree(private, ignore_errors=True)
+    finally:
+        set_global_rng_state(saved)
+    a, b = runs
+    compared = sum(1 for x in a if not isinstance(x, _Raised))
+    if len(a) != len(b):
+        return f"one copy's episode ended after {len(a)} steps, the other's after {len(b)}", compared
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, _Raised) or isinstance(y, _Raised):
+            if not (isinstance(x, _Raised) and isinstance(y, _Raised) and tuple(x) == tuple(y)):
+                raised = x if isinstance(x, _Raised) else y
+                return f"at step {i + 1} one copy raised {raised[0]}: {raised[1]}", i
+            continue
+        for name, u, v in zip(_FIELDS, x, y):
+            if not _same(u, v):
+                return f"at step {i + 1} their {name}s differ", i
+    return None, compared

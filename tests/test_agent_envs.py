@@ -1,0 +1,364 @@
+"""Envs whose state lives outside plain process memory (tests/agent_envs.py): exact where gym_fork
+claims it, refused by name where it cannot be.
+
+Exact: reset -> 5 steps -> snapshot; the original goes on with actions X; two branches forked from
+the snapshot step *interleaved* with it (one with X, one with other actions Y), then a restore
+replays X and Y: every trajectory bit-identical to its replay.  Interleaving is what shows
+isolation: branches sharing a child process, a Redis, a file or a socket would see each other's
+writes and diverge.  Afterwards no process of any copy is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_same_traj
+
+import agent_envs
+import gym_fork
+from gym_fork.errors import UncapturableStateError
+from gym_fork.snapshots import sessiondir
+
+pytestmark = pytest.mark.criu
+
+
+def _tree(pid: int) -> set[int]:
+    """pid and all its descendants (host pids)."""
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in out:
+            continue
+        out.add(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(p)
+        except OSError:
+            pass
+    return out
+
+
+def assert_gone(pids: set[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids), f"processes left behind: {sorted(_alive(pids))}"
+
+
+def step(env, a) -> tuple:
+    obs, r, term, trunc, info = env.step(a)
+    return (obs, r, term, trunc, info)
+
+
+def check_exact_and_isolated(factory, n_steps: int = 12, **opts) -> None:
+    env = gym_fork.ForkableEnv(factory, **opts)
+    pids: set[int] = set()
+    kids: list = []
+    try:
+        env.action_space.seed(11)
+        env.reset(seed=5)
+        for _ in range(5):
+            env.step(env.action_space.sample())
+        snap = env.snapshot()
+        xs = [env.action_space.sample() for _ in range(n_steps)]
+        ys = [(int(a) + 1) % 4 for a in xs]
+        kids = env.fork(snap, 2)
+        orig, bx, by = [], [], []
+        for x, y in zip(xs, ys):  # interleaved: shared state would show up as a divergence
+            bx.append(step(kids[0], x))
+            orig.append(step(env, x))
+            by.append(step(kids[1], y))
+        assert_same_traj(orig, bx)
+        pids |= _tree(env.worker_pid) | _tree(kids[0].worker_pid) | _tree(kids[1].worker_pid)
+        assert len({env.worker_pid, kids[0].worker_pid, kids[1].worker_pid}) == 3
+        env.restore(snap)
+        assert_same_traj(orig, [step(env, x) for x in xs])
+        pids |= _tree(env.worker_pid)
+        env.restore(snap)
+        assert_same_traj(by, [step(env, y) for y in ys])
+        assert snap.backend == "criu"
+    finally:
+        for k in kids:
+            k.close()
+        env.close()
+    assert_gone(pids)
+
+
+def test_child_process_over_pipe():
+    """fork_tier='auto': the child makes the env's snapshots CRIU dumps of the whole tree."""
+    check_exact_and_isolated(agent_envs.pipe_child)
+
+
+def test_child_process_criu_dumps_only():
+    check_exact_and_isolated(agent_envs.pipe_child, backend="criu", fork_tier=False)
+
+
+def test_redis_over_unix_socket():
+    check_exact_and_isolated(agent_envs.redis_unix)
+
+
+def test_redis_over_tcp_private_network():
+    check_exact_and_isolated(agent_envs.redis_tcp, private_network=True)
+
+
+def test_unlinked_temp_file():
+    check_exact_and_isolated(agent_envs.unlinked_file)
+
+
+def test_thread_started_after_reset():
+    check_exact_and_isolated(agent_envs.thread_after_reset)
+
+
+def test_car_racing_render_thread_switches_to_criu(caplog):
+    """CarRacing-v3 starts a thread at reset(): its snapshots become CRIU dumps, with one log line."""
+    caplog.set_level("INFO", logger="gym_fork")
+    env = gym_fork.ForkableEnv("CarRacing-v3")
+    try:
+        env.reset(seed=1)
+        acts = [np.array([0.1 * (i % 3), 0.5, 0.0], dtype=np.float32) for i in range(8)]
+        for a in acts[:3]:
+            env.step(a)
+        snap = env.snapshot()
+        env.snapshot().release()  # a second snapshot logs nothing new
+        first = [step(env, a) for a in acts]
+        env.restore(snap)
+        assert_same_traj(first, [step(env, a) for a in acts])
+    finally:
+        env.close()
+    lines = [r.getMessage() for r in caplog.records if "CRIU dumps of the whole process tree" in r.getMessage()]
+    assert len(lines) == 1 and "thread" in lines[0]
+
+
+# --- refusals: named, before anything diverged ------------------------------------------------
+
+def test_tcp_without_private_network_is_refused():
+    env = gym_fork.ForkableEnv(agent_envs.redis_tcp)
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=r"127\.0\.0\.1:6391.*private_network=True") as ei:
+            env.snapshot()
+        assert {r.kind for r in ei.value.resources} >= {"listener", "socket"}
+        env.step(2)  # the env keeps running, unchanged
+    finally:
+        env.close()
+
+
+def test_unix_socket_path_kept_is_refused():
+    env = gym_fork.ForkableEnv(agent_envs.redis_unix_kept_path)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(UncapturableStateError, match=r"redis\.sock \(listening\).*unlink the path"):
+            env.snapshot()
+        env.step(1)
+    finally:
+        env.close()
+
+
+def test_sqlite_outside_workspace_is_refused(tmp_path):
+    path = str(tmp_path / "moves.db")
+    env = gym_fork.ForkableEnv(lambda: agent_envs.SqliteEnv(path))
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=rf"{path} \(open for writing\).*workspace=DIR") as ei:
+            env.snapshot()
+        assert any(r.fd is not None and r.pid == env.worker_pid for r in ei.value.resources)
+        env.step(2)
+    finally:
+        env.close()
+
+
+def test_refused_on_criu_dumps_too(tmp_path):
+    """fork_tier=False checks the same way before each dump."""
+    path = str(tmp_path / "moves.db")
+    env = gym_fork.ForkableEnv(lambda: agent_envs.SqliteEnv(path), backend="criu", fork_tier=False)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(UncapturableStateError, match="moves.db"):
+            env.snapshot()
+    finally:
+        env.close()
+
+
+def test_fork_tier_true_refuses_with_fix():
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child, backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(UncapturableStateError, match=r"fork_tier=True.*child process|fork_tier=True.*process"):
+            env.snapshot()
+    finally:
+        env.close()
+
+
+def test_children_after_a_fork_tier_restore_are_refused_by_name():
+    """A copy-on-write clone cannot be dumped with its children: refused, naming the fix."""
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child)
+    try:
+        s0 = env.snapshot()  # before reset(): no child yet, a fork-tier snapshot
+        env.restore(s0)  # the worker is now a copy-on-write clone
+        env.reset(seed=0)  # starts the child
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match="fork_tier=False"):
+            env.snapshot()
+        env.step(2)
+    finally:
+        env.close()
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+def test_child_killed_between_snapshot_and_restore():
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child)
+    try:
+        env.action_space.seed(3)
+        env.reset(seed=2)
+        for _ in range(3):
+            env.step(env.action_space.sample())
+        snap = env.snapshot()
+        xs = [env.action_space.sample() for _ in range(8)]
+        first = [step(env, x) for x in xs]
+        child = [p for p in _tree(env.worker_pid) if p != env.worker_pid]
+        assert child
+        for p in child:
+            os.kill(p, signal.SIGKILL)
+        with pytest.raises(gym_fork.GymForkError):
+            env.step(0)  # the original lost its child
+        env.restore(snap)  # the snapshot has its own copy of the child
+        assert_same_traj(first, [step(env, x) for x in xs])
+    finally:
+        env.close()
+
+
+def test_close_mid_fork_leaves_nothing():
+    import threading
+
+    env = gym_fork.ForkableEnv(agent_envs.redis_unix)
+    env.reset(seed=0)
+    env.step(1)
+    snap = env.snapshot()
+    pids = _tree(env.worker_pid)
+    out: dict = {}
+
+    def fork() -> None:
+        try:
+            out["kids"] = env.fork(snap, 4)
+        except Exception as e:  # noqa: BLE001 - closing under it may fail it; it must not leak
+            out["error"] = e
+
+    t = threading.Thread(target=fork)
+    t.start()
+    time.sleep(0.05)
+    env.close()
+    t.join(60)
+    for k in out.get("kids", []):
+        pids |= _tree(k.worker_pid)
+        k.close()
+    assert_gone(pids)
+    left = [n for n in os.listdir(sessiondir.session_dir()) if n.startswith(("snap-", "restore-", "."))]
+    assert not left, left
+
+
+def test_close_kills_the_env_children():
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child, backend="criu", fork_tier=False)
+    env.reset(seed=0)
+    pids = _tree(env.worker_pid)
+    assert len(pids) >= 2
+    env.close()
+    assert_gone(pids)
+
+
+def test_scan_finds_nothing_in_matrix_envs():
+    """No false positives: the exactness-matrix envs keep copy-on-write snapshots."""
+    for env_id in ("CartPole-v1", "LunarLander-v3"):
+        env = gym_fork.ForkableEnv(env_id)
+        try:
+            env.reset(seed=0)
+            env.step(env.action_space.sample())
+            snap = env.snapshot()
+            assert snap.size_bytes == 0  # a copy-on-write fork, no CRIU images
+        finally:
+            env.close()
+
+
+
+# --- honest fallbacks: pickle checks by behaviour; EzPickle instances are refused -------------
+
+@pytest.mark.parametrize("factory", [agent_envs.global_rng, agent_envs.global_rng_torch], ids=["random+numpy", "torch"])
+def test_global_rng_env_refused_by_pickle(factory):
+    import random
+
+    env = gym_fork.ForkableEnv(factory, backend="pickle")
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        before = (random.getstate(), np.random.get_state()[1].tobytes())
+        with pytest.raises(gym_fork.errors.UnsupportedEnvError, match="diverge.*global RNGs"):
+            env.snapshot()
+        # the check stepped copies, not the env, and left the global RNGs as they were
+        assert before == (random.getstate(), np.random.get_state()[1].tobytes())
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_global_rng_env_exact_on_criu(fork_tier):
+    """The worker process holds the global RNGs: copies are exact (the fork tier keeps `random`'s
+    state, which Python reseeds in a forked child)."""
+    env = gym_fork.ForkableEnv(agent_envs.global_rng, backend="criu", fork_tier=fork_tier)
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+        first = [step(env, a) for a in (0, 1, 2, 3, 0)]
+        env.restore(snap)
+        assert_same_traj(first, [step(env, a) for a in (0, 1, 2, 3, 0)])
+        kid = env.fork(snap)[0]
+        assert_same_traj(first, [step(kid, a) for a in (0, 1, 2, 3, 0)])
+        kid.close()
+    finally:
+        env.close()
+
+
+def test_ezpickle_instance_is_refused_with_the_fix():
+    import gymnasium as gym
+
+    inst = gym.make("LunarLander-v3")
+    inst.reset(seed=0)
+    with pytest.raises(gym_fork.errors.EnvNotShippableError, match=r"EzPickle.*ForkableEnv\('LunarLander-v3'\)"):
+        gym_fork.ForkableEnv(inst)
+    with pytest.raises(gym_fork.errors.EnvNotShippableError, match="EzPickle"):
+        gym_fork.ForkableEnv(inst, backend="pickle")
+    inst.close()
+
+
+def test_plain_instance_still_ships():
+    import gymnasium as gym
+
+    inst = gym.make("CartPole-v1")
+    inst.reset(seed=4)
+    env = gym_fork.ForkableEnv(inst, backend="criu")
+    try:
+        obs, *_ = env.step(0)  # the instance's state (reset with seed 4) arrived
+        obs2, *_ = inst.step(0)
+        assert obs.tobytes() == obs2.tobytes()
+    finally:
+        env.close()
+        inst.close()
