@@ -4,7 +4,9 @@ For machines without CRIU.  It is exact only for envs whose whole state is plain
 NumPy (classic control, toy text, most custom envs).  It *refuses* Gymnasium's ``EzPickle``
 envs (Box2D, MuJoCo, ALE): their pickle holds only constructor arguments, so a naive pickle
 "restores" a fresh, different env without any error.  Every first snapshot of an env is also
-round-trip checked: the copy must pickle to the very same bytes as the original.
+checked: the copy must hold the original's state attribute by attribute, and two copies stepped
+with the same actions must answer identically (:mod:`gym_fork.backends.exactness`: state outside
+the pickle, such as the global RNGs of ``random``/``numpy``/``torch``, is caught).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.backends.base import Backend, Handle, LocalHandle
+from gym_fork.backends.exactness import copies_diverge
 from gym_fork.errors import SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
 
@@ -80,7 +83,7 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
 
 
 class _PickleHandle(LocalHandle):
-    verified = False  # the round-trip check ran for this env lineage
+    verified = False  # the exactness check ran (and could step the copies) for this env lineage
 
     def kill(self) -> None:
         if not self.closed:
@@ -113,8 +116,8 @@ class PickleBackend(Backend):
                 f"cloudpickle cannot capture this env ({type(e).__name__}: {e}); use backend='criu'"
             ) from e
         if not handle.verified:
-            self._check_copy(s.env, blob)
-            handle.verified = True
+            # verified once a check could step the copies (not before reset(): then again next time)
+            handle.verified = self._check_copy(s.env, blob)
         return blob, len(blob)
 
     def check_exact(self, handle: Handle) -> None:
@@ -129,14 +132,28 @@ class PickleBackend(Backend):
         self._check_copy(s.env, blob)
 
     @staticmethod
-    def _check_copy(env: gym.Env, blob: bytes) -> None:
-        # A faithful copy has the same state, attribute by attribute; a lossy one does not.
+    def _check_copy(env: gym.Env, blob: bytes) -> bool:
+        """Raise UnsupportedEnvError unless copies made from ``blob`` are exact: the same state
+        attribute by attribute, and the same behaviour (two copies stepped with the same actions
+        answer identically: state outside the pickle, e.g. the global RNGs, is caught). Returns
+        whether the copies could be stepped (False before reset(): check again later)."""
+        name = type(env.unwrapped).__name__
         diff = state_difference(env, cloudpickle.loads(blob)[0])
         if diff is not None:
             raise UnsupportedEnvError(
-                f"a pickled copy of {type(env.unwrapped).__name__} differs from the original at "
-                f"{diff} (its state does not survive pickling); use backend='criu'"
+                f"a pickled copy of {name} differs from the original at {diff} (its state does not "
+                "survive pickling); use backend='criu'"
             )
+        why, stepped = copies_diverge(blob, env.action_space, unpack=lambda t: t[0])
+        if why is not None:
+            raise UnsupportedEnvError(
+                f"two pickled copies of {name} stepped with the same actions diverge ({why}): part of its "
+                "state is not in the pickle (e.g. it draws from the global RNGs of random, numpy or torch, or "
+                "keeps state in a module or a C library), so a restore would continue differently. Use "
+                "backend='criu', which snapshots the whole process; or keep all state on the env (its own "
+                "np_random / random.Random / torch.Generator)."
+            )
+        return stepped > 0
 
     def restore(self, payload: bytes) -> Handle:
         try:
