@@ -200,7 +200,7 @@ def criu_restore_breakdown(env: gym_fork.ForkableEnv, snap, reps: int, warmup: i
             "verify_size": _timed(lambda: sessiondir.verify(path, full=False))[0],
             "sha256_images": _timed(lambda: _sha256_all(path, man))[0],
         }
-        row["criu_restore_and_ping"], h = _timed(lambda: be._restore_verified(payload))  # noqa: SLF001
+        row["criu_restore_and_ping"], h = _timed(lambda: be.restore_verified(payload))
         row["last_roundtrip"] = _timed(lambda: h.request("last"))[0]
         row["kill_worker"] = _timed(h.kill)[0]
         row["restore_total"] = _timed(lambda: env.restore(snap))[0]

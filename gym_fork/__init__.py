@@ -6,7 +6,7 @@
 
 from gym_fork import errors
 from gym_fork.errors import BundleError
-from gym_fork.snapshots.bundle import load_snapshot
+from gym_fork.backends.bundles import load_snapshot
 from gym_fork.exploration import Branch, ExploreResult, explore
 from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError

@@ -1,4 +1,11 @@
-"""``ForkableEnv``: a Gymnasium wrapper whose env can be snapshotted, restored and forked."""
+"""``ForkableEnv``: a Gymnasium wrapper whose env can be snapshotted, restored and forked.
+
+The env runs in a worker (a process, or in-process for the pickle backend) that the wrapper
+talks to through a handle; snapshots, restores and forks are the backend's.  The underscore
+methods at the end of :class:`ForkableEnv` (``_from_handle``, ``_swap_worker``,
+``_side_snapshot``, ``_record_step`` ...) are the internal API that migration, vector envs and
+plugins use instead of its fields.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +17,13 @@ from typing import Any, Callable, Literal, Sequence
 import gymnasium as gym
 import numpy as np
 
-from gym_fork.backends import Backend, get_backend, start_env
+from gym_fork.backends import Backend, get_backend
+from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
 from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
+from gym_fork.snapshots.snapshot import Snapshot, new_id
+from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
 from gym_fork.worker.commands import make_source
-from gym_fork.snapshots.snapshot import Snapshot
-from gym_fork.snapshots.store import materialized
 
 log = logging.getLogger("gym_fork")
 
@@ -91,9 +99,7 @@ class _WorkerEnv(gym.Env):
 
 
 class ForkableEnv(gym.Wrapper):
-    _store: Any = None
-    _workspace: Any = None
-    """A Gymnasium env that runs in a worker process and can be snapshotted and restored.
+    """A Gymnasium env that runs in a worker process and can be snapshotted, restored and forked.
 
     ``env`` is an env id (like :func:`gymnasium.make`), a zero-argument factory returning a
     ``gymnasium.Env``, or an env instance (then it is pickled to the worker; envs that cannot be
@@ -114,6 +120,11 @@ class ForkableEnv(gym.Wrapper):
         True
         >>> snap.steps, env.steps
         (10, 15)
+        >>> kids = env.fork(snap, n=2)
+        >>> bool((kids[0].step(0)[0] == kids[1].step(0)[0]).all())
+        True
+        >>> for k in kids:
+        ...     k.close()
         >>> env.close()
 
     Args:
@@ -135,7 +146,17 @@ class ForkableEnv(gym.Wrapper):
             databases consistently), ``restore()`` puts them back, each ``fork()`` child gets its
             own copy (``DIR.branch-<id>``, deleted when the child is closed), and ``Snapshot.save``
             / a store keep them.  The contract with the env: :mod:`gym_fork.snapshots.workspace`.
+
+    Raises:
+        ValueError: an unknown backend name or option value.
+        BackendUnavailableError: the backend cannot work here (e.g. ``backend="criu"`` without a
+            usable CRIU), or no backend can snapshot this env exactly (``"auto"``).
+        UnsupportedEnvError: the pickle backend cannot copy this env exactly (EzPickle envs).
+        WorkerError / WorkerDiedError: the env failed to build in the worker.
     """
+
+    _store: Any = None  # a gym_fork.SnapshotStore: budgets, persistence
+    _workspace: Any = None  # a Workspace whose files every snapshot captures
 
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
@@ -146,14 +167,12 @@ class ForkableEnv(gym.Wrapper):
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier)
         be, handle, meta = start_env(be, source)
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
-        self._store = store  # a gym_fork.SnapshotStore: budgets, persistence (snapshot_store.py)
-        if workspace is not None:  # files captured with each snapshot (workspace.py: the contract)
-            from gym_fork.snapshots.workspace import Workspace
-
+        self._store = store
+        if workspace is not None:
             self._workspace = Workspace(workspace)
             self._request("setattr", "workspace", self._workspace.path, "unwrapped")
 
-    # --- construction shared with fork() -------------------------------------------------------
+    # --- construction ---------------------------------------------------------------------------
     def _setup(self, be: Backend, handle: Handle, meta: dict, *, lineage: str, record_actions: bool) -> None:
         self._backend = be
         self._handle = handle
@@ -172,31 +191,59 @@ class ForkableEnv(gym.Wrapper):
         super().__init__(_WorkerEnv(self, meta))
 
     @classmethod
+    def _from_handle(cls, backend: Backend, handle: Handle, meta: dict | None = None, *, steps: int = 0,
+                     parent_id: str | None = None, lineage: str | None = None, record_actions: bool = True,
+                     store: Any = None) -> "ForkableEnv":
+        """A ForkableEnv around a worker that already runs (restored, cloned, received).
+
+        Args:
+            backend: the backend that made ``handle`` (it snapshots and restores the new env).
+            handle: the worker.
+            meta: the worker's ``meta`` reply (spaces, spec, ...); asked for when None.
+            steps: the env's step count now.
+            parent_id: the snapshot this state descends from, if any.
+            lineage: the lineage its snapshots carry (default: a new one).
+            record_actions: as for :class:`ForkableEnv`.
+            store: a SnapshotStore for its snapshots.
+
+        Returns:
+            The env; it owns ``handle`` from now on (``close()`` stops it).
+        """
+        env = cls.__new__(cls)
+        env._setup(backend, handle, handle.request("meta") if meta is None else meta,
+                   lineage=lineage or uuid.uuid4().hex, record_actions=record_actions)
+        env._steps = steps
+        env._parent_id = parent_id
+        env._store = store
+        return env
+
+    @classmethod
     def from_snapshot(cls, snapshot: Snapshot, *, record_actions: bool = True, store: Any = None,
                       workspace: str | None = None) -> "ForkableEnv":
         """A new env that starts exactly at ``snapshot`` (e.g. one from :func:`gym_fork.load_snapshot`),
         without first starting a fresh env.
 
-        ``store``: a :class:`~gym_fork.SnapshotStore` for the new env's snapshots.  ``workspace``:
-        the directory the new env works in; required when the snapshot captured a workspace (its
-        content is replaced by the snapshot's files, and the env's ``workspace`` attribute set to
-        it)."""
+        Args:
+            snapshot: any snapshot (taken here, loaded from a bundle or a store).
+            record_actions: as for :class:`ForkableEnv`.
+            store: a :class:`~gym_fork.SnapshotStore` for the new env's snapshots.
+            workspace: the directory the new env works in; required when the snapshot captured a
+                workspace (its content is replaced by the snapshot's files, and the env's
+                ``workspace`` attribute set to it).
+
+        Raises:
+            ValueError: the snapshot captured a workspace and ``workspace`` is None.
+            SnapshotReleasedError, SnapshotCorruptedError, RestoreError: the restore failed.
+        """
         if getattr(snapshot, "workspace", None) and workspace is None:
             raise ValueError(f"snapshot {snapshot.id} captured a workspace: pass workspace=DIR, the "
                              "directory its files are put back into")
-        payload = snapshot.payload()
         be = snapshot._backend
-        with materialized(payload):  # images kept in a SnapshotStore are reassembled first
+        with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
             handle = be.restore(payload)
-        meta = handle.request("meta")
-        env = cls.__new__(cls)
-        env._setup(be, handle, meta, lineage=snapshot.lineage or uuid.uuid4().hex, record_actions=record_actions)
-        env._steps = snapshot.steps
-        env._parent_id = snapshot.id
-        env._store = store
+        env = cls._from_handle(be, handle, steps=snapshot.steps, parent_id=snapshot.id,
+                               lineage=snapshot.lineage, record_actions=record_actions, store=store)
         if workspace is not None:
-            from gym_fork.snapshots.workspace import Workspace
-
             try:
                 env._workspace = Workspace(workspace)
                 if getattr(snapshot, "workspace", None):
@@ -207,22 +254,12 @@ class ForkableEnv(gym.Wrapper):
                 raise
         return env
 
-    @classmethod
-    def _adopt(cls, parent: "ForkableEnv", handle: Handle) -> "ForkableEnv":
-        child = cls.__new__(cls)
-        child._setup(parent._backend, handle, parent._meta, lineage=parent._lineage,
-                     record_actions=parent._record_actions)
-        child._store = parent._store
-        return child
-
     # --- Gymnasium API ---------------------------------------------------------------------------
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
         out = self._handle.request("step", action)
-        self._steps += 1
-        if self._actions is not None:
-            self._actions.append(action)
+        self._record_step(action)
         return out
 
     def step_send(self, action: Any) -> None:
@@ -231,9 +268,7 @@ class ForkableEnv(gym.Wrapper):
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
         self._handle.send("step", action)
-        self._steps += 1
-        if self._actions is not None:
-            self._actions.append(action)
+        self._record_step(action)
 
     def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
         return self._handle.receive()
@@ -270,10 +305,7 @@ class ForkableEnv(gym.Wrapper):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         obs_info = self._request("reset", seed, options)
-        self._steps = 0
-        self._parent_id = None
-        if self._actions is not None:
-            self._actions = []
+        self._record_reset()
         return obs_info
 
     def render(self) -> Any:
@@ -330,8 +362,6 @@ class ForkableEnv(gym.Wrapper):
             UnsupportedEnvError: the backend cannot capture this env exactly.
         """
         self._check_open()
-        from gym_fork.snapshots.snapshot import new_id
-
         sid = new_id()
         payload, size = self._backend.snapshot(self._handle, sid)
         snap = Snapshot(backend=self._backend, payload=payload, size_bytes=size, steps=self._steps,
@@ -340,9 +370,7 @@ class ForkableEnv(gym.Wrapper):
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
         if self._workspace is not None:
-            from gym_fork.snapshots.workspace import attach
-
-            attach(snap, self._workspace)
+            attach_workspace(snap, self._workspace)
         if self._store is not None:
             self._store.add(snap)  # may move older in-memory snapshots to disk (memory budget)
         self._parent_id = snap.id
@@ -356,9 +384,9 @@ class ForkableEnv(gym.Wrapper):
         On any failure the env keeps running exactly as before the call.
         """
         self._check_open()
-        payload = self._check_snapshot(snapshot)
+        self._check_snapshot(snapshot)
         self._end_live("restore() replaces the worker")
-        with materialized(payload):
+        with snapshot._open_payload() as payload:
             new = self._backend.restore(payload)
         if snapshot._store is not None:
             snapshot._store.touch(snapshot)
@@ -395,17 +423,17 @@ class ForkableEnv(gym.Wrapper):
         own = snapshot is None
         snap = self.snapshot() if own else snapshot
         try:
-            payload = self._check_snapshot(snap)
-            with materialized(payload):
+            self._check_snapshot(snap)
+            with snap._open_payload() as payload:
                 handles = self._backend.restore_many(payload, n)
         finally:
             if own:
                 snap.release()
         children = []
         for i, h in enumerate(handles):
-            child = ForkableEnv._adopt(self, h)
-            child._steps = snap.steps
-            child._parent_id = None if own else snap.id
+            child = ForkableEnv._from_handle(self._backend, h, self._meta, steps=snap.steps,
+                                             parent_id=None if own else snap.id, lineage=self._lineage,
+                                             record_actions=self._record_actions, store=self._store)
             children.append(child)
             if self._workspace is not None and getattr(snap, "workspace", None):
                 child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8],
@@ -495,13 +523,58 @@ class ForkableEnv(gym.Wrapper):
         return snapshot.payload()  # raises SnapshotReleasedError
 
     def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
-        old, self._handle = self._handle, new
-        self._box[0] = new
-        old.kill()
+        """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
+        self._swap_worker(new).kill()
         self._steps = snapshot.steps
         self._parent_id = snapshot.id
         if self._actions is not None:
             self._actions = []
+
+    # --- internal API for migration, vector envs and plugins --------------------------------------
+    def _swap_worker(self, new: Handle) -> Handle:
+        """From now on talk to ``new`` (and stop it if this env is garbage-collected unclosed).
+
+        Returns:
+            The previous handle, still running: the caller stops it (``kill()``) or keeps it.
+        """
+        old, self._handle = self._handle, new
+        self._box[0] = new
+        return old
+
+    def _side_snapshot(self) -> Snapshot:
+        """A snapshot of the current state that leaves the env's timeline alone: the next user
+        snapshot's ``parent_id`` and ``actions`` are as if it had never been taken, and it is not
+        one of this env's snapshots (``close()`` does not release it: the caller does).
+
+        Raises:
+            As :meth:`snapshot`.
+        """
+        parent, actions = self._parent_id, None if self._actions is None else list(self._actions)
+        try:
+            snap = self.snapshot()
+        finally:
+            self._parent_id, self._actions = parent, actions
+        self._snapshots.pop(snap.id, None)
+        return snap
+
+    def _record_step(self, action: Any) -> None:
+        """Account for one step the worker took with ``action`` (step count, recorded actions)."""
+        self._steps += 1
+        if self._actions is not None:
+            self._actions.append(action)
+
+    def _record_reset(self) -> None:
+        """Account for a reset of the worker: step 0 of a new timeline."""
+        self._steps = 0
+        self._parent_id = None
+        if self._actions is not None:
+            self._actions = []
+
+    def _hand_over(self, snapshot: Snapshot, to: "ForkableEnv") -> None:
+        """Make ``snapshot`` (taken here) belong to ``to``: released when ``to`` is closed, not
+        when this env is."""
+        self._snapshots.pop(snapshot.id, None)
+        to._snapshots[snapshot.id] = snapshot
 
     def __repr__(self) -> str:
         env_id = self._meta["spec"].id if self._meta.get("spec") else self._meta["unwrapped_type"]

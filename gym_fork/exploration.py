@@ -132,9 +132,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         if return_snapshots:
             for k, b in zip(kids, branches):
                 b.snapshot = k.snapshot()
-                # hand ownership to `env`: the branch env is closed below
-                del k._snapshots[b.snapshot.id]
-                env._snapshots[b.snapshot.id] = b.snapshot
+                k._hand_over(b.snapshot, env)  # the branch env is closed below; `env` keeps it
                 b.snapshot.parent_id = root.id if not own_root else None
     finally:
         for k in kids:

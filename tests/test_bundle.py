@@ -17,7 +17,7 @@ import pytest
 import gym_fork
 from gym_fork import keys
 from gym_fork.errors import BundleError
-from gym_fork.snapshots.bundle import _canonical
+from gym_fork.snapshots.bundle import canonical_meta as _canonical
 from gym_fork.errors import ForeignSnapshotError, SnapshotCorruptedError
 
 ACTIONS = [0, 2, 3, 1, 2, 2, 0, 3] * 8

@@ -339,7 +339,7 @@ def _streamed(lo, mutate, alg="blake3", check=None):
 
         def trailer(digests):
             meta = mutate(dict(base, images=digests, session=hello["nonce"]), digests, hello)
-            meta["hmac"] = keys.sign(B._canonical(meta), bundle_key(tok))
+            meta["hmac"] = keys.sign(B.canonical_meta(meta), bundle_key(tok))
             return meta
 
         try:

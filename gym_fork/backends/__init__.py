@@ -1,112 +1,71 @@
-"""Snapshot backends: ``criu`` (process checkpoints) and ``pickle`` (in-process cloudpickle)."""
+"""Snapshot backends and their registry: a backend name -> a factory of :class:`Backend` objects.
+
+``criu`` (process checkpoints, :mod:`~gym_fork.backends.criu`) and ``pickle`` (in-process
+cloudpickle, :mod:`~gym_fork.backends.pickle`) are registered here; ``auto`` picks one for this
+machine (:mod:`~gym_fork.backends.auto`).  The registry also tells the data layer which backend
+a saved snapshot names (:func:`bundle_backend`), so bundles and stores never import a backend.
+"""
 
 from __future__ import annotations
 
-import logging
-import os
+from typing import Any, Callable
 
+from gym_fork.backends import auto
 from gym_fork.backends.base import Backend
-from gym_fork.criu.status import criu_status
+from gym_fork.backends.criu import CriuBackend
+from gym_fork.backends.pickle import PickleBackend
+from gym_fork.errors import BackendUnavailableError, BundleError
+from gym_fork.snapshots.snapshot import set_backend_resolver
 
-log = logging.getLogger("gym_fork")
-_announced: set[str] = set()
-
-BACKENDS = ("auto", "criu", "pickle")
+_FACTORIES: dict[str, Callable[..., Backend]] = {}
 
 
-def _announce(key: str, level: int, msg: str) -> None:
-    if key not in _announced:  # one line per process, not one per env
-        _announced.add(key)
-        log.log(level, msg)
+def register(name: str, factory: Callable[..., Backend]) -> None:
+    """Make ``backend=name`` mean ``factory(verify=..., worker_log=..., fork_tier=...)`` (a factory
+    may ignore options it has no use for)."""
+    _FACTORIES[name] = factory
+
+
+def names() -> tuple[str, ...]:
+    """The backend names ``get_backend`` accepts, ``"auto"`` first."""
+    return ("auto", *_FACTORIES)
 
 
 def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_log: str | None = None,
                 fork_tier: bool | str = "auto") -> Backend:
-    """Resolve a backend name to a backend object (``auto``: criu when usable, else pickle)."""
+    """A backend object for ``name`` (``"auto"``: see :mod:`gym_fork.backends.auto`); a Backend
+    passes through unchanged.
+
+    Raises:
+        ValueError: an unknown name.
+        BackendUnavailableError: the backend cannot work here (e.g. ``"criu"`` without CRIU).
+    """
     if isinstance(name, Backend):
         return name
-    if name == "criu":
-        from gym_fork.backends.criu import CriuBackend
-
-        return CriuBackend(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
-    if name == "pickle":
-        from gym_fork.backends.pickle import PickleBackend
-
-        return PickleBackend()
     if name == "auto":
-        st = criu_status()
-        if st.usable and os.environ.get("GYM_FORK_CONTROL_FD"):
-            _announce("auto-job", logging.INFO,
-                      "gym_fork: backend 'criu' in fork-only mode inside this `gym-fork run` job: snapshots are "
-                      "copy-on-write forks; the whole job (workers and snapshots included) is what CRIU moves")
-            return get_backend("criu", verify=verify, worker_log=worker_log, fork_tier=fork_tier)
-        if st.usable and st.mode == "userns":
-            _announce("auto-criu", logging.INFO,
-                      f"gym_fork: backend 'criu' without root: in-memory snapshots by copy-on-write fork() "
-                      f"(when the env worker is single-threaded), CRIU {st.version} inside an unprivileged user "
-                      "namespace (--unprivileged) for persist()/save/load/restores of images; no lazy-pages "
-                      "migration (needs root)")
-            return get_backend("criu", verify=verify, worker_log=worker_log, fork_tier=fork_tier)
-        if st.usable:
-            _announce("auto-criu", logging.INFO, f"gym_fork: backend 'criu' ({st.binary}, CRIU {st.version})")
-            return get_backend("criu", verify=verify, worker_log=worker_log, fork_tier=fork_tier)
-        if not st.is_root and fork_tier is not False and hasattr(os, "fork"):
-            from gym_fork.backends.criu import CriuBackend
-
-            _announce("auto-fork", logging.WARNING,
-                      "gym_fork: backend 'criu' in fork-only mode: in-memory snapshots by copy-on-write fork() "
-                      "work without privileges, but CRIU cannot run for this user ("
-                      + "; ".join(st.reasons) + "), so persist() and save/load are refused, and an env "
-                      "whose worker is multi-threaded (torch) uses backend 'pickle' where that is exact, "
-                      "else is refused at start-up. Run `gym-fork doctor` for details.")
-            return CriuBackend(verify=verify, worker_log=worker_log, fork_tier=fork_tier, allow_fork_only=True)
-        _announce("auto-pickle", logging.WARNING,
-                  "gym_fork: CRIU is not usable (" + "; ".join(st.reasons) + "); using backend 'pickle', "
-                  "which refuses envs it cannot copy exactly. Run `gym-fork doctor` for details.")
-        return get_backend("pickle")
-    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+        return auto.choose(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(names())}")
+    return factory(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
 
 
-def start_env(be: Backend, source) -> tuple[Backend, object, dict]:
-    """Start an env on ``be``: ``(backend, handle, meta)``.
+def bundle_backend(name: Any) -> Backend:
+    """The backend that reads snapshots saved by backend ``name`` (a bundle's or store entry's
+    ``backend`` field), with default options.
 
-    ``backend="auto"`` in fork-only mode (non-root, no user namespaces, so no CRIU) cannot snapshot
-    a worker that is unsafe to fork (several threads, or torch loaded: its meta says so).  Such an
-    env goes to the pickle backend when it is not an EzPickle env and pickles exactly (the pickle
-    backend's checks, run now); otherwise it is refused here, at start-up, not at its first snapshot.
+    Raises:
+        BundleError: no such backend, or it cannot work here (e.g. no usable CRIU).
     """
-    handle, meta = be.start(source)
-    unsafe = meta.get("threads", 1) > 1 or meta.get("torch_loaded")
-    if getattr(be, "mode", None) != "fork" or not unsafe:
-        return be, handle, meta
-    from gym_fork.backends.pickle import PickleBackend
-    from gym_fork.errors import BackendUnavailableError, GymForkError
-
-    spec = meta.get("spec")
-    name = getattr(spec, "id", None) or meta.get("unwrapped_type", "this env")
-    why = (f"its worker has {meta.get('threads')} threads{' and torch loaded' if meta.get('torch_loaded') else ''}, "
-           "so copy-on-write fork() snapshots are unsafe, and CRIU is unavailable for this user")
-    handle.kill()
-    pb = PickleBackend()
+    if not isinstance(name, str) or name not in _FACTORIES:
+        raise BundleError(f"unknown backend {name!r} (this gym_fork has {', '.join(_FACTORIES)})")
     try:
-        if meta.get("ezpickle"):
-            raise GymForkError("it is a gymnasium EzPickle env, whose pickle holds only its constructor "
-                               "arguments")
-        phandle, pmeta = pb.start(source)
-        try:
-            pb.check_exact(phandle)
-        except BaseException:
-            phandle.kill()
-            raise
-    except GymForkError as e:
-        st = criu_status()
-        fix = list(getattr(st.userns, "admin_fix", None) or []) or ["allow unprivileged user namespaces"]
-        raise BackendUnavailableError(
-            f"gym_fork cannot snapshot env {name}: {why}; and the pickle backend cannot copy it exactly "
-            f"({e}). To snapshot it, an administrator can enable unprivileged user namespaces, so that "
-            f"CRIU runs for this user: {'; '.join(fix)}. Or run as root. (`gym-fork doctor` says more.)"
-        ) from None
-    _announce(f"auto-pickle-fallback:{name}", logging.WARNING,
-              f"gym_fork: env {name}: using backend 'pickle' (checked exact: not EzPickle, a pickled copy "
-              f"equals the original), because {why} ({'; '.join(criu_status().reasons)})")
-    return pb, phandle, pmeta
+        return _FACTORIES[name]()
+    except BackendUnavailableError as e:
+        raise BundleError(f"a {name!r} snapshot cannot be restored here: {e}") from None
+
+
+register("criu", lambda verify="full", worker_log=None, fork_tier="auto": CriuBackend(
+    verify=verify, worker_log=worker_log, fork_tier=fork_tier))
+register("pickle", lambda **_options: PickleBackend())
+set_backend_resolver(bundle_backend)

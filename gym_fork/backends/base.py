@@ -14,7 +14,7 @@ import subprocess
 import threading
 from typing import Any
 
-from gym_fork.errors import WorkerDiedError, remote_exception
+from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker.channel import OK, Channel, ChannelClosed, send_fds
 from gym_fork.worker.commands import EnvServer, EnvSource
 
@@ -239,9 +239,18 @@ def _describe_returncode(rc: int) -> str:
 
 
 class Backend(abc.ABC):
-    """Starts env workers, snapshots them and restores snapshots."""
+    """Starts env workers, snapshots them and restores snapshots.
+
+    Besides the worker side, a backend owns its *payloads* (what a snapshot holds): how they are
+    persisted, freed, written into a bundle and read back (``bundle_write`` / ``bundle_read`` /
+    ``check_compatible``), and, for backends whose payloads are image files (``storable``), how a
+    :class:`~gym_fork.SnapshotStore` keeps them (``store_images`` / ``payload_at`` /
+    ``chunk_lengths``).  The data layer (:mod:`gym_fork.snapshots`) calls only these methods and
+    never looks inside a payload.
+    """
 
     name: str
+    storable: bool = False  # payloads are image files that a SnapshotStore can keep
 
     @abc.abstractmethod
     def start(self, source: EnvSource) -> tuple[Handle, dict]:
@@ -270,9 +279,71 @@ class Backend(abc.ABC):
         """``n`` independent restores (backends may run them concurrently)."""
         return [self.restore(payload) for _ in range(n)]
 
+    def restore_verified(self, payload: Any) -> Handle:
+        """Like :meth:`restore`, for a payload whose integrity the caller has just checked
+        (e.g. :func:`gym_fork.load_snapshot` hashed every image): the backend does not check again."""
+        return self.restore(payload)
+
     @abc.abstractmethod
     def release(self, payload: Any) -> None:
         """Free what a snapshot holds (files, processes). Idempotent."""
 
+    def is_persisted(self, payload: Any) -> bool:
+        """Whether the snapshot is on disk (restorable without the memory it may hold)."""
+        return False
+
     def describe(self) -> str:
         return self.name
+
+    # --- bundles: Snapshot.save / load_snapshot -------------------------------------------------
+    def bundle_write(self, payload: Any, dest_dir: str) -> dict:
+        """Write ``payload`` into the new bundle directory ``dest_dir`` (private, not yet visible).
+
+        Returns:
+            The fields this backend adds to ``bundle.json`` (signed with the rest): everything
+            :meth:`bundle_read` and :meth:`check_compatible` need, with sizes and digests of what
+            was written.
+
+        Raises:
+            BundleError: this backend's snapshots cannot be saved.
+        """
+        raise BundleError(f"backend {self.name!r} cannot be saved as a bundle")
+
+    def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[Any, int]:
+        """The payload of the bundle at ``bundle_dir`` (``meta``: its HMAC-verified bundle.json),
+        checked against the digests in ``meta`` before anything uses it.
+
+        Args:
+            received: digests computed while the files arrived (streamed migration): they must
+                equal the signed ones, and the files are not read again.
+
+        Returns:
+            ``(payload, size in bytes)``.
+
+        Raises:
+            SnapshotCorruptedError: a file is missing or fails its check.
+        """
+        raise BundleError(f"{bundle_dir}: backend {self.name!r} cannot load bundles")
+
+    def check_compatible(self, meta: dict, path: str) -> None:
+        """Raise BundleError, with the reason, when this machine cannot restore the bundle or store
+        entry described by ``meta`` (at ``path``); nothing is started."""
+
+    # --- SnapshotStore ------------------------------------------------------------------------
+    def store_images(self, payload: Any) -> tuple[str, dict]:
+        """For a persisted payload: ``(directory of its image files, fields for bundle.json)``.
+        The images carry a sha256 manifest (:func:`gym_fork.snapshots.sessiondir.write_manifest`).
+
+        Raises:
+            StoreError: this backend's snapshots cannot be stored.
+        """
+        raise StoreError(f"only criu snapshots can be stored, not {self.name!r}")
+
+    def payload_at(self, path: str, meta: dict) -> Any:
+        """A payload (not owning its files) for the images at ``path`` that ``meta`` describes."""
+        raise StoreError(f"backend {self.name!r} has no image files")
+
+    def chunk_lengths(self, images_dir: str, name: str, chunk_size: int) -> list[int] | None:
+        """How a deduplicating store cuts the image file ``name`` into chunks (their lengths, in
+        order), or None to keep it whole."""
+        return None

@@ -19,26 +19,26 @@ import shutil
 import socket
 import subprocess
 import sys
-import signal
 import tempfile
 import threading
-import time
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gym_fork.snapshots import sessiondir
 from gym_fork.backends.base import Backend, Handle, RemoteHandle
-from gym_fork.criu.status import criu_status, criu_timeout, log_tail, new_client
+from gym_fork.criu import client
+from gym_fork.criu.images import check_compatible, is_page_image, mapped_files, page_chunk_lengths
+from gym_fork.criu.status import criu_status, log_tail
 from gym_fork.errors import (
     BackendUnavailableError,
-    CriuError,
     RestoreError,
     SnapshotCorruptedError,
     SnapshotError,
     WorkerDiedError,
     WorkerError,
 )
+from gym_fork.snapshots import sessiondir
+from gym_fork.snapshots.files import link_tree
 from gym_fork.worker.channel import Channel, socket_inode
 from gym_fork.worker.commands import EnvSource
 
@@ -92,6 +92,7 @@ class CriuBackend(Backend):
     """
 
     name = "criu"
+    storable = True
 
     def __init__(self, *, verify: str = "full", worker_log: str | None = None,
                  fork_tier: bool | str = "auto", allow_fork_only: bool = False):
@@ -134,7 +135,8 @@ class CriuBackend(Backend):
     def start(self, source: EnvSource) -> tuple[Handle, dict]:
         ours, theirs = socket.socketpair()
         ino = socket_inode(theirs.fileno())
-        out = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL  # O_APPEND: see pitfall 14
+        # "ab": CRIU restores a file that grew since the dump only when it is open for appending
+        out = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
         holder = ""
         if self.mode == "userns":  # the launcher joins the holder's namespaces, opens stdio there
             from gym_fork.criu.userns import get_holder
@@ -208,79 +210,6 @@ class CriuBackend(Backend):
                 f"{what} needs CRIU images, and CRIU is unavailable for this user (only copy-on-write "
                 f"in-memory snapshots work): {self.unavailable}")
 
-    def _client(self, images_dir: str, dfd: int, workdir: str | None = None):
-        """A pycriu client for one dump/restore, set up for this mode."""
-        if self.mode != "userns":
-            c = new_client(self.binary)
-            c.opts.images_dir_fd = dfd
-            if workdir is not None:
-                c.opts.work_dir_fd = os.open(workdir, os.O_DIRECTORY)
-            return c
-        from gym_fork.criu.userns import get_holder
-
-        c = new_client(get_holder().criu_wrapper(self.binary))
-        c.opts.unprivileged = True
-        # criu, inside the holder's user namespace, may not open /proc/<us>/fd/N (ptrace access
-        # into the parent namespace): hand it the fd itself and name it /proc/self/fd/N.
-        os.set_inheritable(dfd, True)
-        c.opts.images_dir_fd = -1
-        c.opts.images_dir = f"/proc/self/fd/{dfd}"
-        if workdir is not None:
-            cfg = os.path.join(workdir, "criu.conf")
-            with open(cfg, "w") as f:
-                f.write(f"work-dir {workdir}\n")
-            c.opts.config_file = cfg
-        return c
-
-    def _call(self, c, method: str, what: str, kill_ino: int | None = None):
-        """``c.<method>()`` under a timeout: past it, criu is SIGKILLed (and a half-restored worker,
-        found by its channel's inode ``kill_ino``), and TimeoutError is raised."""
-        timeout = criu_timeout()
-        done = threading.Event()
-        fired: list[int | None] = []
-
-        def watchdog() -> None:
-            if done.wait(timeout):
-                return
-            comm = c._comm
-            deadline = time.monotonic() + 5
-            while getattr(comm, "swrk", None) is None and not done.is_set() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if done.is_set():
-                return
-            pid = getattr(comm, "swrk", None)
-            fired.append(pid)
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            sk = getattr(comm, "sk", None)
-            if sk is not None:
-                try:
-                    sk.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-        threading.Thread(target=watchdog, daemon=True, name="gym_fork-criu-timeout").start()
-        try:
-            return getattr(c, method)()
-        except Exception as e:
-            if not fired:
-                raise
-            pid = fired[0]
-            if pid:
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
-            killed = _kill_socket_holders(kill_ino) if kill_ino is not None else []
-            raise TimeoutError(
-                f"{what} did not finish within {timeout:g} s ($GYM_FORK_CRIU_TIMEOUT): criu (pid {pid}) was "
-                f"killed" + (f", and the half-restored process(es) {killed}" if killed else "")) from e
-        finally:
-            done.set()
-
     def _dump(self, handle: RemoteHandle, snap_id: str, *, leave_running: bool,
               into: str | None = None) -> tuple[CriuPayload, int]:
         """Dump into the session dir, checksummed and committed; or, with ``into`` (a new private
@@ -290,21 +219,13 @@ class CriuBackend(Backend):
         root = sessiondir.session_dir()
         tmp = sessiondir.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
-        dfd = os.open(tmp, os.O_DIRECTORY)
         try:
-            c = self._client(tmp, dfd)
-            c.opts.log_file = "dump.log"
-            c.opts.log_level = 2
-            c.opts.pid = handle.pid
-            c.opts.leave_running = leave_running
-            c.opts.external.append(f"unix[{handle.ino}]")
-            self._call(c, "dump", f"CRIU dump of worker {handle.pid}")
+            client.dump(handle.pid, tmp, leave_running=leave_running, external=[f"unix[{handle.ino}]"],
+                        mode=self.mode, binary=self.binary)
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
-        finally:
-            os.close(dfd)
         if into is not None:
             return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier), 0
         try:
@@ -329,10 +250,10 @@ class CriuBackend(Backend):
         self._require_criu("restoring a persisted snapshot")
         self._verify(payload)
         if n == 1:
-            return [self._restore_verified(payload)]
+            return [self.restore_verified(payload)]
         # Each restore is its own criu process and PID namespace; threads just wait on them.
         with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
-            futs = [pool.submit(self._restore_verified, payload) for _ in range(n)]
+            futs = [pool.submit(self.restore_verified, payload) for _ in range(n)]
             handles, errors = [], []
             for f in futs:
                 try:
@@ -429,32 +350,25 @@ class CriuBackend(Backend):
             raise SnapshotCorruptedError(f"snapshot images at {payload.path} are missing")
         sessiondir.verify(payload.path, full=self.verify == "full")
 
-    def _restore_verified(self, payload: CriuPayload) -> Handle:
+    def restore_verified(self, payload: CriuPayload) -> Handle:
+        """A new worker from the images of ``payload``, which the caller has just verified (their
+        sha256 manifest, or the digests of a transfer). Raises RestoreError (the images are
+        untouched) or TimeoutError."""
         ours, theirs = socket.socketpair()
         new_ino = socket_inode(theirs.fileno())
         os.set_inheritable(theirs.fileno(), True)  # criu swrk is fork+exec'd and must inherit it
+        # per restore work dir: logs and stats of concurrent restores must not collide
         workdir = tempfile.mkdtemp(prefix="restore-", dir=sessiondir.session_dir())
-        dfd = os.open(payload.path, os.O_DIRECTORY)
-        c = None
         try:
-            # per restore work dir: logs and stats of concurrent restores must not collide
-            c = self._client(payload.path, dfd, workdir)
-            c.opts.log_file = "restore.log"
-            c.opts.log_level = 2
-            c.opts.rst_sibling = True  # the restored worker becomes our child: waitpid works
-            fd = c.opts.inherit_fd.add()
-            fd.key = f"socket:[{payload.ino}]"
-            fd.fd = theirs.fileno()
-            pid = self._call(c, "restore", f"CRIU restore from {payload.path}", kill_ino=new_ino).pid
+            pid = client.restore(payload.path, inherit_fd={f"socket:[{payload.ino}]": theirs.fileno()},
+                                 rst_sibling=True,  # the restored worker becomes our child: waitpid works
+                                 work_dir=workdir, mode=self.mode, binary=self.binary, kill_ino=new_ino)
         except Exception as e:  # noqa: BLE001
             ours.close()
             tail = log_tail(os.path.join(workdir, "restore.log"))
             raise RestoreError(f"CRIU restore from {payload.path} failed ({e}); the running env is unchanged.\n{tail}") from e
         finally:
             theirs.close()
-            os.close(dfd)
-            if c is not None and c.opts.HasField("work_dir_fd"):
-                os.close(c.opts.work_dir_fd)
             shutil.rmtree(workdir, ignore_errors=True)
         handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
                               fork_tier=payload.fork_tier and self.fork_tier is not False)
@@ -476,6 +390,64 @@ class CriuBackend(Backend):
         if payload.owned:
             shutil.rmtree(payload.path, ignore_errors=True)
 
+    def is_persisted(self, payload: CriuPayload | ForkPayload) -> bool:
+        return isinstance(payload, CriuPayload) or payload.image is not None
+
+    # --- bundles and stores: the images, plus what a restore elsewhere depends on ------------------
+    def bundle_write(self, payload: CriuPayload | ForkPayload, dest_dir: str) -> dict:
+        """``images/`` (hard links to the images, dumped first if the snapshot is in memory only),
+        checked against their manifest; the fields say what they are and what they need."""
+        image = _image_of(self.persist(payload))
+        images = os.path.join(dest_dir, "images")
+        link_tree(image.path, images)
+        man = sessiondir.verify(images, full=True)  # the copy is intact
+        return dict(image_meta(image, images), images=man["files"])
+
+    def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[CriuPayload, int]:
+        images = os.path.join(bundle_dir, "images")
+        if received is not None:
+            sessiondir.verify_received(received, meta["images"], bundle_dir)
+            files = meta["images"]
+        else:
+            files = sessiondir.verify(images, full=True)["files"]
+            if files != meta["images"]:
+                raise SnapshotCorruptedError(f"{bundle_dir}: image manifest does not match bundle.json")
+        return self.payload_at(images, meta), sum(f["size"] for f in files.values())
+
+    def check_compatible(self, meta: dict, path: str) -> None:
+        check_compatible(meta, path)
+
+    def store_images(self, payload: CriuPayload | ForkPayload) -> tuple[str, dict]:
+        image = _image_of(payload)
+        return image.path, image_meta(image)
+
+    def payload_at(self, path: str, meta: dict) -> CriuPayload:
+        return CriuPayload(path, meta["ino"], fork_tier=meta.get("fork_tier", False), owned=False)
+
+    def chunk_lengths(self, images_dir: str, name: str, chunk_size: int) -> list[int] | None:
+        if not is_page_image(name):
+            return None
+        return page_chunk_lengths(os.path.join(images_dir, name), chunk_size)
+
+
+def _image_of(payload: CriuPayload | ForkPayload) -> CriuPayload:
+    """The images of a persisted payload (raises SnapshotError for an in-memory-only one)."""
+    image = payload if isinstance(payload, CriuPayload) else payload.image
+    if image is None:
+        raise SnapshotError("the snapshot has no CRIU images yet; persist() it first")
+    return image
+
+
+def image_meta(image: CriuPayload, images_dir: str | None = None) -> dict[str, Any]:
+    """The signed fields a set of env-worker images carries in ``bundle.json`` (besides their
+    digests): the CRIU version, the channel inode they expect, whether the restored worker may
+    take fork-tier snapshots, and the files the worker maps (read from ``images_dir``, default
+    ``image.path``).  :meth:`CriuBackend.check_compatible` checks them before a restore."""
+    return {"criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
+            "files": mapped_files(images_dir or image.path)}
+
+
+
 
 def private_dirty_bytes(pid: int) -> int | None:
     """Private_Dirty of a process: the memory only it holds (pages its siblings have rewritten)."""
@@ -487,27 +459,6 @@ def private_dirty_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def _kill_socket_holders(ino: int) -> list[int]:
-    """SIGKILL every process of ours holding ``socket:[ino]`` (a restore that was cut short)."""
-    target, killed = f"socket:[{ino}]", []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-            if any(os.readlink(f"/proc/{name}/fd/{fd}") == target for fd in fds):
-                os.kill(int(name), signal.SIGKILL)
-                killed.append(int(name))
-        except OSError:
-            continue
-    for pid in killed:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-    return killed
 
 
 # Starts the worker and exits the way it did (a signal death is re-raised, so Popen.returncode

@@ -11,6 +11,8 @@ the pickle, such as the global RNGs of ``random``/``numpy``/``torch``, is caught
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any
 
 import cloudpickle
@@ -21,6 +23,8 @@ from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.backends.exactness import copies_diverge
 from gym_fork.errors import SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
+
+PAYLOAD = "payload.pkl"  # in a bundle
 
 
 def refuse_if_ezpickle(env: gym.Env) -> None:
@@ -168,3 +172,17 @@ class PickleBackend(Backend):
 
     def release(self, payload: bytes) -> None:
         pass  # plain bytes: the garbage collector frees them
+
+    def bundle_write(self, payload: bytes, dest_dir: str) -> dict:
+        """``payload.pkl``; its sha256 goes into the signed metadata."""
+        with open(os.path.join(dest_dir, PAYLOAD), "wb") as f:
+            f.write(payload)
+        return {"payload_sha256": hashlib.sha256(payload).hexdigest()}
+
+    def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[bytes, int]:
+        """The pickle bytes, checked against the signed sha256 before anything unpickles them."""
+        with open(os.path.join(bundle_dir, PAYLOAD), "rb") as f:
+            payload = f.read()
+        if hashlib.sha256(payload).hexdigest() != meta.get("payload_sha256"):
+            raise SnapshotCorruptedError(f"{bundle_dir}/{PAYLOAD} fails its sha256 check; it was not unpickled")
+        return payload, len(payload)

@@ -81,8 +81,9 @@ def _bundle_meta(snap: Any, image: Any) -> dict[str, Any]:
     import platform
     import sys
 
-    from gym_fork.snapshots import bundle as B
+    from gym_fork.criu.images import mapped_files
     from gym_fork.criu.status import criu_status
+    from gym_fork.snapshots import bundle as B
 
     return {
         "format": B.FORMAT, "backend": snap.backend, "id": snap.id, "steps": snap.steps,
@@ -91,7 +92,7 @@ def _bundle_meta(snap: Any, image: Any) -> dict[str, Any]:
         "python": sys.executable, "python_version": platform.python_version(),
         "kernel": platform.release(), "machine": platform.machine(),
         "criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
-        "files": B._mapped_files(image.path),
+        "files": mapped_files(image.path),
     }
 
 
@@ -100,16 +101,17 @@ def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
     ``load_snapshot`` on the agent), minus what only a *kept* bundle needs: the images are
     hard-linked, not re-hashed (their manifest was written when CRIU dumped them, a moment ago,
     in our private dir) and nothing is fsynced (the bundle only lives until it is sent)."""
-    from gym_fork.snapshots import bundle as B
     from gym_fork import keys
+    from gym_fork.snapshots import bundle as B
+    from gym_fork.snapshots.files import link_tree
 
     payload = snap._backend.persist(snap.payload())
     image = getattr(payload, "image", None) or payload
     man = sessiondir.read_manifest(image.path)
     meta = dict(_bundle_meta(snap, image), images=man["files"])
-    meta["hmac"] = keys.sign(B._canonical(meta), key)
+    meta["hmac"] = keys.sign(B.canonical_meta(meta), key)
     os.makedirs(path, mode=0o700)
-    B._copy_tree(image.path, os.path.join(path, "images"))
+    link_tree(image.path, os.path.join(path, "images"))
     import json
 
     with open(os.path.join(path, "bundle.json"), "w") as f:
@@ -212,7 +214,7 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
             if os.path.exists(known) and sessiondir.read_manifest(image.path)["files"] != digests:
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
             meta = dict(_bundle_meta(snap, image), images=digests, session=hello["nonce"])  # no replay elsewhere
-            meta["hmac"] = keys.sign(B._canonical(meta), key)
+            meta["hmac"] = keys.sign(B.canonical_meta(meta), key)
             return meta
 
         t0 = time.monotonic()

@@ -30,7 +30,7 @@ from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.connect import Background
 from gym_fork.migration.wire.streams import send_images
 from gym_fork.snapshots import sessiondir
-from gym_fork.snapshots.bundle import _canonical
+from gym_fork.snapshots.bundle import canonical_meta
 from gym_fork.worker.channel import Channel, ChannelClosed, socket_inode
 
 log = logging.getLogger("gym_fork.job")
@@ -235,7 +235,7 @@ class JobHost:
                         "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
                 tl["pack_s"] = time.time() - t1
                 meta = dict(base, images=digests, session=c.hello["nonce"], timeline=tl)  # dump_s is known now
-                meta["hmac"] = keys.sign(_canonical(meta), key)
+                meta["hmac"] = keys.sign(canonical_meta(meta), key)
                 return meta
 
             t0 = time.time()

@@ -28,7 +28,9 @@ from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.messages import recv_msg, send_msg
 from gym_fork.migration.wire.streams import STREAM, receive_images
 from gym_fork.snapshots import sessiondir
-from gym_fork.snapshots.bundle import _canonical, check_compatible, load_snapshot
+from gym_fork.backends.bundles import load_snapshot
+from gym_fork.criu.images import check_compatible
+from gym_fork.snapshots.bundle import canonical_meta
 from gym_fork.worker.channel import Channel, socket_inode
 
 RECEIVE_TIMEOUT_S = 60.0
@@ -117,7 +119,7 @@ def receive_env(conn: socket.socket, req: dict, state_dir: str, node: str, key: 
         snap = load_snapshot(rec.bundle, key=key, received=rec.digests, session=req["_session"])
         rec.timings["verify_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        handle = snap._backend._restore_verified(snap.payload())
+        handle = snap._backend.restore_verified(snap.payload())
         rec.timings["restore_s"] = time.monotonic() - t0
         return handle, rec.timings
     finally:
@@ -166,7 +168,7 @@ class JobSite:
 
 def _verify_job(site: JobSite, rec: Received, session: str) -> dict:
     meta = rec.meta
-    if not keys.verify(_canonical(meta), meta.get("hmac", ""), site.key):
+    if not keys.verify(canonical_meta(meta), meta.get("hmac", ""), site.key):
         raise MigrationError(f"the job checkpoint's HMAC does not verify with the token of {site.node}; "
                              "nothing restored")
     check_compatible(meta, rec.bundle)

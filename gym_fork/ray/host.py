@@ -203,7 +203,7 @@ class BranchHost:
     def _restore_root(self, key: str, ref: Any) -> _Root:
         import ray
 
-        from gym_fork.snapshots.bundle import load_snapshot
+        from gym_fork.backends.bundles import load_snapshot
         from gym_fork.env import ForkableEnv
 
         t0 = time.perf_counter()

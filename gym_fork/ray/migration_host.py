@@ -243,7 +243,7 @@ class MigrationHost(BranchHost):
         """Pull the bundle ``refs[0]``, verify it, restore its worker here; returns where to attach."""
         t_enter = time.time()
         from gym_fork.env import ForkableEnv
-        from gym_fork.snapshots.bundle import load_snapshot
+        from gym_fork.backends.bundles import load_snapshot
 
         _unnice_thread()
         t0 = time.perf_counter()
@@ -257,7 +257,7 @@ class MigrationHost(BranchHost):
         try:
             snap = load_snapshot(path, key=self._key)  # HMAC, compatibility, sha256 of every image
             t3 = time.perf_counter()
-            handle = snap._backend._restore_verified(snap.payload())  # CRIU restore + ping
+            handle = snap._backend.restore_verified(snap.payload())  # CRIU restore + ping
             t4 = time.perf_counter()
             try:
                 env = ForkableEnv.__new__(ForkableEnv)

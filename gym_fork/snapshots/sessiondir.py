@@ -1,7 +1,7 @@
 """Where snapshot images live, and how they are made visible atomically and verified.
 
-Each controller process gets one private session directory (0700) under
-``$GYM_FORK_DIR`` or the temp dir; it is removed when the process exits.  A snapshot is written
+Each controller process gets one private session directory (0700) under :func:`base_dir`
+(``$GYM_FORK_DIR`` or the temp dir); it is removed when the process exits.  A snapshot is written
 into ``.<id>.tmp``, checksummed into ``MANIFEST.json``, and only then renamed to ``snap-<id>``:
 a crash leaves either a complete snapshot or none.  Restores verify the manifest first.
 """
@@ -32,7 +32,14 @@ def is_image_name(name: str) -> bool:
     return not _NOT_IMAGES.search(name)
 
 
+def base_dir() -> str:
+    """The directory under which this user's private gym_fork directories go: ``$GYM_FORK_DIR``,
+    else ``gym_fork-<uid>`` in the temp dir (not created here)."""
+    return os.environ.get("GYM_FORK_DIR") or os.path.join(tempfile.gettempdir(), f"gym_fork-{os.geteuid()}")
+
+
 def private_mkdir(path: str) -> str:
+    """Create ``path`` (and its parents) if needed; it is 0700 either way. Returns ``path``."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
     return path
@@ -43,16 +50,21 @@ def session_dir() -> str:
     global _session
     with _lock:
         if _session is None or not os.path.isdir(_session):
-            base = os.environ.get("GYM_FORK_DIR") or os.path.join(tempfile.gettempdir(), f"gym_fork-{os.geteuid()}")
-            private_mkdir(base)
+            base = private_mkdir(base_dir())
             _session = tempfile.mkdtemp(prefix=f"s{os.getpid()}-", dir=base)
             os.chmod(_session, 0o700)
             atexit.register(shutil.rmtree, _session, True)
         return _session
 
 
+def is_valid_id(snap_id: str) -> bool:
+    """Whether ``snap_id`` may name a snapshot (and so a directory): letters, digits, '-', '_'."""
+    return bool(_ID_RE.match(snap_id))
+
+
 def check_id(snap_id: str) -> str:
-    if not _ID_RE.match(snap_id):
+    """``snap_id`` unchanged if it is a valid snapshot id, else ValueError."""
+    if not is_valid_id(snap_id):
         raise ValueError(f"invalid snapshot id {snap_id!r}: use letters, digits, '-' and '_' only")
     return snap_id
 

@@ -1,17 +1,63 @@
-"""The :class:`Snapshot` handle: one saved moment of one env."""
+"""The :class:`Snapshot` handle (one saved moment of one env), and what it needs from a backend.
+
+A snapshot holds an opaque *payload* and the backend that made it; everything it does with the
+payload (persist, save, measure, free) it asks that backend, through the methods listed in
+:class:`PayloadBackend`.  Snapshots read back from disk name their backend; the backends package
+tells this layer how to find one by name (:func:`set_backend_resolver`), so the data layer never
+imports the mechanism.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterator, Protocol
 
-from gym_fork.errors import SnapshotReleasedError
+from gym_fork.errors import BundleError, SnapshotReleasedError
+from gym_fork.snapshots.workspace import adopt as adopt_workspace
+from gym_fork.snapshots.bundle import save_snapshot
 
 
 def new_id() -> str:
+    """A fresh snapshot id (16 hex digits)."""
     return uuid.uuid4().hex[:16]
+
+
+class PayloadBackend(Protocol):
+    """What snapshots, bundles and the store ask of a backend (see ``gym_fork.backends.base.Backend``)."""
+
+    name: str
+    storable: bool
+
+    def release(self, payload: Any) -> None: ...
+    def persist(self, payload: Any) -> Any: ...
+    def evict(self, payload: Any) -> None: ...
+    def is_persisted(self, payload: Any) -> bool: ...
+    def memory_bytes(self, payload: Any) -> int | None: ...
+    def bundle_write(self, payload: Any, dest_dir: str) -> dict: ...
+    def check_compatible(self, meta: dict, path: str) -> None: ...
+    def store_images(self, payload: Any) -> tuple[str, dict]: ...
+    def payload_at(self, path: str, meta: dict) -> Any: ...
+    def chunk_lengths(self, images_dir: str, name: str, chunk_size: int) -> list[int] | None: ...
+
+
+_resolve: Callable[[str], PayloadBackend] | None = None
+
+
+def set_backend_resolver(resolve: Callable[[str], PayloadBackend]) -> None:
+    """Install how a backend name read from disk becomes a backend (done by ``gym_fork.backends``)."""
+    global _resolve
+    _resolve = resolve
+
+
+def backend_named(name: str) -> PayloadBackend:
+    """The backend a bundle or store entry names.  Raises BundleError for an unknown name."""
+    if _resolve is None:  # gym_fork/__init__ imports the backends: only a broken install gets here
+        raise BundleError(f"no backend registry is loaded to read a {name!r} snapshot; import gym_fork first")
+    return _resolve(name)
 
 
 class Snapshot:
@@ -32,7 +78,12 @@ class Snapshot:
     snapshot is closed, or when the last reference to the snapshot goes away.
     """
 
-    def __init__(self, *, backend: Any, payload: Any, size_bytes: int, steps: int,
+    pinned: bool = False  # protected from a SnapshotStore's disk budget (see pin())
+    workspace: str | None = None  # private copy of the env's workspace at this moment (workspace.py)
+    workspace_path: str | None = None  # the live workspace directory it was captured from
+    _store: Any = None  # the SnapshotStore tracking this snapshot, if any
+
+    def __init__(self, *, backend: PayloadBackend, payload: Any, size_bytes: int, steps: int,
                  parent_id: str | None, lineage: str | None, actions: list | None,
                  snap_id: str | None = None, env_id: str | None = None):
         self.id = snap_id or new_id()
@@ -49,10 +100,17 @@ class Snapshot:
         self._backend = backend
         self._finalizer = weakref.finalize(self, backend.release, payload)
 
-    pinned: bool = False  # protected from a SnapshotStore's disk budget (see pin())
-    workspace: str | None = None  # private copy of the env's workspace at this moment (workspace.py)
-    workspace_path: str | None = None  # the live workspace directory it was captured from
-    _store: Any = None  # the SnapshotStore tracking this snapshot, if any
+    @classmethod
+    def _from_meta(cls, meta: dict, backend: PayloadBackend, payload: Any, size_bytes: int, path: str) -> "Snapshot":
+        """A snapshot read back from the bundle or store entry at ``path`` (``meta``: its verified
+        bundle.json), with its workspace files verified into a private copy."""
+        snap = cls(backend=backend, payload=payload, size_bytes=size_bytes, steps=meta["steps"],
+                   parent_id=meta.get("parent_id"), lineage=None, actions=meta.get("actions"),
+                   snap_id=meta["id"], env_id=meta.get("env_id"))
+        snap.created = meta.get("created", snap.created)
+        snap.bundle_path = path
+        adopt_workspace(snap, os.path.join(path, "workspace"), meta.get("workspace"), meta.get("workspace_path"), path)
+        return snap
 
     def pin(self, pinned: bool = True) -> "Snapshot":
         """Protect this snapshot from eviction by its :class:`~gym_fork.snapshots.store.SnapshotStore`'s
@@ -88,14 +146,11 @@ class Snapshot:
         HMAC) to the new directory ``path``; :func:`gym_fork.load_snapshot` reads it back, in
         another process or on another machine with the same Python and libraries.  A snapshot of
         an env with a ``workspace`` carries its captured files in the bundle (``workspace/``)."""
-        from gym_fork.snapshots.bundle import save_snapshot
-
         return save_snapshot(self, path, key=key)
 
     @property
     def persisted(self) -> bool:
-        p = self.payload()
-        return getattr(p, "image", p) is not None and not isinstance(p, bytes)
+        return self._backend.is_persisted(self.payload())
 
     def memory_bytes(self) -> int | None:
         """Memory the snapshot holds privately right now (copy-on-write snapshots: the pages the
@@ -109,6 +164,25 @@ class Snapshot:
                 "closed); take a new snapshot"
             )
         return self._payload
+
+    @contextlib.contextmanager
+    def _open_payload(self) -> Iterator[Any]:
+        """The payload to restore or save from, for the duration: the payload itself, or, for a
+        snapshot kept in a SnapshotStore, one over its images reassembled from the store's chunks.
+        Raises SnapshotReleasedError (released) or SnapshotCorruptedError (the store's copy)."""
+        payload = self.payload()
+        if self._store is None:
+            yield payload
+            return
+        with self._store.reassembled(self, payload) as p:
+            yield p
+
+    def _keep_in(self, store: Any, payload: Any, path: str) -> None:
+        """From now on this snapshot's images are in ``store`` (at ``path``); ``payload`` stands for
+        them (:meth:`_open_payload` reassembles them)."""
+        self._payload = payload
+        self._store = store
+        self.bundle_path = path
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"{self.size_bytes / 1e6:.2f} MB"

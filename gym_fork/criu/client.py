@@ -1,0 +1,201 @@
+"""Dumping and restoring process trees through CRIU's RPC (pycriu), every call under a timeout.
+
+The one place that drives ``criu swrk``: env snapshots (:mod:`gym_fork.backends.criu`) and whole
+jobs (:mod:`gym_fork.migration.job`) both dump and restore through :func:`dump` and
+:func:`restore`.  A call that outlives ``$GYM_FORK_CRIU_TIMEOUT`` seconds has its criu process
+SIGKILLed (and, for a restore, the half-restored processes holding its fresh channel socket),
+then raises :class:`TimeoutError`, so a wedged CRIU never hangs the caller.
+
+``mode`` says how criu runs: ``"root"`` (the host namespaces) or ``"userns"`` (inside this
+session's unprivileged user + mount namespace, ``--unprivileged``; see :mod:`gym_fork.criu.userns`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gym_fork.criu.status import criu_status, criu_timeout, new_client
+
+
+def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[str] = (),
+         mode: str = "root", binary: str | None = None, log_file: str = "dump.log",
+         timeout: float | None = None, options: Mapping[str, Any] | None = None) -> None:
+    """Dump the process tree rooted at ``pid`` into the existing directory ``images_dir``.
+
+    Args:
+        pid: root of the tree (a PID-namespace init dumps its whole namespace).
+        images_dir: where the image files (and ``log_file``) are written.
+        leave_running: keep the tree running after the dump (else CRIU kills it).
+        external: resources the tree shares with us, e.g. ``["unix[INO]"]`` for the channel socket
+            whose peer stays here (restored later with ``inherit_fd``).
+        mode: ``"root"`` or ``"userns"`` (see the module docstring).
+        binary: the criu executable (default: the one :func:`~gym_fork.criu.status.criu_status` found).
+        log_file: CRIU's log, inside ``images_dir`` (read it with :func:`~gym_fork.criu.status.log_tail`).
+        timeout: seconds before criu is killed (default ``$GYM_FORK_CRIU_TIMEOUT``, 60).
+        options: further pycriu ``opts`` fields, e.g. ``{"tcp_established": True, "ghost_limit": N}``.
+
+    Raises:
+        TimeoutError: the dump took longer than ``timeout``; criu was killed.
+        Exception: pycriu's own errors for a failed dump (see the log).
+    """
+    dfd = os.open(images_dir, os.O_DIRECTORY)
+    try:
+        c = _client(mode, binary, dfd, None)
+        c.opts.log_file = log_file
+        c.opts.log_level = 2
+        c.opts.pid = pid
+        c.opts.leave_running = leave_running
+        c.opts.external.extend(external)
+        for key, value in (options or {}).items():
+            setattr(c.opts, key, value)
+        _call(c, "dump", f"CRIU dump of process {pid}", timeout)
+    finally:
+        os.close(dfd)
+
+
+def restore(images_dir: str, *, inherit_fd: Mapping[str, int] | None = None, rst_sibling: bool = True,
+            work_dir: str | None = None, mode: str = "root", binary: str | None = None,
+            log_file: str = "restore.log", timeout: float | None = None, kill_ino: int | None = None,
+            options: Mapping[str, Any] | None = None) -> int:
+    """Restore the process tree dumped in ``images_dir``; returns the pid of its root.
+
+    Args:
+        images_dir: the images (read only).
+        inherit_fd: external resources to plug in, e.g. ``{"socket:[OLD_INO]": fd}``: the restored
+            tree gets ``fd`` (inherited by criu, so it must be inheritable) where it had that socket.
+        rst_sibling: the restored root becomes our child (``waitpid`` works), not criu's.
+        work_dir: where criu writes its log and stats (default: ``images_dir``); concurrent
+            restores of one image need one each.
+        mode, binary, timeout: as for :func:`dump`.
+        log_file: CRIU's log, inside ``work_dir``.
+        kill_ino: on a timeout, also SIGKILL our processes holding ``socket:[kill_ino]`` (the
+            half-restored tree, found by the fresh socket handed in through ``inherit_fd``).
+        options: further pycriu ``opts`` fields, as for :func:`dump`.
+
+    Raises:
+        TimeoutError: the restore took longer than ``timeout``; criu (and the half-restored
+            processes) were killed.
+        Exception: pycriu's own errors for a failed restore (see the log).
+    """
+    dfd = os.open(images_dir, os.O_DIRECTORY)
+    c = None
+    try:
+        c = _client(mode, binary, dfd, work_dir)
+        c.opts.log_file = log_file
+        c.opts.log_level = 2
+        c.opts.rst_sibling = rst_sibling
+        for key, fd in (inherit_fd or {}).items():
+            x = c.opts.inherit_fd.add()
+            x.key = key
+            x.fd = fd
+        for key, value in (options or {}).items():
+            setattr(c.opts, key, value)
+        return _call(c, "restore", f"CRIU restore from {images_dir}", timeout, kill_ino=kill_ino).pid
+    finally:
+        os.close(dfd)
+        if c is not None and c.opts.HasField("work_dir_fd"):
+            os.close(c.opts.work_dir_fd)
+
+
+def _client(mode: str, binary: str | None, dfd: int, work_dir: str | None) -> Any:
+    """A pycriu client for one call, its images directory given as the open fd ``dfd``."""
+    binary = binary or criu_status().binary
+    if mode != "userns":
+        c = new_client(binary)
+        c.opts.images_dir_fd = dfd
+        if work_dir is not None:
+            c.opts.work_dir_fd = os.open(work_dir, os.O_DIRECTORY)
+        return c
+    from gym_fork.criu.userns import get_holder
+
+    c = new_client(get_holder().criu_wrapper(binary))
+    c.opts.unprivileged = True
+    # criu, inside the holder's user namespace, may not open /proc/<us>/fd/N (ptrace access into
+    # the parent namespace): hand it the fd itself and name it /proc/self/fd/N.
+    os.set_inheritable(dfd, True)
+    c.opts.images_dir_fd = -1
+    c.opts.images_dir = f"/proc/self/fd/{dfd}"
+    if work_dir is not None:
+        cfg = os.path.join(work_dir, "criu.conf")
+        with open(cfg, "w") as f:
+            f.write(f"work-dir {work_dir}\n")
+        c.opts.config_file = cfg
+    return c
+
+
+def _call(c: Any, method: str, what: str, timeout: float | None, kill_ino: int | None = None) -> Any:
+    """``c.<method>()`` under a timeout: past it, criu is SIGKILLed (and the processes holding
+    ``socket:[kill_ino]``), and TimeoutError is raised."""
+    timeout = criu_timeout() if timeout is None else timeout
+    done = threading.Event()
+    fired: list[int | None] = []
+
+    def watchdog() -> None:
+        if done.wait(timeout):
+            return
+        comm = c._comm
+        deadline = time.monotonic() + 5
+        while getattr(comm, "swrk", None) is None and not done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done.is_set():
+            return
+        pid = getattr(comm, "swrk", None)
+        fired.append(pid)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sk = getattr(comm, "sk", None)
+        if sk is not None:
+            try:
+                sk.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    threading.Thread(target=watchdog, daemon=True, name="gym_fork-criu-timeout").start()
+    try:
+        return getattr(c, method)()
+    except Exception as e:
+        if not fired:
+            raise
+        pid = fired[0]
+        if pid:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        killed = kill_socket_holders(kill_ino) if kill_ino is not None else []
+        raise TimeoutError(
+            f"{what} did not finish within {timeout:g} s ($GYM_FORK_CRIU_TIMEOUT): criu (pid {pid}) was "
+            f"killed" + (f", and the half-restored process(es) {killed}" if killed else "")) from e
+    finally:
+        done.set()
+
+
+def kill_socket_holders(ino: int) -> list[int]:
+    """SIGKILL every process of ours holding ``socket:[ino]`` (a restore that was cut short);
+    returns their pids."""
+    target, killed = f"socket:[{ino}]", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+            if any(os.readlink(f"/proc/{name}/fd/{fd}") == target for fd in fds):
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+        except OSError:
+            continue
+    for pid in killed:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return killed
