@@ -110,17 +110,17 @@ class ForkableEnv(gym.Wrapper):
         >>> import gym_fork
         >>> env = gym_fork.ForkableEnv("CartPole-v1", backend="pickle")
         >>> obs, info = env.reset(seed=0)
-        >>> for _ in range(10):
-        ...     _ = env.step(1)
+        >>> for i in range(10):
+        ...     _ = env.step(i % 2)
         >>> snap = env.snapshot()
-        >>> a = [env.step(0)[0] for _ in range(5)]
+        >>> a = [env.step(i % 2)[0] for i in range(5)]
         >>> obs_then, _ = env.restore(snap)
-        >>> b = [env.step(0)[0] for _ in range(5)]
+        >>> b = [env.step(i % 2)[0] for i in range(5)]
         >>> all((x == y).all() for x, y in zip(a, b))
         True
         >>> snap.steps, env.steps
         (10, 15)
-        >>> kids = env.fork(snap, n=2)
+        >>> kids = env.fork(snap, n=2)          # two independent copies of that moment
         >>> bool((kids[0].step(0)[0] == kids[1].step(0)[0]).all())
         True
         >>> for k in kids:

@@ -21,15 +21,9 @@ from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 from gym_fork.backends.base import Backend
 from gym_fork.env import ForkableEnv
 from gym_fork.errors import EnvClosedError, WorkerError
-from gym_fork.worker.commands import EnvServer
 from gym_fork.snapshots.snapshot import Snapshot
 
 EnvSpecifier = str | Callable[[], gym.Env] | gym.Env
-
-# Commands a newer worker may offer (see the report / server.py); checked on the class the
-# worker runs, which is this very gym_fork.
-_HAS_ENV_METHOD = hasattr(EnvServer, "cmd_env_method")
-_HAS_IS_WRAPPED = hasattr(EnvServer, "cmd_is_wrapped")
 
 
 # --- requests to many workers at once ----------------------------------------------------------
@@ -104,7 +98,7 @@ def _run(envs: Sequence[ForkableEnv], cmd: str, args: Sequence[tuple] | tuple = 
 
 # --- ForkableEnv bookkeeping (mirrors ForkableEnv.step / reset) --------------------------------
 def _note_step(env: ForkableEnv, action: Any) -> None:
-    """What ``ForkableEnv.step`` records after the worker stepped (see the report)."""
+    """What ``ForkableEnv.step`` records after the worker stepped."""
     env._steps += 1
     if env._actions is not None:
         # A copy: SB3 may reuse its action array, and a row of it is only a view.
@@ -377,10 +371,8 @@ class ForkableVecEnv(VecEnv):
         """Call instance methods of vectorized environments: the worker's
         ``env.get_wrapper_attr(method_name)(*method_args, **method_kwargs)``, as SB3's worker."""
         envs = self._idle_envs(indices, "env_method")
-        if _HAS_ENV_METHOD:
-            return _run(envs, "env_method", (method_name, method_args, method_kwargs))
-        # Without that worker command: call it on the outermost wrapper when that has it, else on
-        # the base env (a method defined only on an inner wrapper is not reachable this way).
+        # On the outermost wrapper when that has it, else on the base env (a method defined only
+        # on an inner wrapper is not reachable this way).
         outer_dirs = _run(envs, "call", ("__dir__", (), {}, "wrapper"))
         args = [(method_name, method_args, method_kwargs, "wrapper" if method_name in d else "unwrapped")
                 for d in outer_dirs]
@@ -390,11 +382,9 @@ class ForkableVecEnv(VecEnv):
         """Check if worker environments are wrapped with a given wrapper (``isinstance`` on each
         layer of the worker's env stack, like SB3's ``is_wrapped``)."""
         envs = self._idle_envs(indices, "env_is_wrapped")
-        if _HAS_IS_WRAPPED:
-            # By name, not by class: unpickling e.g. SB3's Monitor would import torch in the worker.
-            return _run(envs, "is_wrapped", (wrapper_class.__module__, wrapper_class.__qualname__))
-        # Without that worker command: compare class names along the stack that gymnasium's repr
-        # shows (``<TimeLimit<OrderEnforcing<...>>>``), counting subclasses we know of here.
+        # By name, not by class (unpickling e.g. SB3's Monitor would import torch in the worker):
+        # the class names along the stack that gymnasium's repr shows (``<TimeLimit<...>>``),
+        # counting subclasses we know of here.
         names = {c.__name__ for c in _with_subclasses(wrapper_class)}
         reprs = _run(envs, "call", ("__repr__", (), {}, "wrapper"))
         return [bool(names & set(re.findall(r"<(\w+)", r))) for r in reprs]

@@ -2,7 +2,8 @@
 
 A *handle* is how a ForkableEnv talks to the process (or object) that runs its env:
 ``request(cmd, *args)`` sends one protocol command and returns its result.
-A *backend* starts handles, snapshots them and restores snapshots into new handles.
+A *backend* starts handles, snapshots them, restores snapshots into new handles, and owns what
+a snapshot holds (its *payload*): in memory, in a bundle, in a store.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Finding CRIU, checking it works here, and driving it through pycriu's RPC.
+"""Finding CRIU and checking that it works here.
 
 ``criu_status()`` answers "can gym_fork use CRIU here, and if not, why not?" once per process;
-``backend="auto"`` and ``gym-fork doctor`` both ask it.
+``backend="auto"`` and ``gym-fork doctor`` both ask it.  Also the small facts every CRIU call
+needs: its timeout, a pycriu client for a binary, the tail of its log, a bound on image sizes.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def ensure_kdat_cache(binary: str) -> bool:
     """Mount the small root-only tmpfs where our CRIU build caches its kernel probe (criu.kdat).
 
     CRIU keeps that cache only on a tmpfs; without it every dump and restore re-probes the kernel
-    (~35 ms here).  A mount does not survive a reboot, so gym_fork re-creates it on first use.
+    first.  A mount does not survive a reboot, so gym_fork re-creates it on first use.
     Returns True when the cache directory is usable."""
     try:
         with open(binary, "rb") as f:

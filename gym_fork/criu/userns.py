@@ -1,9 +1,8 @@
 """CRIU without root: a long-lived *holder* process owning an unprivileged user + mount namespace.
 
 Stock CRIU 4.x needs no privilege when it runs inside a user namespace in which the user is
-root, with a mount namespace owned by that user namespace, and ``--unprivileged``
-(``/work/shared/criu/nonroot.md``, pattern C).  The controller itself stays in the host
-namespaces (a multi-threaded trainer cannot ``unshare(CLONE_NEWUSER)``):
+root, with a mount namespace owned by that user namespace, and ``--unprivileged``.  The
+controller itself stays in the host namespaces (a multi-threaded trainer cannot ``unshare(CLONE_NEWUSER)``):
 
 * the holder is ``python -S`` that ``unshare(CLONE_NEWUSER | CLONE_NEWNS)``s, maps uid/gid 0 to
   the user, reports ``ok`` and blocks on its stdin; it exits when the controller goes away
@@ -22,6 +21,7 @@ can change.
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import os
 import shutil
@@ -98,10 +98,10 @@ def _explain(errno_: int, step: str, text: str) -> UsernsSupport:
     found, fix = userns_blockers()
     err = f"{step} failed: {text} (errno {errno_})"
     if not found:
-        if errno_ == 28:  # ENOSPC: a user.max_user_namespaces limit of 0 here or in a parent namespace
+        if errno_ == errno.ENOSPC:  # a user.max_user_namespaces limit of 0 here or in a parent namespace
             found.append("user.max_user_namespaces is 0 in this or a parent user namespace (ENOSPC)")
             fix.append("raise user.max_user_namespaces (sysctl) where it is 0; inside a container, on the host")
-        elif errno_ == 1:  # EPERM
+        elif errno_ == errno.EPERM:
             found.append("creating a user namespace is not permitted (seccomp, e.g. Docker's default "
                          "profile, an LSM, or a sysctl)")
             fix.append("allow unshare(CLONE_NEWUSER): e.g. docker run --security-opt seccomp=unconfined, "

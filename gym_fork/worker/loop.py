@@ -52,7 +52,6 @@ from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E40
 from gym_fork.worker import resources  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
-FD_COMMANDS = frozenset({"fork_snapshot", "clone", "promote"})
 REAPER = (
     "import os\n"
     "while True:\n"
