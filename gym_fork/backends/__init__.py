@@ -32,7 +32,7 @@ def names() -> tuple[str, ...]:
 
 
 def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_log: str | None = None,
-                fork_tier: bool | str = "auto") -> Backend:
+                fork_tier: bool | str = "auto", private_network: bool = False) -> Backend:
     """A backend object for ``name`` (``"auto"``: see :mod:`gym_fork.backends.auto`); a Backend
     passes through unchanged.
 
@@ -43,10 +43,12 @@ def get_backend(name: str | Backend = "auto", *, verify: str = "full", worker_lo
     if isinstance(name, Backend):
         return name
     if name == "auto":
-        return auto.choose(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
+        return auto.choose(verify=verify, worker_log=worker_log, fork_tier=fork_tier, private_network=private_network)
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(names())}")
+    if private_network:
+        return factory(verify=verify, worker_log=worker_log, fork_tier=fork_tier, private_network=True)
     return factory(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
 
 
@@ -65,7 +67,16 @@ def bundle_backend(name: Any) -> Backend:
         raise BundleError(f"a {name!r} snapshot cannot be restored here: {e}") from None
 
 
-register("criu", lambda verify="full", worker_log=None, fork_tier="auto": CriuBackend(
-    verify=verify, worker_log=worker_log, fork_tier=fork_tier))
-register("pickle", lambda **_options: PickleBackend())
+register("criu", lambda verify="full", worker_log=None, fork_tier="auto", private_network=False: CriuBackend(
+    verify=verify, worker_log=worker_log, fork_tier=fork_tier, private_network=private_network))
+
+
+def _pickle(private_network: bool = False, **_options: Any) -> Backend:
+    if private_network:
+        raise BackendUnavailableError("private_network=True needs backend 'criu' (as root): the pickle backend "
+                                      "runs the env in this process")
+    return PickleBackend()
+
+
+register("pickle", _pickle)
 set_backend_resolver(bundle_backend)

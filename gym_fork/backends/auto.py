@@ -30,10 +30,11 @@ def _announce(key: str, level: int, msg: str) -> None:
         log.log(level, msg)
 
 
-def choose(*, verify: str = "full", worker_log: str | None = None, fork_tier: bool | str = "auto") -> Backend:
+def choose(*, verify: str = "full", worker_log: str | None = None, fork_tier: bool | str = "auto",
+           private_network: bool = False) -> Backend:
     """The backend ``"auto"`` stands for here (the options are :class:`CriuBackend`'s)."""
     st = criu_status()
-    opts = dict(verify=verify, worker_log=worker_log, fork_tier=fork_tier)
+    opts = dict(verify=verify, worker_log=worker_log, fork_tier=fork_tier, private_network=private_network)
     if st.usable and os.environ.get("GYM_FORK_CONTROL_FD"):
         _announce("auto-job", logging.INFO,
                   "gym_fork: backend 'criu' in fork-only mode inside this `gym-fork run` job: snapshots are "
@@ -57,6 +58,10 @@ def choose(*, verify: str = "full", worker_log: str | None = None, fork_tier: bo
                   "whose worker is multi-threaded (torch) uses backend 'pickle' where that is exact, "
                   "else is refused at start-up. Run `gym-fork doctor` for details.")
         return CriuBackend(**opts, allow_fork_only=True)
+    if private_network:
+        raise BackendUnavailableError(
+            "private_network=True needs CRIU as root (each env worker and each restored copy gets a network "
+            "namespace of its own), and CRIU is not usable here: " + "; ".join(st.reasons))
     _announce("auto-pickle", logging.WARNING,
               "gym_fork: CRIU is not usable (" + "; ".join(st.reasons) + "); using backend 'pickle', "
               "which refuses envs it cannot copy exactly. Run `gym-fork doctor` for details.")

@@ -41,6 +41,8 @@ from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.files import link_tree
 from gym_fork.worker.channel import Channel, socket_inode
 from gym_fork.worker.commands import EnvSource
+from gym_fork.worker.resources import Scan
+from gym_fork.backends import netns, treecapture
 
 RESTORE_TIMEOUT_S = 60.0
 log = logging.getLogger("gym_fork")
@@ -49,13 +51,14 @@ log = logging.getLogger("gym_fork")
 class CriuPayload:
     """Where a CRIU snapshot's images are, and the channel inode they expect."""
 
-    __slots__ = ("path", "ino", "fork_tier", "owned", "__weakref__")
+    __slots__ = ("path", "ino", "fork_tier", "owned", "netns", "__weakref__")
 
-    def __init__(self, path: str, ino: int, fork_tier: bool = False, owned: bool = True):
+    def __init__(self, path: str, ino: int, fork_tier: bool = False, owned: bool = True, netns: bool = False):
         self.path = path
         self.ino = ino
         self.owned = owned  # False for a loaded bundle: release() must not delete the user's files
         self.fork_tier = fork_tier  # restored workers may take fork() snapshots (single-threaded)
+        self.netns = netns  # the tree had a network namespace of its own: each restore gets a fresh one
 
 
 class ForkPayload:
@@ -95,7 +98,7 @@ class CriuBackend(Backend):
     storable = True
 
     def __init__(self, *, verify: str = "full", worker_log: str | None = None,
-                 fork_tier: bool | str = "auto", allow_fork_only: bool = False):
+                 fork_tier: bool | str = "auto", allow_fork_only: bool = False, private_network: bool = False):
         st = criu_status()
         why = ("CRIU cannot be used here: " + "; ".join(st.reasons)
                + (". To fix: " + "; ".join(st.advice) if st.advice else "")
@@ -130,10 +133,19 @@ class CriuBackend(Backend):
         if fork_tier not in ("auto", True, False):
             raise ValueError(f"fork_tier must be 'auto', True or False, not {fork_tier!r}")
         self.fork_tier = fork_tier
+        if private_network and self.mode != "root":
+            raise BackendUnavailableError(
+                "private_network=True needs root (a network namespace per env worker, dumped and restored by "
+                f"CRIU); this backend runs in {self.mode!r} mode")
+        self.private_network = bool(private_network)
 
     # --- start -----------------------------------------------------------------------------
     def start(self, source: EnvSource) -> tuple[Handle, dict]:
-        ours, theirs = socket.socketpair()
+        nsfd = -1
+        if self.private_network:  # the channel must belong to the worker's namespace (CRIU looks it up there)
+            nsfd, (ours, theirs) = netns.new_netns()
+        else:
+            ours, theirs = socket.socketpair()
         ino = socket_inode(theirs.fileno())
         # "ab": CRIU restores a file that grew since the dump only when it is open for appending
         out = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
@@ -145,12 +157,14 @@ class CriuBackend(Backend):
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno()), self.mode, holder,
-                 os.path.abspath(self.worker_log) if self.worker_log else "", sessiondir.session_dir()],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                start_new_session=True, env=_worker_environ(),
+                 os.path.abspath(self.worker_log) if self.worker_log else "", sessiondir.session_dir(), str(nsfd)],
+                pass_fds=[theirs.fileno()] + ([nsfd] if nsfd >= 0 else []), stdin=subprocess.DEVNULL,
+                stdout=out, stderr=out, start_new_session=True, env=_worker_environ(),
             )
         finally:
             theirs.close()
+            if nsfd >= 0:
+                os.close(nsfd)
             if out is not subprocess.DEVNULL:
                 out.close()
         chan = Channel(ours)
@@ -188,20 +202,38 @@ class CriuBackend(Backend):
 
     # --- snapshot --------------------------------------------------------------------------
     def snapshot(self, handle: Handle, snap_id: str) -> tuple[CriuPayload | ForkPayload, int]:
+        """A fork-tier snapshot when ``fork()`` copies the worker exactly; else a CRIU dump of its
+        whole process tree (one log line says why; later snapshots of this env are dumps too), or
+        UncapturableStateError naming what nothing captures (see :mod:`.treecapture`)."""
         assert isinstance(handle, RemoteHandle)
         if handle.fork_tier:
-            return self._fork_snapshot(handle), 0
-        return self._dump(handle, snap_id, leave_running=True)
+            found = self._fork_snapshot(handle)
+            if isinstance(found, ForkPayload):
+                return found, 0
+            treecapture.check_tree(found, criu_ok=self.mode != "fork", private_network=self.private_network,
+                                   unavailable=self.unavailable, fork_tier_required=self.fork_tier is True)
+            log.info(treecapture.describe_switch(found))
+            handle.fork_tier = False  # its tree holds no fork-tier process: the dumps from now on stay exact
+            return self._dump(handle, snap_id, leave_running=True, scan=found)
+        scan = Scan.from_wire(handle.request("resources"))
+        treecapture.check_tree(scan, criu_ok=self.mode != "fork", private_network=self.private_network,
+                               unavailable=self.unavailable)
+        return self._dump(handle, snap_id, leave_running=True, scan=scan)
 
-    def _fork_snapshot(self, handle: RemoteHandle) -> ForkPayload:
+    def _fork_snapshot(self, handle: RemoteHandle) -> ForkPayload | Scan:
+        """A copy-on-write snapshot, or (no fork happened) what the worker found that ``fork()``
+        cannot copy."""
         ours, theirs = socket.socketpair()
         try:
-            handle.request_with_fd("fork_snapshot", theirs.fileno())
+            found = handle.request_with_fd("fork_snapshot", theirs.fileno())
         except WorkerError as e:
             ours.close()
             raise SnapshotError(f"fork snapshot failed: {e}; the env keeps running") from e
         finally:
             theirs.close()
+        if found is not None:
+            ours.close()
+            return Scan.from_wire(found)
         return ForkPayload(Channel(ours))
 
     def _require_criu(self, what: str) -> None:
@@ -211,7 +243,7 @@ class CriuBackend(Backend):
                 f"in-memory snapshots work): {self.unavailable}")
 
     def _dump(self, handle: RemoteHandle, snap_id: str, *, leave_running: bool,
-              into: str | None = None) -> tuple[CriuPayload, int]:
+              into: str | None = None, scan: Scan | None = None) -> tuple[CriuPayload, int]:
         """Dump into the session dir, checksummed and committed; or, with ``into`` (a new private
         dir), plain images only: no manifest, no fsync, no rename (transient images that are
         hashed while they are streamed, see :meth:`dump_transient`)."""
@@ -220,21 +252,25 @@ class CriuBackend(Backend):
         tmp = sessiondir.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
         try:
-            client.dump(handle.pid, tmp, leave_running=leave_running, external=[f"unix[{handle.ino}]"],
-                        mode=self.mode, binary=self.binary)
+            external = [f"unix[{handle.ino}]"]
+            if self.private_network:
+                external.append(f"net[{netns.netns_inode(handle.pid)}]:{treecapture.NETNS_KEY}")
+            client.dump(handle.pid, tmp, leave_running=leave_running, external=external, mode=self.mode,
+                        binary=self.binary, options=treecapture.dump_options(scan, self.private_network))
+            treecapture.mark_images(tmp, scan)
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
         if into is not None:
-            return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier), 0
+            return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier, netns=self.private_network), 0
         try:
             size = sessiondir.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id})
             sessiondir.commit(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(f"could not store the snapshot images: {e}") from e
-        return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier), size
+        return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=self.private_network), size
 
     # --- restore ---------------------------------------------------------------------------
     def restore(self, payload: CriuPayload | ForkPayload) -> Handle:
@@ -314,7 +350,7 @@ class CriuBackend(Backend):
         self._require_criu("persist()")
         if payload.chan is None:
             raise SnapshotCorruptedError("the snapshot's frozen process is gone")
-        ours, theirs = socket.socketpair()
+        ours, theirs = netns.socketpair_in(payload.pid) if self.private_network else socket.socketpair()
         ino = socket_inode(theirs.fileno())
         try:
             pid = payload.request_with_fd("promote", theirs.fileno())
@@ -354,21 +390,33 @@ class CriuBackend(Backend):
         """A new worker from the images of ``payload``, which the caller has just verified (their
         sha256 manifest, or the digests of a transfer). Raises RestoreError (the images are
         untouched) or TimeoutError."""
-        ours, theirs = socket.socketpair()
+        nsfd = -1
+        if payload.netns:  # a fresh namespace per copy; its channel is created inside it
+            nsfd, (ours, theirs) = netns.new_netns()
+            os.set_inheritable(nsfd, True)
+        else:
+            ours, theirs = socket.socketpair()
         new_ino = socket_inode(theirs.fileno())
         os.set_inheritable(theirs.fileno(), True)  # criu swrk is fork+exec'd and must inherit it
         # per restore work dir: logs and stats of concurrent restores must not collide
         workdir = tempfile.mkdtemp(prefix="restore-", dir=sessiondir.session_dir())
         try:
-            pid = client.restore(payload.path, inherit_fd={f"socket:[{payload.ino}]": theirs.fileno()},
-                                 rst_sibling=True,  # the restored worker becomes our child: waitpid works
-                                 work_dir=workdir, mode=self.mode, binary=self.binary, kill_ino=new_ino)
+            inherit = {f"socket:[{payload.ino}]": theirs.fileno()}
+            if nsfd >= 0:
+                inherit[treecapture.NETNS_KEY] = nsfd
+            with treecapture.image_lock(payload.path):
+                pid = client.restore(payload.path, inherit_fd=inherit,
+                                     rst_sibling=True,  # the restored worker becomes our child: waitpid works
+                                     work_dir=workdir, mode=self.mode, binary=self.binary, kill_ino=new_ino,
+                                     options=treecapture.dump_options(None, payload.netns))
         except Exception as e:  # noqa: BLE001
             ours.close()
             tail = log_tail(os.path.join(workdir, "restore.log"))
             raise RestoreError(f"CRIU restore from {payload.path} failed ({e}); the running env is unchanged.\n{tail}") from e
         finally:
             theirs.close()
+            if nsfd >= 0:
+                os.close(nsfd)
             shutil.rmtree(workdir, ignore_errors=True)
         handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
                               fork_tier=payload.fork_tier and self.fork_tier is not False)
@@ -422,7 +470,8 @@ class CriuBackend(Backend):
         return image.path, image_meta(image)
 
     def payload_at(self, path: str, meta: dict) -> CriuPayload:
-        return CriuPayload(path, meta["ino"], fork_tier=meta.get("fork_tier", False), owned=False)
+        return CriuPayload(path, meta["ino"], fork_tier=meta.get("fork_tier", False), owned=False,
+                           netns=meta.get("netns", False))
 
     def chunk_lengths(self, images_dir: str, name: str, chunk_size: int) -> list[int] | None:
         if not is_page_image(name):
@@ -444,9 +493,7 @@ def image_meta(image: CriuPayload, images_dir: str | None = None) -> dict[str, A
     take fork-tier snapshots, and the files the worker maps (read from ``images_dir``, default
     ``image.path``).  :meth:`CriuBackend.check_compatible` checks them before a restore."""
     return {"criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
-            "files": mapped_files(images_dir or image.path)}
-
-
+            "netns": image.netns, "files": mapped_files(images_dir or image.path)}
 
 
 def private_dirty_bytes(pid: int) -> int | None:
@@ -463,14 +510,14 @@ def private_dirty_bytes(pid: int) -> int | None:
 
 # Starts the worker and exits the way it did (a signal death is re-raised, so Popen.returncode
 # says e.g. -9).  util-linux 2.38's `unshare --fork` cannot do that (its sigprocmask call fails),
-# hence this.  `-S`: no site import, tiny process.  argv: FD MODE HOLDER_PID LOG WORKDIR.
+# hence this.  `-S`: no site import, tiny process.  argv: FD MODE HOLDER_PID LOG WORKDIR NETNS_FD.
 #   root:   the worker is PID 1 of a new PID namespace;
 #   userns: first join the holder's user + mount namespaces (gym_fork.criu.userns), open stdio and
 #           chdir there (CRIU's parasite needs a writable cwd in that mount namespace), then as root;
 #   fork:   no namespaces at all (non-root without user namespaces: the fork tier needs none).
 _PIDNS_LAUNCHER = """
 import ctypes, os, signal, sys
-fd, mode, holder, logpath, workdir = sys.argv[1:6]
+fd, mode, holder, logpath, workdir, netns = sys.argv[1:7]
 worker = [sys.executable, "-m", "gym_fork.worker.loop", fd]
 if mode == "fork":
     os.execv(sys.executable, worker)
@@ -488,6 +535,10 @@ if mode == "userns":
     out = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if logpath else os.open(os.devnull, os.O_WRONLY)
     inp = os.open(os.devnull, os.O_RDONLY)
     os.dup2(inp, 0); os.dup2(out, 1); os.dup2(out, 2); os.close(inp); os.close(out)
+if netns != "-1" and libc.setns(int(netns), 0x40000000) != 0:  # CLONE_NEWNET: the worker's own network
+    die("setns(network namespace)")
+if netns != "-1":
+    os.close(int(netns))
 if libc.unshare(0x20000000) != 0:  # CLONE_NEWPID
     die("unshare(CLONE_NEWPID)")
 pid = os.fork()

@@ -130,19 +130,31 @@ def describe_switch(scan: Scan) -> str:
             "its snapshots are CRIU dumps of the whole process tree from now on")
 
 
-_ghost_locks: dict[str, threading.Lock] = {}
-_ghost_guard = threading.Lock()
+#: written next to the images of a tree whose restores must not run at the same time
+SERIAL_MARK = "gym_fork-serial-restore"
+_serial = threading.Lock()
+
+
+def needs_serial_restore(scan: Scan | None) -> bool:
+    """Whether restores of this tree's images collide when they run at the same time: CRIU
+    re-creates unlinked files and binds unix sockets whose path was unlinked at their old paths
+    while it restores (and removes them again), so two restores at once fight over those paths."""
+    return scan is not None and any(
+        r.kind == "unlinked-file" or (r.kind == "listener" and r.capture == "criu") for r in scan.resources)
+
+
+def mark_images(images_dir: str, scan: Scan | None) -> None:
+    """Note in a fresh image directory (before its manifest) what restoring it needs."""
+    if needs_serial_restore(scan):
+        with open(os.path.join(images_dir, SERIAL_MARK), "w") as f:
+            f.write("unlinked files or unix socket paths are re-created at their old paths during a restore\n")
 
 
 def image_lock(images_dir: str):
-    """A lock for restoring images that hold unlinked ("ghost") files: CRIU re-creates each one at a
-    fixed path next to the original while it restores, so two restores of one image at the same
-    time collide. Other images restore concurrently (a no-op context)."""
+    """A process-wide lock around restores of images marked by :func:`mark_images` (or holding
+    CRIU ghost files); other images restore concurrently (a no-op context)."""
     try:
-        ghosts = any(n.startswith("ghost-file-") for n in os.listdir(images_dir))
+        serial = any(n == SERIAL_MARK or n.startswith("ghost-file-") for n in os.listdir(images_dir))
     except OSError:
-        ghosts = False
-    if not ghosts:
-        return contextlib.nullcontext()
-    with _ghost_guard:
-        return _ghost_locks.setdefault(os.path.realpath(images_dir), threading.Lock())
+        serial = False
+    return _serial if serial else contextlib.nullcontext()

@@ -411,7 +411,7 @@ def _shared_maps_fast() -> list[tuple[bytes, bool]] | None:
     try:
         addr = 0
         while True:
-            q.size, q.query_flags, q.query_addr = ctypes.sizeof(q), _VMA_SHARED | _COVERING_OR_NEXT, addr
+            q.size, q.query_flags, q.query_addr = ctypes.sizeof(q), _VMA_SHARED | _VMA_WRITABLE | _COVERING_OR_NEXT, addr
             q.vma_name_size, q.vma_name_addr, q.build_id_size = len(name), ctypes.addressof(name), 0
             if libc.ioctl(fd, _PROCMAP_QUERY, ctypes.byref(q)) != 0:
                 err = ctypes.get_errno()
