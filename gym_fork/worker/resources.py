@@ -45,7 +45,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 
 #: unlinked files up to this size are copied into CRIU images (``--ghost-limit``); larger ones are refused
-GHOST_LIMIT = 256 << 20
+GHOST_LIMIT = 64 << 20
 #: what gym_fork's fork-tier processes call themselves (``/proc/PID/comm``), so a scan can tell
 #: them from the env's own child processes
 FORK_COMM = b"gym_fork-fork"
