@@ -146,6 +146,10 @@ class ForkableEnv(gym.Wrapper):
             databases consistently), ``restore()`` puts them back, each ``fork()`` child gets its
             own copy (``DIR.branch-<id>``, deleted when the child is closed), and ``Snapshot.save``
             / a store keep them.  The contract with the env: :mod:`gym_fork.snapshots.workspace`.
+        private_network: criu backend, as root: the worker gets a network namespace of its own
+            (only ``lo``), and every restored copy a fresh one, so servers the env starts (Redis,
+            a web app) keep their addresses in every copy without colliding.  Without it, an env
+            holding TCP/UDP sockets is refused at its first snapshot (UncapturableStateError).
 
     Raises:
         ValueError: an unknown backend name or option value.
@@ -162,9 +166,10 @@ class ForkableEnv(gym.Wrapper):
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
                  record_actions: bool = True, worker_log: str | None = None,
                  fork_tier: bool | Literal["auto"] = "auto", store: Any = None,
-                 workspace: str | None = None):
+                 workspace: str | None = None, private_network: bool = False):
         source = make_source(env, env_kwargs)
-        be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier)
+        be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier,
+                         private_network=private_network)
         be, handle, meta = start_env(be, source)
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store
@@ -588,12 +593,12 @@ def _kill_boxed(box: list) -> None:
 def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "size"] = "full",
          record_actions: bool = True, worker_log: str | None = None,
          fork_tier: bool | Literal["auto"] = "auto", store: Any = None, workspace: str | None = None,
-         **kwargs: Any) -> ForkableEnv:
+         private_network: bool = False, **kwargs: Any) -> ForkableEnv:
     """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
 
-    ``store`` and ``workspace`` are :class:`ForkableEnv`'s.  Keyword arguments other than
+    ``store``, ``workspace`` and ``private_network`` are :class:`ForkableEnv`'s.  Keyword arguments other than
     gym_fork's own go to ``gymnasium.make`` in the worker.
     """
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
                        record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
-                       store=store, workspace=workspace)
+                       store=store, workspace=workspace, private_network=private_network)
