@@ -452,7 +452,7 @@ class ForkableEnv(gym.Wrapper):
 
     def migrate(self, target: Any, *, token: str | bytes | None = None, token_file: str | None = None,
                 tls: bool | str = False, timeout: float = 30.0, netns: str | None = None,
-                live: bool = False) -> Any:
+                live: bool = False, insecure: bool = False) -> Any:
         """Move this env's worker to the ``gym-fork agent`` at ``target`` ("host:port"); from then
         on steps go over the network (see :mod:`gym_fork.migration.client`). Token: ``token``,
         ``token_file`` or ``$GYM_FORK_TOKEN``. On failure a ``gym_fork.migration`` error is raised
@@ -462,6 +462,12 @@ class ForkableEnv(gym.Wrapper):
         once; keep stepping the env -- it switches to the target inside a later ``step()`` after
         the target has replayed (and matched) every request made meanwhile. Pauses are a few ms
         instead of the whole transfer. Only for envs without effects outside their process.
+
+        The connection is TLS, authenticated by the token (which also covers the agent's
+        certificate); ``tls=True`` or a CA file checks that certificate against CAs too.
+        ``insecure=True``: plain TCP, for an agent started with ``--insecure`` -- anyone on the
+        path can then read the env's memory and steps and inject commands into the worker and
+        pickles into this process.
 
         ``target`` may also be ``gym_fork.ray.RayNode(node_id)``: the worker moves to that Ray
         node's host actor, and can move on from there (:mod:`gym_fork.ray.migration`)."""
@@ -475,13 +481,13 @@ class ForkableEnv(gym.Wrapper):
             from gym_fork.migration.live import migrate_env_live
 
             return migrate_env_live(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
-                                    netns=netns)
+                                    netns=netns, insecure=insecure)
         if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
             return target._gym_fork_migrate(self, token=token, timeout=max(timeout, 60.0))
         from gym_fork.migration.client import migrate_env
 
         return migrate_env(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
-                           netns=netns)
+                           netns=netns, insecure=insecure)
 
     # --- internals -----------------------------------------------------------------------------
     def _end_live(self, why: str) -> None:

@@ -176,12 +176,21 @@ def test_transfer_cut_midway(lo):
     assert "transfer cut" in lo.agents["B"].log()
 
 
-def test_image_corrupted_in_transfer_is_not_restored(lo):
+@pytest.fixture(scope="module")
+def lo_plain():
+    """An agent on plain TCP (``--insecure``): a byte flipped on the wire reaches the agent's own
+    checks (over TLS, TLS itself refuses it: tests/security)."""
+    with Nodes(["B"], use_netns=False, insecure=True) as n:
+        yield n
+
+
+def test_image_corrupted_in_transfer_is_not_restored(lo_plain):
+    lo = lo_plain
     env, ref = _pair(_actions(30))
     proxy = _Proxy(lo.target["B"], 12_000_000, "flip")  # inside the pages image
     try:
         with pytest.raises(RemoteRestoreError, match="sha256|corrupt") as ei:
-            env.migrate(proxy.target, token=lo.token)
+            env.migrate(proxy.target, token=lo.token, insecure=True)
         assert ei.value.remote_type in ("SnapshotCorruptedError", "ReadError", "HeaderError")
         acts = _actions(40, seed=2)
         assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
@@ -223,7 +232,7 @@ def test_tls_agent():
         env, ref = _pair(_actions(20))
         try:
             with pytest.raises(AgentUnreachableError):  # a plain-TCP client cannot talk to a TLS agent
-                env.migrate(n.target["B"], token=n.token, timeout=3)
+                env.migrate(n.target["B"], token=n.token, timeout=3, insecure=True)
             env.migrate(n.target["B"], token=n.token, tls=n.cert)
             acts = _actions(30, seed=4)
             assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])

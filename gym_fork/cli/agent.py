@@ -8,14 +8,24 @@ import signal
 import sys
 from typing import Any
 
-HELP = "node agent: receive checkpoints over TCP (authenticated) and restore them here"
+HELP = "node agent: receive checkpoints over TLS (token-authenticated) and restore them here"
 DESCRIPTION = (
-    "Listen for live migrations. Peers must pass an HMAC challenge-response with the shared "
-    "token (--token-file or $GYM_FORK_TOKEN); TLS with --cert/--key. Every checkpoint is "
-    "integrity-checked before anything is restored. Runs until SIGTERM/SIGINT; what it hosts "
-    "is stopped then."
+    "Listen for live migrations. Every connection is TLS (a certificate made at start, or "
+    "--cert/--key) and peers must pass an HMAC challenge-response with the shared token "
+    "(--token-file or $GYM_FORK_TOKEN) that also covers the TLS certificate, so a relay in "
+    "between can neither read nor change the stream. Every checkpoint is integrity-checked "
+    "before anything is restored. Handshakes are bounded in time, connections are capped, and "
+    "running out of fds or threads only sheds new connections. Runs until SIGTERM/SIGINT; what "
+    "it hosts is stopped then."
 )
 EPILOG = "example:\n  gym-fork agent --host 10.0.0.2 --port 7000 --state-dir /var/lib/gym_fork --token-file tok"
+INSECURE_HELP = (
+    "plain TCP instead of TLS (clients need insecure=True / `gym-fork run --insecure`). Gives up "
+    "everything after the handshake: anyone on the network path can read the checkpoints (whole "
+    "process memory) and the env's traffic, and inject commands and pickles that run as this "
+    "agent's user and as the learner. Only where every host on the path is trusted "
+    "(loopback, a private network namespace)"
+)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -24,8 +34,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True, help="private (0700) directory for received checkpoints")
     p.add_argument("--token-file", help="file with the shared token (else $GYM_FORK_TOKEN)")
     p.add_argument("--node", help="this node's name (default: hostname)")
-    p.add_argument("--cert", help="TLS certificate (PEM); with --key enables TLS")
+    p.add_argument("--cert", help="TLS certificate (PEM; with --key) instead of one made at start")
     p.add_argument("--key", help="TLS private key (PEM)")
+    p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="connections at once, hosted env workers' included (default: what the fd limit "
+                   "allows, at most 256); more are closed at once")
+    p.add_argument("--max-unauthenticated", type=int, default=None,
+                   help="connections still in their handshake at once (default: half of --max-connections, "
+                   "at most 32)")
+    p.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds for a connection's whole TLS + token handshake (default 10)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,8 +58,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"gym-fork agent: {e}", file=sys.stderr)
         return 2
-    agent = Agent(args.host, args.port, args.state_dir, token, node=args.node, cert=args.cert, key=args.key)
-    print(f"gym-fork agent {agent.node} listening on {agent.address[0]}:{agent.address[1]}", flush=True)
+    try:
+        agent = Agent(args.host, args.port, args.state_dir, token, node=args.node, cert=args.cert, key=args.key,
+                      insecure=args.insecure, max_connections=args.max_connections,
+                      max_unauthenticated=args.max_unauthenticated, handshake_timeout=args.handshake_timeout)
+    except (OSError, ValueError) as e:
+        print(f"gym-fork agent: {e}", file=sys.stderr)
+        return 2
+    how = f"TLS certificate sha256 {agent.fingerprint}" if agent.fingerprint else "INSECURE: plain TCP"
+    print(f"gym-fork agent {agent.node} listening on {agent.address[0]}:{agent.address[1]} ({how})", flush=True)
 
     def stop(*_a: Any) -> None:
         agent.stop()

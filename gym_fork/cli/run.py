@@ -24,7 +24,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=".", help="where the job's stdout.log/stderr.log go (O_APPEND)")
     p.add_argument("--token-file", help="shared token for the agents (else $GYM_FORK_TOKEN); Ray node targets "
                    "use it too when given, else the token derived from the gym_fork HMAC key, like the hosts")
-    p.add_argument("--tls-ca", help="CA/cert file of TLS agents")
+    p.add_argument("--tls-ca", help="CA/cert file the agents' certificates must chain to (optional: the token "
+                   "handshake covers the agent's certificate in any case)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plain TCP to agents started with --insecure: nothing after the handshake is encrypted or "
+                   "authenticated (anyone on the path can read the job's memory as it moves and inject code into "
+                   "it); only where every host on the path is trusted")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster for 'ray:<node id>' targets (LiveMigrationCallback(RayNode(...))); "
                    "default $RAY_ADDRESS, else 'auto'. Only this supervisor connects to Ray, when the job asks to move")
@@ -52,5 +57,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"gym-fork run: {e} (needed to migrate)", file=sys.stderr)
         return 2
-    targets = TargetContext(token=token, tls=args.tls_ca or False, options={"ray_address": args.ray_address})
+    if args.insecure and args.tls_ca:
+        print("gym-fork run: --insecure is plain TCP: it cannot be combined with --tls-ca", file=sys.stderr)
+        return 2
+    targets = TargetContext(token=token, tls=args.tls_ca or False, insecure=args.insecure,
+                            options={"ray_address": args.ray_address})
     return supervise(cmd, node=args.node, log_dir=args.log_dir, token=token, targets=targets)

@@ -119,18 +119,20 @@ def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
 
 
 def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
-                tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> dict:
+                tls: bool | str = False, timeout: float = 30.0, netns: str | None = None,
+                insecure: bool = False) -> dict:
     """Move ``env``'s worker to the agent at ``target`` ("host:port"); returns a report dict
     (node, pid, bytes, timings in seconds). Raises a MigrationError subclass on failure, with the
     env unchanged. The learner waits for the whole move (stop-and-copy); see
-    :mod:`gym_fork.migration.live` for the pre-copy variant."""
+    :mod:`gym_fork.migration.live` for the pre-copy variant. The checkpoint and then every step
+    travel over TLS (``tls``, ``insecure``: :func:`gym_fork.migration.wire.connect.connect`)."""
     check_migratable(env, target)
     tok = load_token(token, token_file)
     t_start = time.monotonic()
     timings: dict[str, float] = {}
     saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     # Connect + authenticate while the snapshot is dumped (off the critical path).
-    conn = connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+    conn = connect_in_background(target, tok, tls=tls, insecure=insecure, timeout=timeout, netns=netns)
     snap = None
     try:
         t0 = time.monotonic()

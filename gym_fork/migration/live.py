@@ -357,13 +357,14 @@ def start_live(env: Any, target: str, ship: Callable, switch: Callable, on_error
 
 
 def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None, token_file: str | None = None,
-                     tls: bool | str = False, timeout: float = 30.0, netns: str | None = None) -> LiveMigration:
+                     tls: bool | str = False, timeout: float = 30.0, netns: str | None = None,
+                     insecure: bool = False) -> LiveMigration:
     """Start a pre-copy migration of ``env``'s worker to the agent at ``target``; see the module doc."""
     check_migratable(env, target)
     check_live(env)
     tok = load_token(token, token_file)
     limit = dump_size_bound(env._handle.pid)
-    conn = connect_in_background(target, tok, tls=tls, timeout=timeout, netns=netns)
+    conn = connect_in_background(target, tok, tls=tls, insecure=insecure, timeout=timeout, netns=netns)
 
     def ship(mig: LiveMigration) -> tuple[NetworkHandle, dict]:
         sock, hello, reply, nbytes = ship_snapshot(mig._snap, target, tok, _Conn(conn, mig), mig._timings, limit)

@@ -30,7 +30,8 @@ from gym_fork.errors import MigrationError
 from gym_fork.migration.wire.connect import connect, parse_host_port
 
 ENTRY_POINT_GROUP = "gym_fork.migration_targets"
-_SCHEME = re.compile(r"^([a-z][a-z0-9+.-]*):")
+_SCHEME_NAME = r"[a-z][a-z0-9+.-]*"
+_SCHEME = re.compile(rf"({_SCHEME_NAME}):")  # an address's prefix: matched at its start
 
 
 @dataclass
@@ -40,13 +41,17 @@ class TargetContext:
     Attributes:
         token: the shared token of the agents (None: agents refuse to be targets; a plugin may
             derive its own).
-        tls: False, True (system CAs) or a CA file, for agents.
+        tls: how agents' certificates are checked besides the token handshake that covers them:
+            False (only that), True (also the system CAs) or a CA file.
+        insecure: plain TCP to agents started with ``--insecure`` (no encryption, nothing
+            authenticated after the handshake).
         netns: a network namespace to connect to agents from.
         options: settings for plugins' kinds (e.g. ``{"ray_address": ...}``), by name.
     """
 
     token: bytes | None = None
     tls: bool | str = False
+    insecure: bool = False
     netns: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -110,7 +115,8 @@ class AgentTarget(TargetKind):
         if not self.ctx.token:
             raise MigrationError(f"no token to authenticate to the agent at {address}: start `gym-fork run` "
                                  "with --token-file or $GYM_FORK_TOKEN")
-        sock, hello = connect(address, self.ctx.token, tls=self.ctx.tls, netns=self.ctx.netns)
+        sock, hello = connect(address, self.ctx.token, tls=self.ctx.tls, insecure=self.ctx.insecure,
+                              netns=self.ctx.netns)
         return Connection(sock, hello, self.ctx.token)
 
     def describe(self, address: str) -> str:
@@ -128,7 +134,7 @@ def register(scheme: str, kind: type[TargetKind]) -> None:
     Raises:
         ValueError: ``scheme`` is not a lowercase URI scheme, or is taken by another kind.
     """
-    if not _SCHEME.match(f"{scheme}:"):
+    if not isinstance(scheme, str) or not re.fullmatch(_SCHEME_NAME, scheme):
         raise ValueError(f"not a target scheme: {scheme!r}")
     with _lock:
         if _kinds.get(scheme, kind) is not kind:

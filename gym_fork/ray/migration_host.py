@@ -10,6 +10,7 @@ arrive on the same bridge as on an agent (``op="job"``) and run in :class:`RayJo
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -24,9 +25,11 @@ import ray
 from gym_fork.errors import AuthenticationError
 from gym_fork.migration.client import write_transient_bundle
 from gym_fork.migration.receive import receive_job
-from gym_fork.migration.wire.auth import bundle_key, server_handshake
+from gym_fork.migration.wire.accept import HANDSHAKE_TIMEOUT_S, accept
+from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.messages import recv_msg, send_msg
 from gym_fork.migration.wire.relay import relay
+from gym_fork.migration.wire.tls import ServerTLS, server_tls
 from gym_fork.ray.auth import resolve_token
 from gym_fork.ray.host import BranchHost, pack_dir, unpack_dir
 from gym_fork.ray.job_site import RayJobSite
@@ -81,6 +84,7 @@ class MigrationHost(BranchHost):
         self._mlock = threading.Lock()
         self._server: socket.socket | None = None
         self._address: str | None = None
+        self._tls: ServerTLS | None = None
         self._jobs = RayJobSite(self.node_id, self._token, self.session)
         self._idle_exit_s = idle_exit_s
         threading.Thread(target=self._watchdog, daemon=True, name="gym_fork-mhost-watchdog").start()
@@ -105,6 +109,7 @@ class MigrationHost(BranchHost):
         with self._mlock:
             if self._address is None:
                 ip = ray.util.get_node_ip_address()
+                self._tls = server_tls(name=f"gym_fork ray host {self.node_id}")  # TLS as on an agent
                 self._server = socket.create_server((ip, 0))
                 self._address = f"{ip}:{self._server.getsockname()[1]}"
                 threading.Thread(target=self._accept_loop, daemon=True, name="gym_fork-mhost-accept").start()
@@ -114,17 +119,26 @@ class MigrationHost(BranchHost):
         while True:
             try:
                 conn, peer = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._connection, args=(conn, peer), daemon=True,
-                             name=f"gym_fork-bridge-{peer[1]}").start()
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return  # closed
+                log.warning("bridge: cannot accept a connection (%s); retrying", e)
+                time.sleep(0.1)  # out of fds or memory: shed load, keep serving what runs here
+                continue
+            try:
+                threading.Thread(target=self._connection, args=(conn, peer), daemon=True,
+                                 name=f"gym_fork-bridge-{peer[1]}").start()
+            except RuntimeError as e:  # out of threads
+                conn.close()
+                log.warning("bridge: cannot start a thread for a connection (%s)", e)
+                time.sleep(0.1)
 
     def _connection(self, conn: socket.socket, peer: tuple) -> None:
         try:
-            conn.settimeout(10.0)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = server_handshake(conn, self._token, self.node_id)
-            req = recv_msg(conn)
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            conn, nonce = accept(conn, self._token, self.node_id, self._tls, deadline=deadline)
+            req = recv_msg(conn, deadline=deadline)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             if req.get("op") == "job":  # a whole job from a `gym-fork run` supervisor (or another host)
                 self._job_op(conn, dict(req, _session=nonce), f"{peer[0]}:{peer[1]}")
                 return

@@ -24,13 +24,14 @@ def _ip(*args: str) -> None:
 class AgentProcess:
     def __init__(self, name: str, state_dir: str, token_file: str, *, host: str = "127.0.0.1",
                  netns: str | None = None, cert: str | None = None, key: str | None = None,
-                 log_path: str | None = None):
+                 log_path: str | None = None, args: tuple[str, ...] = ()):
         self.name, self.state_dir, self.netns = name, state_dir, netns
         self.log_path = log_path or os.path.join(os.path.dirname(state_dir), f"agent-{name}.log")
         cmd = [sys.executable, "-m", "gym_fork.cli", "agent", "--host", host, "--port", "0",
                "--state-dir", state_dir, "--token-file", token_file, "--node", name]
         if cert:
             cmd += ["--cert", cert, "--key", key]
+        cmd += list(args)
         if netns:
             cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
         self._log = open(self.log_path, "ab")
@@ -84,10 +85,12 @@ class AgentProcess:
 
 class Nodes:
     """``Nodes(["A", "B"])``: one agent per node; ``.target[name]``, ``.netns[name]`` (None on
-    loopback), ``.token``, ``.token_file``; a context manager."""
+    loopback), ``.token``, ``.token_file``; a context manager. Agents speak TLS with a
+    certificate of their own; ``tls=True``: with one made here (``.cert``, for clients' ``tls=``);
+    ``insecure=True``: plain TCP (clients pass ``insecure=True``)."""
 
     def __init__(self, names=("A", "B"), *, use_netns: bool | None = None, prefix: str | None = None,
-                 tls: bool = False):
+                 tls: bool = False, insecure: bool = False):
         self.dir = tempfile.mkdtemp(prefix="gfm-nodes-")
         os.chmod(self.dir, 0o700)
         self.token = os.urandom(16).hex()
@@ -114,7 +117,7 @@ class Nodes:
                 self.agents[name] = AgentProcess(
                     name, os.path.join(self.dir, f"state-{name}"), self.token_file,
                     host=self.addr.get(name, "127.0.0.1"), netns=self.netns.get(name),
-                    cert=self.cert, key=self.key)
+                    cert=self.cert, key=self.key, args=("--insecure",) if insecure else ())
                 self.target[name] = self.agents[name].target
         except BaseException:
             self.close()

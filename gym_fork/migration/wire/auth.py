@@ -1,15 +1,21 @@
 """The shared token, the bundle key derived from it, and the mutual challenge-response every
-connection to an agent (or a plugin's host) passes before anything else."""
+connection to an agent (or a plugin's host) passes before anything else.
+
+Over TLS both proofs also cover the channel binding (:mod:`.tls`): ``HMAC(token,
+"client|A|C|tls-server-end-point:SHA256")`` and ``HMAC(token, "agent|C|A|...")``; on plain TCP
+(``insecure``) the binding part is absent. Nonces are hex, so no part can contain ``|``.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
+import re
 import socket
 
 from gym_fork.errors import AuthenticationError
-from gym_fork.migration.wire.messages import recv_msg, send_msg
+from gym_fork.migration.wire.messages import MAX_PREAUTH, recv_msg, send_msg
 
 PROTOCOL = 1
 
@@ -42,37 +48,61 @@ def bundle_key(token: bytes) -> bytes:
     return hmac.new(token, b"gym_fork bundle key v1", hashlib.sha256).digest()
 
 
-def _mac(token: bytes, *parts: str) -> str:
+_NONCE = re.compile(r"[0-9a-f]{32,128}")
+
+
+def _mac(token: bytes, role: str, first: str, second: str, binding: str | None) -> str:
+    parts = [role, first, second] + ([binding] if binding else [])
     return hmac.new(token, "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
-def server_handshake(sock: socket.socket, token: bytes, node: str) -> str:
+def _same(expected: str, got: object) -> bool:
+    """Constant-time comparison of a MAC with what the peer sent (anything: it is untrusted)."""
+    return isinstance(got, str) and got.isascii() and hmac.compare_digest(expected, got)
+
+
+def server_handshake(sock: socket.socket, token: bytes, node: str, *, binding: str | None = None,
+                     deadline: float | None = None) -> str:
     """The agent's side: prove the peer knows ``token`` and prove that we do.
+
+    Args:
+        binding: the TLS channel binding of our certificate (:func:`.tls.binding_of`); both
+            proofs cover it, so a relay that ends TLS itself fails them. None on plain TCP.
+        deadline: ``time.monotonic()`` by which the whole exchange must be over.
 
     Returns:
         This session's nonce: a checkpoint streamed on this connection must be signed for it.
 
     Raises:
         AuthenticationError: the peer failed (it was told so first).
-        EOFError, ValueError, OSError: the connection broke or carried garbage.
+        EOFError, ValueError, OSError: the connection broke, carried garbage or took too long.
     """
     nonce_a = os.urandom(32).hex()
-    send_msg(sock, {"hello": "gym_fork-agent", "v": PROTOCOL, "node": node, "nonce": nonce_a})
-    msg = recv_msg(sock)
-    nonce_c, mac = str(msg.get("nonce", "")), str(msg.get("mac", ""))
-    if len(nonce_c) < 32 or not hmac.compare_digest(_mac(token, "client", nonce_a, nonce_c), mac):
+    send_msg(sock, {"hello": "gym_fork-agent", "v": PROTOCOL, "node": node, "nonce": nonce_a}, deadline=deadline)
+    msg = recv_msg(sock, limit=MAX_PREAUTH, deadline=deadline)
+    nonce_c, mac = msg.get("nonce"), msg.get("mac")
+    if not (isinstance(nonce_c, str) and _NONCE.fullmatch(nonce_c)
+            and _same(_mac(token, "client", nonce_a, nonce_c, binding), mac)):
         try:
             send_msg(sock, {"ok": False, "error": "AuthenticationError",
-                            "message": "the agent refused the token (challenge-response failed)"})
+                            "message": "the agent refused the token (challenge-response failed)"},
+                     deadline=deadline)
         except OSError:
             pass
-        raise AuthenticationError("peer failed the challenge-response (wrong token or not a gym_fork client)")
-    send_msg(sock, {"ok": True, "mac": _mac(token, "agent", nonce_c, nonce_a)})
+        raise AuthenticationError("peer failed the challenge-response (wrong token, not a gym_fork client, "
+                                  "or a relay that ended TLS in between)")
+    send_msg(sock, {"ok": True, "mac": _mac(token, "agent", nonce_c, nonce_a, binding)}, deadline=deadline)
     return nonce_a
 
 
-def client_handshake(sock: socket.socket, token: bytes) -> dict:
+def client_handshake(sock: socket.socket, token: bytes, *, binding: str | None = None,
+                     deadline: float | None = None) -> dict:
     """The client's side of :func:`server_handshake`.
+
+    Args:
+        binding: the TLS channel binding of the certificate the server presented
+            (:func:`.tls.peer_binding`); None on plain TCP.
+        deadline: ``time.monotonic()`` by which the whole exchange must be over.
 
     Returns:
         The agent's hello (``node``, ``nonce``).
@@ -80,14 +110,17 @@ def client_handshake(sock: socket.socket, token: bytes) -> dict:
     Raises:
         AuthenticationError: the peer is no gym_fork agent, refused us, or does not know the token.
     """
-    hello = recv_msg(sock)
-    if hello.get("hello") != "gym_fork-agent" or hello.get("v") != PROTOCOL:
+    hello = recv_msg(sock, limit=MAX_PREAUTH, deadline=deadline)
+    nonce_a = hello.get("nonce")
+    if hello.get("hello") != "gym_fork-agent" or hello.get("v") != PROTOCOL \
+            or not (isinstance(nonce_a, str) and _NONCE.fullmatch(nonce_a)):
         raise AuthenticationError(f"the peer is not a gym_fork agent of protocol {PROTOCOL}: {hello!r:.200}")
     nonce_c = os.urandom(32).hex()
-    send_msg(sock, {"nonce": nonce_c, "mac": _mac(token, "client", hello["nonce"], nonce_c)})
-    reply = recv_msg(sock)
+    send_msg(sock, {"nonce": nonce_c, "mac": _mac(token, "client", nonce_a, nonce_c, binding)}, deadline=deadline)
+    reply = recv_msg(sock, limit=MAX_PREAUTH, deadline=deadline)
     if not reply.get("ok"):
         raise AuthenticationError(f"agent {hello.get('node')!r} refused us: {reply.get('message')}")
-    if not hmac.compare_digest(_mac(token, "agent", nonce_c, hello["nonce"]), str(reply.get("mac", ""))):
-        raise AuthenticationError(f"agent {hello.get('node')!r} could not prove it knows the token")
+    if not _same(_mac(token, "agent", nonce_c, nonce_a, binding), reply.get("mac")):
+        raise AuthenticationError(f"agent {hello.get('node')!r} could not prove it knows the token"
+                                  + (" (or a relay ended TLS in between)" if binding else ""))
     return hello

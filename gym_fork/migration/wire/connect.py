@@ -1,5 +1,5 @@
-"""Connecting to an agent: its ``host:port`` address, TCP (+ TLS) and the handshake, optionally
-in a background thread so that it overlaps the CRIU dump."""
+"""Connecting to an agent: its ``host:port`` address, TCP, TLS (unless ``insecure``) and the
+handshake bound to it, optionally in a background thread so that it overlaps the CRIU dump."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any, Callable
 
 from gym_fork.errors import AgentUnreachableError, AuthenticationError
 from gym_fork.migration.wire.auth import client_handshake
+from gym_fork.migration.wire.messages import arm
 from gym_fork.migration.wire.netns import in_netns
+from gym_fork.migration.wire.tls import client_context, peer_binding
 
 
 def parse_host_port(address: str) -> tuple[str, int]:
@@ -26,15 +28,22 @@ def parse_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect(address: str, token: bytes, *, tls: bool | str = False, timeout: float = 10.0,
-            netns: str | None = None) -> tuple[socket.socket, dict]:
-    """Connect to the agent at ``address`` and authenticate both ways.
+def connect(address: str, token: bytes, *, tls: bool | str = False, insecure: bool = False,
+            timeout: float = 10.0, netns: str | None = None) -> tuple[socket.socket, dict]:
+    """Connect to the agent at ``address`` over TLS and authenticate both ways.
 
     Args:
         address: ``"host:port"``.
         token: the shared token.
-        tls: False, True (system CAs) or the path of a CA file to pin.
-        timeout: for the TCP connect and every later blocking call on the socket.
+        tls: how the agent's certificate is checked besides the token handshake, which covers
+            it in every case (:mod:`.tls`): False (only that: agents make their own
+            certificate), True (also the system CAs and the host name) or the path of a CA file
+            to pin.
+        insecure: plain TCP, for an agent started with ``--insecure``: nothing after the
+            handshake is authenticated or encrypted (anyone on the path can read the stream
+            and inject commands).
+        timeout: for the TCP connect, for the whole TLS + token handshake, and for every later
+            blocking call on the socket.
         netns: a network namespace to connect from.
 
     Returns:
@@ -43,7 +52,10 @@ def connect(address: str, token: bytes, *, tls: bool | str = False, timeout: flo
     Raises:
         AgentUnreachableError: nothing answers, or the handshake broke off.
         AuthenticationError: either side refused the other's token.
+        ValueError: both ``insecure`` and ``tls``.
     """
+    if insecure and tls:
+        raise ValueError("insecure=True is plain TCP: it cannot be combined with tls=...")
     host, port = parse_host_port(address)
 
     def make() -> socket.socket:
@@ -53,20 +65,30 @@ def connect(address: str, token: bytes, *, tls: bool | str = False, timeout: flo
         sock = in_netns(netns, make)
     except OSError as e:
         raise AgentUnreachableError(f"no gym_fork agent reachable at {address}: {e}") from e
+    deadline = time.monotonic() + timeout
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls:
-            ctx = ssl.create_default_context(cafile=tls if isinstance(tls, str) else None)
-            if isinstance(tls, str):
-                ctx.check_hostname = False  # a pinned CA file: the peer is the cert's holder
-            sock = ctx.wrap_socket(sock, server_hostname=host)
-        hello = client_handshake(sock, token)
-    except AuthenticationError:
+        binding = None
+        if not insecure:
+            arm(sock, deadline)
+            try:
+                sock = client_context(tls).wrap_socket(sock, server_hostname=host if tls is True else None)
+            except ssl.SSLError as e:
+                raise AgentUnreachableError(
+                    f"the agent at {address} did not complete the TLS handshake ({e}); an agent started "
+                    "with --insecure speaks plain TCP: connect with insecure=True only if you accept what "
+                    "that gives up (see `gym-fork agent --help`)") from e
+            binding = peer_binding(sock)
+        hello = client_handshake(sock, token, binding=binding, deadline=deadline)
+        sock.settimeout(timeout)
+    except (AuthenticationError, AgentUnreachableError):
         sock.close()
         raise
-    except (OSError, EOFError, ValueError, ssl.SSLError) as e:
+    except (OSError, EOFError, ValueError) as e:
         sock.close()
-        raise AgentUnreachableError(f"agent at {address} did not complete the handshake: {e}") from e
+        hint = (" (an agent started without --insecure speaks TLS: drop insecure=True)"
+                if insecure and isinstance(e, (EOFError, TimeoutError)) else "")
+        raise AgentUnreachableError(f"agent at {address} did not complete the handshake: {e}{hint}") from e
     return sock, hello
 
 

@@ -25,7 +25,7 @@ from gym_fork.snapshots.sessiondir import is_image_name
 STREAM = 3  # the only stream format; the request says which, so a later one can be told apart
 _FRAME = struct.Struct("!BIQ")
 _F_OPEN, _F_DATA, _F_DONE = 1, 2, 3
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")  # \Z: "$" would accept a trailing newline
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # always fullmatch: "$" would accept a trailing newline
 
 
 def stream_hash() -> str:
@@ -101,7 +101,7 @@ def send_images(sock: socket.socket, header: dict, images: str, target: str,
             for name in names:
                 ent = files.get(name)
                 if ent is None:
-                    if not is_image_name(name) or not _SAFE_NAME.match(name):
+                    if not is_image_name(name) or not _SAFE_NAME.fullmatch(name):
                         continue
                     try:
                         fd = os.open(os.path.join(images, name), os.O_RDONLY | os.O_NOFOLLOW)
@@ -172,7 +172,7 @@ def receive_images(sock: socket.socket, limit: int, dest: str, alg: str) -> tupl
                 if num != len(fds) or n > 255:
                     raise TransferError(f"bad OPEN frame (file {num}, name length {n})")
                 name = recv_exact(sock, n).decode("utf-8", "strict")
-                if not _SAFE_NAME.match(name) or name in (".", "..") or name in names:
+                if not _SAFE_NAME.fullmatch(name) or name in (".", "..") or name in names:
                     raise TransferError(f"refusing image name {name!r}")
                 h = _new_hash(alg)
                 fds.append(os.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
