@@ -28,7 +28,7 @@ _session: str | None = None
 
 
 def is_image_name(name: str) -> bool:
-    """Whether ``name`` in a dump directory is a CRIU image file (not a log, stats or manifest)."""
+    """Whether ``name`` in a dump directory is an image file (not a log, stats or the manifest)."""
     return not _NOT_IMAGES.search(name)
 
 
@@ -70,6 +70,7 @@ def check_id(snap_id: str) -> str:
 
 
 def file_digest(path: str) -> str:
+    """The sha256 of a file, as hex."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -91,6 +92,8 @@ def write_manifest(dirpath: str, meta: dict) -> int:
 
 
 def read_manifest(dirpath: str) -> dict:
+    """``{"files": {name: {"size", "sha256"}}, "meta": ...}`` of an image directory (not checked).
+    Raises SnapshotCorruptedError when it is missing or unreadable."""
     try:
         with open(os.path.join(dirpath, MANIFEST)) as f:
             return json.load(f)
@@ -117,8 +120,8 @@ def verify(dirpath: str, full: bool = True) -> dict:
 
 
 def verify_received(received: dict, signed: dict, what: str) -> None:
-    """Images hashed as they arrived (name -> {size, sha256}, see ``wire.receive_tar``) must be
-    exactly the signed ones: same names, sizes and digests, nothing missing, nothing extra.
+    """Images hashed as they arrived (name -> {size, sha256 or blake3}, from the migration stream)
+    must be exactly the signed ones: same names, sizes and digests, nothing missing, nothing extra.
     Raises SnapshotCorruptedError; the files are not read again."""
     import hmac
 

@@ -105,8 +105,12 @@ class SnapshotStore:
     def max_in_memory(self, value: int | None) -> None:
         self._memory.max_in_memory = value
 
-    def _snap_dir(self, snap_id: str) -> str:
+    def snapshot_dir(self, snap_id: str) -> str:
+        """Where a stored snapshot's entry is (``DIR/snaps/<id>``; it may not exist).  Raises
+        ValueError for an id that cannot name a snapshot."""
         return self._index.snap_dir(snap_id)
+
+    _snap_dir = snapshot_dir
 
     def _recipe(self, snap_id: str) -> dict:
         r = self._recipes.get(snap_id)
