@@ -226,9 +226,9 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
         after = None
         try:
             if cmd == "clone":
-                fd = _recv_one_fd(chan)
-                if spare is None:
+                if spare is None:  # forked before the fd is received: it must not inherit a copy of it
                     spare = _fork_spare(chan, server)
+                fd = _recv_one_fd(chan)
                 send_fds(spare.sock, b"C", [fd])
                 os.close(fd)
                 spare.close()
