@@ -247,10 +247,27 @@ def test_child_killed_between_snapshot_and_restore():
         env.close()
 
 
+def _netns_fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("net:"):
+            out.append(link)
+    return out
+
+
 def test_close_mid_fork_leaves_nothing():
+    """close() while fork() restores copies (each with its own Redis and network namespace):
+    afterwards no process, no namespace fd, no mount and no image directory is left."""
     import threading
 
-    env = gym_fork.ForkableEnv(agent_envs.redis_unix)
+    with open("/proc/self/mountinfo") as f:
+        mounts = f.read()
+    ns_before = _netns_fds()
+    env = gym_fork.ForkableEnv(agent_envs.redis_tcp, private_network=True)
     env.reset(seed=0)
     env.step(1)
     snap = env.snapshot()
@@ -268,12 +285,16 @@ def test_close_mid_fork_leaves_nothing():
     time.sleep(0.05)
     env.close()
     t.join(60)
+    assert out and (isinstance(out.get("error"), gym_fork.GymForkError) or len(out.get("kids", [])) == 4)
     for k in out.get("kids", []):
         pids |= _tree(k.worker_pid)
         k.close()
     assert_gone(pids)
     left = [n for n in os.listdir(sessiondir.session_dir()) if n.startswith(("snap-", "restore-", "."))]
     assert not left, left
+    assert _netns_fds() == ns_before
+    with open("/proc/self/mountinfo") as f:
+        assert f.read() == mounts
 
 
 def test_close_kills_the_env_children():

@@ -27,10 +27,13 @@ MODULES = [
     "gym_fork.migration.targets",
     "gym_fork.vector",
     "gym_fork.worker.resources",
+    "gym_fork.backends.treecapture",
+    "gym_fork.backends.exactness",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {
     "gym_fork.migration.live": "moves an env to another node's agent",
+    "gym_fork.backends.netns": "creates a network namespace (root)",
 }
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
