@@ -114,7 +114,7 @@ def _note_reset(env: ForkableEnv) -> None:
 
 
 def _start_envs(sources: list[EnvSpecifier], kwargs: dict) -> list[ForkableEnv]:
-    """Start one ForkableEnv per source, concurrently (a worker spends ~1 s importing)."""
+    """Start one ForkableEnv per source, concurrently (a worker spends its start-up importing)."""
     if len(sources) == 1:
         return [ForkableEnv(sources[0], **kwargs)]
     with ThreadPoolExecutor(max_workers=min(len(sources), 16)) as pool:
