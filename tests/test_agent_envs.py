@@ -383,3 +383,27 @@ def test_plain_instance_still_ships():
     finally:
         env.close()
         inst.close()
+
+
+def test_children_after_fork_tier_snapshots_move_them_out():
+    """Snapshots taken before the env had a child are copy-on-write processes in the worker's tree;
+    the first whole-tree dump writes them as CRIU images first. All stay exact."""
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child)
+    try:
+        s0 = env.snapshot()  # before reset(): no child yet, a fork-tier snapshot
+        assert s0.size_bytes == 0
+        env.action_space.seed(1)
+        env.reset(seed=4)
+        env.step(1)
+        s1 = env.snapshot()  # the child is there: a CRIU dump of the tree (s0 written out first)
+        assert s1.size_bytes > 0
+        xs = [env.action_space.sample() for _ in range(6)]
+        first = [step(env, x) for x in xs]
+        env.restore(s0)
+        env.reset(seed=4)
+        env.step(1)
+        assert_same_traj(first, [step(env, x) for x in xs])  # s0 restores (from its images) exactly
+        env.restore(s1)
+        assert_same_traj(first, [step(env, x) for x in xs])
+    finally:
+        env.close()

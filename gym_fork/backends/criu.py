@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -209,16 +210,44 @@ class CriuBackend(Backend):
         if handle.fork_tier:
             found = self._fork_snapshot(handle)
             if isinstance(found, ForkPayload):
+                treecapture.remember_frozen(handle, found)
                 return found, 0
+            moved = 0
+            if found.ns_init and found.fork_processes and self.mode != "fork" and self.fork_tier is not True:
+                found, moved = self._move_out_frozen(handle, found)
             treecapture.check_tree(found, criu_ok=self.mode != "fork", private_network=self.private_network,
                                    unavailable=self.unavailable, fork_tier_required=self.fork_tier is True)
-            log.info(treecapture.describe_switch(found))
+            log.info(treecapture.describe_switch(found, moved))
             handle.fork_tier = False  # its tree holds no fork-tier process: the dumps from now on stay exact
             return self._dump(handle, snap_id, leave_running=True, scan=found)
         scan = Scan.from_wire(handle.request("resources"))
         treecapture.check_tree(scan, criu_ok=self.mode != "fork", private_network=self.private_network,
                                unavailable=self.unavailable)
         return self._dump(handle, snap_id, leave_running=True, scan=scan)
+
+    def _move_out_frozen(self, handle: RemoteHandle, scan: Scan) -> tuple[Scan, int]:
+        """The worker's tree must hold only the env's processes for a whole-tree dump: write its
+        earlier in-memory snapshots as CRIU images and end their frozen processes (they restore
+        from the images from now on), then scan again.  Only when that is all that stands in the
+        way (the check passes without them); live clones (branches) in the tree stay and are
+        refused by the check.  Returns the new scan and how many snapshots were moved."""
+        treecapture.check_tree(Scan(scan.pid, scan.ns_init, scan.resources, [], scan.tree), criu_ok=True,
+                               private_network=self.private_network)
+        frozen = treecapture.frozen_of(handle)
+        pids = {payload.pid for payload in frozen}
+        for payload in frozen:
+            self.persist(payload)
+            self.evict(payload)
+        deadline, last, same = time.monotonic() + 5.0, None, 0
+        while True:  # the frozen processes and their spares exit on EOF; the worker reaps them
+            scan = Scan.from_wire(handle.request("resources"))
+            left = set(scan.fork_processes)
+            same = same + 1 if left == last else 0
+            # done: none left; or only others (live branches: the check refuses) and no change lately
+            if not left or (not left & pids and same >= 3) or time.monotonic() > deadline:
+                return scan, len(frozen)
+            last = left
+            time.sleep(0.02)
 
     def _fork_snapshot(self, handle: RemoteHandle) -> ForkPayload | Scan:
         """A copy-on-write snapshot, or (no fork happened) what the worker found that ``fork()``

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 
 from gym_fork.errors import UncapturableStateError
 from gym_fork.worker.resources import Resource, Scan
@@ -123,11 +124,34 @@ def summary(resources: list[Resource]) -> str:
     return ", ".join(parts)
 
 
-def describe_switch(scan: Scan) -> str:
+def describe_switch(scan: Scan, moved: int = 0) -> str:
     """The one log line an env gets when its snapshots become CRIU dumps of its whole tree."""
     need = [r for r in scan.resources if r.capture != "none"]
+    also = (f" ({moved} earlier in-memory snapshot{'s were' if moved > 1 else ' was'} written as CRIU images "
+            "first)" if moved else "")
     return (f"gym_fork: env worker {scan.pid} holds what a copy-on-write fork() does not copy ({summary(need)}); "
-            "its snapshots are CRIU dumps of the whole process tree from now on")
+            f"its snapshots are CRIU dumps of the whole process tree from now on{also}")
+
+
+# The in-memory (fork-tier) snapshots each worker made, so that they can be moved out of its
+# tree (written as images, their frozen processes ended) before the first whole-tree dump.
+_frozen: "weakref.WeakKeyDictionary[object, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def remember_frozen(handle: object, payload: object) -> None:
+    try:
+        _frozen.setdefault(handle, weakref.WeakSet()).add(payload)
+    except TypeError:  # not weak-referenceable: such snapshots are simply not moved (then refused)
+        pass
+
+
+def frozen_of(handle: object) -> list:
+    """The live in-memory snapshots forked from ``handle``'s worker (frozen processes in its tree)."""
+    try:
+        ws = _frozen.get(handle)
+    except TypeError:
+        return []
+    return [p for p in (ws or ()) if getattr(p, "chan", None) is not None]
 
 
 #: written next to the images of a tree whose restores must not run at the same time

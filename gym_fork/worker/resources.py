@@ -140,9 +140,9 @@ def _comm(pid: int) -> bytes:
         return b""
 
 
-def _status(pid: int) -> tuple[bytes, bytes, int]:
-    """(name, state letter, pid in the innermost PID namespace) of a host pid (/proc shows host
-    pids, while ``os.fork()`` inside a worker's namespace returns namespace-local ones)."""
+def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int]:
+    """(name, state letter, pid in the PID namespace at depth ``level``) of a host pid (/proc
+    shows host pids, while ``os.fork()`` inside a worker's namespace returns that namespace's)."""
     name, state, local = b"", b"", pid
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
@@ -152,11 +152,21 @@ def _status(pid: int) -> tuple[bytes, bytes, int]:
                 elif line.startswith(b"State:"):
                     state = line[6:].strip()[:1]
                 elif line.startswith(b"NSpid:"):
-                    local = int(line.split()[-1])
+                    ids = line.split()[1:]
+                    local = int(ids[level] if -len(ids) <= level < len(ids) else ids[-1])
                     break
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         pass
     return name, state, local
+
+
+def _own_level() -> int:
+    """Depth of this process's PID namespace (0: the host's), the index into a child's NSpid."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"NSpid:"):
+                return len(line.split()) - 2
+    return 0
 
 
 def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tuple[list[int], list[tuple[int, int, bool]]]:
@@ -167,8 +177,9 @@ def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tup
     if len(kids) == len(forked):
         return [], [(p, -1, False) for p in kids]
     env, fork = [], []
+    level = _own_level()
     for pid in kids:
-        name, state, local = _status(pid)
+        name, state, local = _status(pid, level)
         if local in forked or name == FORK_COMM:
             fork.append((pid, local, state == b"Z"))
         else:
