@@ -140,9 +140,10 @@ def _comm(pid: int) -> bytes:
         return b""
 
 
-def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int]:
+def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int] | None:
     """(name, state letter, pid in the PID namespace at depth ``level``) of a host pid (/proc
-    shows host pids, while ``os.fork()`` inside a worker's namespace returns that namespace's)."""
+    shows host pids, while ``os.fork()`` inside a worker's namespace returns that namespace's);
+    None when the process is gone."""
     name, state, local = b"", b"", pid
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
@@ -155,7 +156,9 @@ def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int]:
                     ids = line.split()[1:]
                     local = int(ids[level] if -len(ids) <= level < len(ids) else ids[-1])
                     break
-    except (OSError, ValueError, IndexError):
+    except OSError:
+        return None
+    except (ValueError, IndexError):
         pass
     return name, state, local
 
@@ -169,17 +172,38 @@ def _own_level() -> int:
     return 0
 
 
+def _all_alive_children(pids: set[int]) -> bool:
+    """Whether every pid is still a live child of this process (``waitpid`` with WNOHANG: about a
+    microsecond each).  A zombie among them is reaped and dropped from ``pids``; one that is not
+    our child any more (reaped by the env, e.g. with SIGCHLD ignored) is dropped too."""
+    ok = True
+    for pid in list(pids):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                continue
+        except ChildProcessError:
+            pass
+        if isinstance(pids, set):
+            pids.discard(pid)
+        ok = False
+    return ok
+
+
 def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tuple[list[int], list[tuple[int, int, bool]]]:
     """Split this process's children (host pids) into the env's own and gym_fork's fork-tier
     processes ``(host pid, local pid, is a zombie)``.  ``forked``: namespace-local pids of the
-    frozen snapshots this process forked and has not reaped.  When the counts match, every child
-    is one of those (nothing is read); else each child's status is read."""
-    if len(kids) == len(forked):
+    frozen snapshots this process forked and has not reaped (pruned in place).  When the counts
+    match and every one of those is still a live child, every child is one of them (no /proc
+    reads); else each child's status is read."""
+    if len(kids) == len(forked) and _all_alive_children(forked):  # type: ignore[arg-type]
         return [], [(p, -1, False) for p in kids]
     env, fork = [], []
     level = _own_level()
     for pid in kids:
-        name, state, local = _status(pid, level)
+        st = _status(pid, level)
+        if st is None:  # gone (e.g. a zombie reaped just now)
+            continue
+        name, state, local = st
         if local in forked or name == FORK_COMM:
             fork.append((pid, local, state == b"Z"))
         else:
