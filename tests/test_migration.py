@@ -327,8 +327,7 @@ def _streamed(lo, mutate, alg="blake3", check=None):
     """Dump a snapshot, stream it to agent B with the trailer ``mutate(meta, digests, hello)``
     returns (signed with the right key), and return the agent's reply (``check(sock, reply)``
     runs before the connection closes)."""
-    from gym_fork import keys
-    from gym_fork.migration.client import _bundle_meta
+    from gym_fork.backends.criu import image_meta
     from gym_fork.migration.wire.auth import bundle_key
     from gym_fork.migration.wire.connect import connect
     from gym_fork.migration.wire.streams import send_images
@@ -342,14 +341,13 @@ def _streamed(lo, mutate, alg="blake3", check=None):
     try:
         image = snap._backend.dump_transient(snap.payload(), os.path.join(tmp, "images"))
         assert not os.path.exists(os.path.join(image.path, sessiondir.MANIFEST))  # no manifest pass, no fsync
-        base = _bundle_meta(snap, image)
+        base = B.bundle_meta(snap, **image_meta(image))
         tok = lo.token.encode()
         sock, hello = connect(lo.target["B"], tok)
 
         def trailer(digests):
-            meta = mutate(dict(base, images=digests, session=hello["nonce"]), digests, hello)
-            meta["hmac"] = keys.sign(B.canonical_meta(meta), bundle_key(tok))
-            return meta
+            return B.sign_meta(mutate(dict(base, images=digests, session=hello["nonce"]), digests, hello),
+                               bundle_key(tok))
 
         try:
             done = threading.Event()

@@ -8,6 +8,7 @@ the same connection. Any failure before that leaves the env as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -15,13 +16,16 @@ import threading
 import time
 from typing import Any
 
-from gym_fork.snapshots import sessiondir
 from gym_fork.backends.base import Backend, RemoteHandle
+from gym_fork.backends.criu import image_meta
 from gym_fork.criu.status import dump_size_bound
+from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
 from gym_fork.migration.wire.auth import bundle_key, load_token
 from gym_fork.migration.wire.connect import connect_in_background, parse_host_port
 from gym_fork.migration.wire.streams import send_images
-from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
+from gym_fork.snapshots import sessiondir
+from gym_fork.snapshots.bundle import META, bundle_meta, sign_meta
+from gym_fork.snapshots.files import link_tree
 from gym_fork.worker.channel import Channel
 
 
@@ -44,6 +48,10 @@ class NetworkHandle(RemoteHandle):
             return
         self.closed = True
         self.chan.close()  # the agent stops the worker when the connection ends
+
+    def detach(self) -> None:
+        """Let go of the worker after it moved on to another node (default: :meth:`kill`)."""
+        self.kill()
 
 
 class MigratedBackend(Backend):
@@ -75,46 +83,17 @@ class MigratedBackend(Backend):
         pass
 
 
-def _bundle_meta(snap: Any, image: Any) -> dict[str, Any]:
-    """bundle.json of a snapshot whose images are at ``image`` (a CriuPayload), minus ``images``
-    (their sizes and sha256) and ``hmac``."""
-    import platform
-    import sys
-
-    from gym_fork.criu.images import mapped_files
-    from gym_fork.criu.status import criu_status
-    from gym_fork.snapshots import bundle as B
-
-    return {
-        "format": B.FORMAT, "backend": snap.backend, "id": snap.id, "steps": snap.steps,
-        "parent_id": snap.parent_id, "created": snap.created, "saved": time.time(),
-        "env_id": snap.env_id, "actions": B._json_actions(snap.actions),
-        "python": sys.executable, "python_version": platform.python_version(),
-        "kernel": platform.release(), "machine": platform.machine(),
-        "criu_version": criu_status().version, "ino": image.ino, "fork_tier": image.fork_tier,
-        "files": mapped_files(image.path),
-    }
-
-
 def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
-    """The bundle :func:`gym_fork.snapshots.bundle.save_snapshot` writes (same bundle.json, read back by
-    ``load_snapshot`` on the agent), minus what only a *kept* bundle needs: the images are
-    hard-linked, not re-hashed (their manifest was written when CRIU dumped them, a moment ago,
-    in our private dir) and nothing is fsynced (the bundle only lives until it is sent)."""
-    from gym_fork import keys
-    from gym_fork.snapshots import bundle as B
-    from gym_fork.snapshots.files import link_tree
-
-    payload = snap._backend.persist(snap.payload())
-    image = getattr(payload, "image", None) or payload
-    man = sessiondir.read_manifest(image.path)
-    meta = dict(_bundle_meta(snap, image), images=man["files"])
-    meta["hmac"] = keys.sign(B.canonical_meta(meta), key)
+    """The bundle :func:`gym_fork.snapshots.bundle.save_snapshot` writes (the same bundle.json,
+    read back by ``load_snapshot``), minus what only a *kept* bundle needs: the images are
+    hard-linked and listed from the manifest written when CRIU dumped them into our private dir,
+    not re-hashed, and nothing is fsynced (the bundle lives only until it is sent)."""
+    snap.persist()
+    images, fields = snap._backend.store_images(snap.payload())
+    meta = sign_meta(bundle_meta(snap, **fields, images=sessiondir.read_manifest(images)["files"]), key)
     os.makedirs(path, mode=0o700)
-    link_tree(image.path, os.path.join(path, "images"))
-    import json
-
-    with open(os.path.join(path, "bundle.json"), "w") as f:
+    link_tree(images, os.path.join(path, "images"))
+    with open(os.path.join(path, META), "w") as f:
         json.dump(meta, f)
 
 
@@ -130,27 +109,26 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
     tok = load_token(token, token_file)
     t_start = time.monotonic()
     timings: dict[str, float] = {}
-    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     # Connect + authenticate while the snapshot is dumped (off the critical path).
     conn = connect_in_background(target, tok, tls=tls, insecure=insecure, timeout=timeout, netns=netns)
     snap = None
     try:
         t0 = time.monotonic()
         try:
-            snap = env.snapshot()  # the freeze: the learner's next step runs on the target
+            snap = env._side_snapshot()  # the freeze: the learner's next step runs on the target
         except BaseException:
             conn.discard()
             raise
         timings["snapshot_s"] = time.monotonic() - t0
         sock, hello, reply, nbytes = ship_snapshot(snap, target, tok, conn, timings,
-                                                   dump_size_bound(env._handle.pid))
+                                                   dump_size_bound(env.worker_pid))
     finally:
-        env._parent_id, env._actions = saved_state
         if snap is not None:
             snap.release()
-    node = switch_to_remote(env, NetworkHandle(sock, reply["pid"], hello.get("node", target), target))
+    remote = NetworkHandle(sock, reply["pid"], hello.get("node", target), target)
+    switch_to_remote(env, remote, MigratedBackend(remote.node, target))
     timings["total_s"] = time.monotonic() - t_start
-    return {"node": node, "target": target, "pid": reply["pid"], "bytes": nbytes,
+    return {"node": remote.node, "target": target, "pid": reply["pid"], "bytes": nbytes,
             "timings": timings, "remote_timings": reply.get("timings", {})}
 
 
@@ -160,8 +138,8 @@ def check_migratable(env: Any, target: str) -> None:
     env._check_open()
     if isinstance(env._handle, NetworkHandle):
         raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
-    if env._backend.name != "criu":
-        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    if env.backend != "criu":
+        raise MigrationError(f"only the criu backend can migrate (this env uses {env.backend!r})")
     ws = getattr(env, "_workspace", None)
     if ws is not None:
         raise MigrationError(
@@ -173,8 +151,8 @@ def check_migratable(env: Any, target: str) -> None:
 def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
                   limit: int) -> tuple[socket.socket, dict, dict, int]:
     """Dump ``snap`` (a copy of it, when it is a copy-on-write snapshot), stream it to the agent
-    over ``conn`` (a :func:`~gym_fork.migration.wire.connect.connect_in_background`, consumed) and wait until the
-    agent has verified and restored it. Returns ``(sock, hello, reply, bytes)``: the restored
+    over ``conn`` (a :func:`~gym_fork.migration.wire.connect.connect_in_background`, consumed)
+    and wait until the agent has verified and restored it. Returns ``(sock, hello, reply, bytes)``: the restored
     worker waits at the other end of ``sock``. ``limit``: the most bytes the images may take
     (:func:`gym_fork.criu.status.dump_size_bound`). Raises a MigrationError (``sock`` closed, so the
     agent stops what it restored) on failure. Touches neither the env nor ``snap``: the worker
@@ -208,25 +186,19 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         timings["connect_s"] = conn.elapsed
 
         def trailer(digests: dict) -> dict:
-            from gym_fork.snapshots import bundle as B
-            from gym_fork import keys
-
             image = dumped["image"]
             known = os.path.join(image.path, sessiondir.MANIFEST)  # images dumped earlier: must still match
             if os.path.exists(known) and sessiondir.read_manifest(image.path)["files"] != digests:
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
-            meta = dict(_bundle_meta(snap, image), images=digests, session=hello["nonce"])  # no replay elsewhere
-            meta["hmac"] = keys.sign(B.canonical_meta(meta), key)
-            return meta
+            # signed for this session only: no replay elsewhere
+            return sign_meta(bundle_meta(snap, **image_meta(image), images=digests, session=hello["nonce"]), key)
 
         t0 = time.monotonic()
         # images that exist already (persisted) are checked against their sha256 manifest
-        payload = snap.payload()
-        persisted = getattr(payload, "image", payload) is not None
         try:
             reply, nbytes = send_images(
                 sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, into, target, trailer,
-                done, failed, limit, "sha256" if persisted else None)
+                done, failed, limit, "sha256" if snap.persisted else None)
         except ValueError:
             if "error" in dumped:
                 raise dumped["error"] from None
@@ -249,13 +221,14 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
     return sock, hello, reply, nbytes
 
 
-def switch_to_remote(env: Any, new: NetworkHandle, local: Any = None) -> str:
-    """The target runs the env: point ``env`` at it and only now stop the local worker
-    (``local``: the handle to stop, default ``env._handle``). Returns the node's name."""
-    node, target = new.node, new.target
-    old = local if local is not None else env._handle
-    env._handle = new
-    env._box[0] = new
-    old.kill()
-    env._backend = MigratedBackend(node, target)
-    return node
+def switch_to_remote(env: Any, new: NetworkHandle, backend: Backend, local: Any = None) -> None:
+    """The target runs the env: point ``env`` at ``new`` (``backend`` stands in for the env's
+    backend from now on) and only now stop where it ran before: ``local``, default the env's
+    current worker (a worker on another node is detached: its host stops it)."""
+    old = env._swap_worker(new)
+    old = local if local is not None else old
+    if isinstance(old, NetworkHandle):
+        old.detach()
+    else:
+        old.kill()
+    env._backend = backend

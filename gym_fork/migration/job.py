@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import select
 import shutil
 import signal
@@ -22,7 +21,9 @@ import sys
 import threading
 import time
 
-from gym_fork import keys
+from gym_fork.criu import client as criu_client
+from gym_fork.criu.images import mapped_files
+from gym_fork.criu.status import criu_status, dump_size_bound, log_tail
 from gym_fork.errors import MigrationError, RemoteRestoreError
 from gym_fork.migration.control import CONTROL_ENV
 from gym_fork.migration.targets import TargetContext, Targets
@@ -30,7 +31,7 @@ from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.connect import Background
 from gym_fork.migration.wire.streams import send_images
 from gym_fork.snapshots import sessiondir
-from gym_fork.snapshots.bundle import canonical_meta
+from gym_fork.snapshots.bundle import bundle_meta, sign_meta
 from gym_fork.worker.channel import Channel, ChannelClosed, socket_inode
 
 log = logging.getLogger("gym_fork.job")
@@ -53,49 +54,13 @@ os._exit(os.waitstatus_to_exitcode(st) & 0xFF)
 """
 
 
-def _job_files(images: str) -> list[list]:
-    """Regular files the job maps or holds open, except O_APPEND ones (its logs grow)."""
-    import pycriu
-
-    try:
-        with open(os.path.join(images, "files.img"), "rb") as f:
-            entries = pycriu.images.load(f)["entries"]
-    except Exception:  # noqa: BLE001
-        return []
-    import stat
-
-    out = []
-    for e in entries:
-        r = e.get("reg") or {}
-        if e.get("type") != "REG" or not r.get("name", "").startswith("/") or not stat.S_ISREG(r.get("mode", 0)):
-            continue
-        flags = r.get("flags", 0)
-        if isinstance(flags, str):
-            flags = int(flags, 0)
-        if flags & os.O_APPEND:
-            continue
-        out.append([r["name"], r.get("size", 0)])
-    return sorted(out)
-
-
 def _dump_tree(images: str, pid: int, ino: int) -> None:
-    """CRIU dump of the job's whole tree into ``images``, leaving it running. Raises MigrationError."""
-    from gym_fork.criu.status import criu_status, log_tail, new_client
-
-    dfd = os.open(images, os.O_DIRECTORY)
+    """CRIU dump of the job's whole tree into ``images``, leaving it running (the control socket
+    ``ino`` is external: its peer stays with us). Raises MigrationError."""
     try:
-        c = new_client(criu_status().binary)
-        c.opts.images_dir_fd = dfd
-        c.opts.log_file = "dump.log"
-        c.opts.log_level = 2
-        c.opts.pid = pid
-        c.opts.leave_running = True
-        c.opts.external.append(f"unix[{ino}]")
-        c.dump()
-    except Exception as e:  # noqa: BLE001
+        criu_client.dump(pid, images, leave_running=True, external=[f"unix[{ino}]"])
+    except Exception as e:  # noqa: BLE001 - pycriu's errors, TimeoutError
         raise MigrationError(f"CRIU dump of the job failed ({e}): {log_tail(os.path.join(images, 'dump.log'))}") from e
-    finally:
-        os.close(dfd)
 
 
 class JobHost:
@@ -191,8 +156,6 @@ class JobHost:
     def migrate_out(self, req: dict) -> bool:
         """Move the job to ``req["target"]``. Returns True once the target confirmed (the caller
         then kills the source); False after telling the job why not (it trains on)."""
-        from gym_fork.criu.status import criu_status, dump_size_bound
-
         target = req.get("target", "")
         t_freeze = time.time()
         tl: dict[str, float] = {}
@@ -230,13 +193,12 @@ class JobHost:
 
             def trailer(digests: dict) -> dict:
                 t1 = time.time()
-                base = {"format": 1, "kind": "job", "ino": self.ino, "source": self.node, "t_freeze": t_freeze,
-                        "criu_version": st.version, "machine": platform.machine(), "files": _job_files(images),
-                        "info": {k: v for k, v in req.items() if isinstance(v, (int, float, str))}}
+                files = mapped_files(images, skip_append=True)  # its logs grow: not compared
                 tl["pack_s"] = time.time() - t1
-                meta = dict(base, images=digests, session=c.hello["nonce"], timeline=tl)  # dump_s is known now
-                meta["hmac"] = keys.sign(canonical_meta(meta), key)
-                return meta
+                info = {k: v for k, v in req.items() if isinstance(v, (int, float, str))}
+                return sign_meta(bundle_meta(None, kind="job", ino=self.ino, source=self.node, t_freeze=t_freeze,
+                                             criu_version=st.version, files=files, info=info, images=digests,
+                                             session=c.hello["nonce"], timeline=tl), key)  # dump_s is known now
 
             t0 = time.time()
             try:

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from gym_fork.criu.status import dump_size_bound
 from gym_fork.errors import DivergedError, GymForkError, MigrationError
-from gym_fork.migration.client import NetworkHandle, check_migratable, ship_snapshot, switch_to_remote
+from gym_fork.migration.client import (MigratedBackend, NetworkHandle, check_migratable, ship_snapshot,
+                                       switch_to_remote)
 from gym_fork.migration.wire.auth import load_token
 from gym_fork.migration.wire.connect import connect_in_background
 from gym_fork.worker.channel import canonical_digest
@@ -101,8 +102,8 @@ class LiveMigration:
     """
 
     def __init__(self, env: Any, target: str, snap: Any, timings: dict, ship: Callable, switch: Callable):
-        """``ship(self) -> (remote handle, info)``: dump ``self._snap``, move it and start it on the
-        target (background thread; info: pid, bytes, remote_timings). ``switch(env, remote,
+        """``ship(snap, timings, self) -> (remote handle, info)``: dump ``snap``, move it and start
+        it on the target (background thread; adds to ``timings``; info: pid, bytes, remote_timings). ``switch(env, remote,
         local) -> node``: point the env at ``remote`` and stop the local worker."""
         self.env = env
         self.target = target
@@ -122,10 +123,9 @@ class LiveMigration:
         self._ready = threading.Event()
         self._remote: Any = None
         self._rounds: list[dict] = []
-        self._local = env._handle
         self._t_start = time.monotonic()
-        self._recording = _RecordingHandle(self._local, self)
-        env._handle = self._recording
+        self._recording = _RecordingHandle(env._handle, self)
+        self._local = env._swap_worker(self._recording)
         env._live = self
         self._sock: Any = None  # the connection to an agent, once made (shut down on cancel)
         self._thread = threading.Thread(target=self._background, daemon=True, name="gym_fork-live-migration")
@@ -234,14 +234,14 @@ class LiveMigration:
     def _uninstall(self) -> None:
         """Give the env its local handle back (learner's thread only)."""
         if self.env._handle is self._recording:
-            self.env._handle = self._local
+            self.env._swap_worker(self._local)
         if getattr(self.env, "_live", None) is self:
             self.env._live = None
 
     # --- the background thread -------------------------------------------------------------------
     def _background(self) -> None:
         try:
-            remote, self._info = self._ship(self)
+            remote, self._info = self._ship(self._snap, self._timings, self)
         except BaseException as e:  # noqa: BLE001
             self._release_snapshot()
             self._fail(e)
@@ -338,19 +338,15 @@ def start_live(env: Any, target: str, ship: Callable, switch: Callable, on_error
     it with ``ship`` and switches with ``switch`` (see :class:`LiveMigration`)."""
     check_live(env)
     t_call = time.monotonic()
-    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     try:
-        snap = env.snapshot()
+        snap = env._side_snapshot()  # the env's own timeline goes on; not one of the user's snapshots
     except BaseException:
         if on_error is not None:
             on_error()
         raise
-    finally:
-        env._parent_id, env._actions = saved_state  # the env's own timeline goes on
     timings["snapshot_s"] = time.monotonic() - t0
-    env._snapshots.pop(snap.id, None)  # internal: not one of the user's snapshots
     mig = LiveMigration(env, target, snap, timings, ship, switch)
     timings["start_s"] = time.monotonic() - t_call  # the learner's first pause (snapshot included)
     return mig
@@ -363,15 +359,16 @@ def migrate_env_live(env: Any, target: str, *, token: str | bytes | None = None,
     check_migratable(env, target)
     check_live(env)
     tok = load_token(token, token_file)
-    limit = dump_size_bound(env._handle.pid)
+    limit = dump_size_bound(env.worker_pid)
     conn = connect_in_background(target, tok, tls=tls, insecure=insecure, timeout=timeout, netns=netns)
 
-    def ship(mig: LiveMigration) -> tuple[NetworkHandle, dict]:
-        sock, hello, reply, nbytes = ship_snapshot(mig._snap, target, tok, _Conn(conn, mig), mig._timings, limit)
+    def ship(snap: Any, timings: dict, mig: LiveMigration) -> tuple[NetworkHandle, dict]:
+        sock, hello, reply, nbytes = ship_snapshot(snap, target, tok, _Conn(conn, mig), timings, limit)
         remote = NetworkHandle(sock, reply["pid"], hello.get("node", target), target)
         return remote, {"pid": reply["pid"], "bytes": nbytes, "remote_timings": reply.get("timings", {})}
 
     def switch(env: Any, remote: NetworkHandle, local: Any) -> str:
-        return switch_to_remote(env, remote, local=local)
+        switch_to_remote(env, remote, MigratedBackend(remote.node, target), local=local)
+        return remote.node
 
     return start_live(env, target, ship, switch, on_error=conn.discard)

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gym_fork import keys
+from gym_fork.backends.bundles import load_snapshot
+from gym_fork.criu import client as criu_client
+from gym_fork.criu.images import check_compatible
+from gym_fork.criu.status import log_tail
 from gym_fork.errors import MigrationError, NoSpaceError, TransferError
 from gym_fork.migration.job import JobHost
 from gym_fork.migration.targets import TargetContext
@@ -28,8 +32,6 @@ from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.messages import recv_msg, send_msg
 from gym_fork.migration.wire.streams import STREAM, receive_images
 from gym_fork.snapshots import sessiondir
-from gym_fork.backends.bundles import load_snapshot
-from gym_fork.criu.images import check_compatible
 from gym_fork.snapshots.bundle import canonical_meta
 from gym_fork.worker.channel import Channel, socket_inode
 
@@ -178,27 +180,14 @@ def _verify_job(site: JobSite, rec: Received, session: str) -> dict:
     return meta
 
 
-def _restore_tree(images: str, ino: int, fd: int) -> int:
-    """CRIU restore of a job tree as our child, ``fd`` in place of its control socket ``ino``.
-    Returns the job's pid. Raises MigrationError."""
-    from gym_fork.criu.status import criu_status, log_tail, new_client
-
-    dfd = os.open(images, os.O_DIRECTORY)
+def _restore_tree(images: str, ino: int, fd: int, fd_ino: int) -> int:
+    """CRIU restore of a job tree as our child, ``fd`` (socket inode ``fd_ino``) in place of its
+    control socket ``ino``. Returns the job's pid. Raises MigrationError."""
     try:
-        c = new_client(criu_status().binary)
-        c.opts.images_dir_fd = dfd
-        c.opts.log_file = "restore.log"
-        c.opts.log_level = 2
-        c.opts.rst_sibling = True
-        x = c.opts.inherit_fd.add()
-        x.key = f"socket:[{ino}]"
-        x.fd = fd
-        return c.restore().pid
-    except Exception as e:  # noqa: BLE001
+        return criu_client.restore(images, inherit_fd={f"socket:[{ino}]": fd}, rst_sibling=True, kill_ino=fd_ino)
+    except Exception as e:  # noqa: BLE001 - pycriu's errors, TimeoutError
         raise MigrationError(f"CRIU restore of the job failed ({e}): "
                              f"{log_tail(os.path.join(images, 'restore.log'))}") from e
-    finally:
-        os.close(dfd)
 
 
 def _kill_and_reap(pid: int) -> None:
@@ -231,7 +220,7 @@ def receive_job(site: JobSite, conn: socket.socket, req: dict, who: str) -> None
         new_ino = socket_inode(theirs.fileno())
         os.set_inheritable(theirs.fileno(), True)
         try:
-            pid = _restore_tree(os.path.join(rec.bundle, "images"), meta["ino"], theirs.fileno())
+            pid = _restore_tree(os.path.join(rec.bundle, "images"), meta["ino"], theirs.fileno(), new_ino)
         except BaseException:
             ours.close()
             raise

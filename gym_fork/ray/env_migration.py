@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
-from gym_fork.migration.client import MigratedBackend, NetworkHandle, write_transient_bundle
+from gym_fork.migration.client import MigratedBackend, NetworkHandle, switch_to_remote, write_transient_bundle
 from gym_fork.migration.live import check_live, start_live
 from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.connect import connect
@@ -71,8 +71,8 @@ class RayMigratedBackend(MigratedBackend):
 
 def _check_movable(env: Any, node: RayNode) -> None:
     """What any move to ``node`` needs (raises MigrationError, before anything is done)."""
-    if not isinstance(env._handle, NetworkHandle) and env._backend.name != "criu":
-        raise MigrationError(f"only the criu backend can migrate (this env uses {env._backend.name!r})")
+    if not isinstance(env._handle, NetworkHandle) and env.backend != "criu":
+        raise MigrationError(f"only the criu backend can migrate (this env uses {env.backend!r})")
     if getattr(env, "_workspace", None) is not None:
         raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
                              "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
@@ -86,7 +86,7 @@ def _export_snapshot(snap: Any, tok: bytes, host_timings: dict) -> tuple[Any, in
     tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"rmig-{os.urandom(4).hex()}"))
     try:
         t1 = time.perf_counter()
-        snap._backend.persist(snap.payload())
+        snap.persist()
         t2 = time.perf_counter()
         write_transient_bundle(snap, os.path.join(tmp, "bundle"), bundle_key(tok))
         t3 = time.perf_counter()
@@ -163,22 +163,18 @@ def migrate_env_to_node_live(env: Any, node: RayNode, *, token: str | bytes | No
     tok = resolve_token(token)
     target = host_for(node.node_id)
 
-    def ship(mig: Any) -> tuple[RayNetworkHandle, dict]:
+    def ship(snap: Any, timings: dict, _mig: Any) -> tuple[RayNetworkHandle, dict]:
         host_timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        ref, nbytes = _export_snapshot(mig._snap, tok, host_timings)
-        mig._timings["export_s"] = time.perf_counter() - t0
-        sock, rep = _receive_and_attach(target, node, ref, mig._snap.steps, tok, timeout, mig._timings,
-                                        host_timings)
+        ref, nbytes = _export_snapshot(snap, tok, host_timings)
+        timings["export_s"] = time.perf_counter() - t0
+        sock, rep = _receive_and_attach(target, node, ref, snap.steps, tok, timeout, timings, host_timings)
         del ref
         remote = RayNetworkHandle(sock, rep["pid"], node.node_id, target, rep["wid"])
         return remote, {"pid": rep["pid"], "bytes": nbytes, "remote_timings": host_timings}
 
     def switch(env: Any, remote: RayNetworkHandle, local: Any) -> str:
-        env._handle = remote
-        env._box[0] = remote
-        local.kill()
-        env._backend = RayMigratedBackend(node.node_id)
+        switch_to_remote(env, remote, RayMigratedBackend(node.node_id), local=local)
         return node.node_id
 
     return start_live(env, str(node), ship, switch)
@@ -208,7 +204,6 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     host_timings: dict[str, float] = {}
-    saved_state = (env._parent_id, None if env._actions is None else list(env._actions))
     target = host_for(node.node_id)
     sock = None
     exported = False
@@ -217,7 +212,7 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
         t0 = time.perf_counter()
         if on_node:
             try:
-                out = ray.get(cur.host.export.remote(cur.wid, env._steps), timeout=timeout)
+                out = ray.get(cur.host.export.remote(cur.wid, env.steps), timeout=timeout)
             except ray.exceptions.RayError as e:
                 raise MigrationError(f"the host on Ray node {cur.node_id} could not export the worker: "
                                      f"{cause(e)}") from e
@@ -225,7 +220,7 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
             ref, nbytes = out["refs"][0], out["bytes"]
             host_timings.update({f"export_{k}": v for k, v in out["timings"].items()})
         else:
-            snap = env.snapshot()
+            snap = env._side_snapshot()
             try:
                 host_timings["export_snapshot_s"] = time.perf_counter() - t0
                 ref, nbytes = _export_snapshot(snap, tok, host_timings)
@@ -233,7 +228,7 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
                 snap.release()
         timings["export_s"] = time.perf_counter() - t0
         # 2. receive (verify + restore) on the target, 3. attach through the bridge
-        sock, rep = _receive_and_attach(target, node, ref, env._steps, tok, timeout, timings, host_timings)
+        sock, rep = _receive_and_attach(target, node, ref, env.steps, tok, timeout, timings, host_timings)
         del ref
     except BaseException:
         if sock is not None:
@@ -243,20 +238,12 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
                 ray.get(cur.host.resume.remote(cur.wid), timeout=30)
             except Exception:  # noqa: BLE001
                 pass
-        env._parent_id, env._actions = saved_state
         raise
     # 4. switch: the source stops only now
     t0 = time.perf_counter()
     sock.settimeout(None)
     new = RayNetworkHandle(sock, rep["pid"], node.node_id, target, rep["wid"])
-    old, env._handle = env._handle, new
-    env._box[0] = new
-    if isinstance(old, RayNetworkHandle):
-        old.detach()
-    else:
-        old.kill()
-    env._backend = RayMigratedBackend(node.node_id)
-    env._parent_id, env._actions = saved_state
+    switch_to_remote(env, new, RayMigratedBackend(node.node_id))  # a source host releases its paused copy
     timings["switch_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_start
     return {"node_id": node.node_id, "source": source, "pid": rep["pid"], "bytes": nbytes,

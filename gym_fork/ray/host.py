@@ -17,7 +17,6 @@ import io
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -25,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from gym_fork.snapshots import sessiondir
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def hosts_base() -> str:
     """Where host actors keep their session directories on a node."""
-    base = os.environ.get("GYM_FORK_DIR") or os.path.join(tempfile.gettempdir(), f"gym_fork-{os.geteuid()}")
-    return os.path.join(base, "ray-hosts")
+    return os.path.join(sessiondir.base_dir(), "ray-hosts")
 
 
 def pid_alive(pid: int) -> bool:
@@ -88,7 +88,6 @@ def prepare_process() -> str:
     os.makedirs(base, mode=0o700, exist_ok=True)
     reap_dead_dirs(base)
     os.environ["GYM_FORK_DIR"] = base  # gym_fork.snapshots.sessiondir puts this process's session dir here
-    from gym_fork.snapshots import sessiondir
     from gym_fork.criu.status import criu_status
 
     criu_status()  # probed (and cached) now, not on the first restore's critical path

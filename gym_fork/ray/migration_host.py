@@ -274,10 +274,7 @@ class MigrationHost(BranchHost):
             handle = snap._backend.restore_verified(snap.payload())  # CRIU restore + ping
             t4 = time.perf_counter()
             try:
-                env = ForkableEnv.__new__(ForkableEnv)
-                env._setup(snap._backend, handle, handle.request("meta"), lineage=uuid.uuid4().hex,
-                           record_actions=False)
-                env._steps = steps
+                env = ForkableEnv._from_handle(snap._backend, handle, steps=steps, record_actions=False)
             except BaseException:
                 handle.kill()
                 raise
@@ -305,10 +302,10 @@ class MigrationHost(BranchHost):
         tmp = os.path.join(self.session, f"out-{uuid.uuid4().hex}")
         snap = None
         try:
-            h.env._steps = steps
+            h.env._steps = steps  # the driver stepped it meanwhile: the bundle says how far
             snap = h.env.snapshot()
             t2 = time.perf_counter()
-            snap._backend.persist(snap.payload())  # CRIU dump of the frozen copy (+ sha256 manifest)
+            snap.persist()  # CRIU dump of the frozen copy (+ sha256 manifest)
             t2b = time.perf_counter()
             write_transient_bundle(snap, tmp, self._key)
             t3 = time.perf_counter()
