@@ -86,7 +86,7 @@ def _retire_or_exit(code: int = 0) -> None:
     """Leave the loop. The env's own child processes are killed (no process outlives its env). A
     PID-namespace init becomes a reaper so that its namespace's other processes (clones, frozen
     snapshots) live on; any other process just exits."""
-    resources.kill_env_processes()
+    resources.kill_env_processes(_FORKED)
     if os.getpid() == 1:
         os.closerange(3, 65536)
         os.execv(sys.executable, [sys.executable, "-S", "-c", REAPER])
@@ -295,6 +295,7 @@ def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
             os._exit(1)
         if _fork_exact() == 0:
             os.setsid()
+            resources.unmark_fork_process()  # restored from its images, it is a worker again
             os.write(w, str(host_pid()).encode())
             os.close(w)
             serve(Channel.from_fd(fd), server)
