@@ -264,14 +264,13 @@ def test_close_mid_fork_leaves_nothing():
     afterwards no process, no namespace fd, no mount and no image directory is left."""
     import threading
 
-    with open("/proc/self/mountinfo") as f:
-        mounts = f.read()
     ns_before = _netns_fds()
     env = gym_fork.ForkableEnv(agent_envs.redis_tcp, private_network=True)
     env.reset(seed=0)
     env.step(1)
     snap = env.snapshot()
     pids = _tree(env.worker_pid)
+    netns = {os.stat(f"/proc/{env.worker_pid}/ns/net").st_ino}
     out: dict = {}
 
     def fork() -> None:
@@ -284,17 +283,18 @@ def test_close_mid_fork_leaves_nothing():
     t.start()
     time.sleep(0.05)
     env.close()
-    t.join(60)
-    assert out and (isinstance(out.get("error"), gym_fork.GymForkError) or len(out.get("kids", [])) == 4)
+    t.join(120)
+    assert out, "fork() neither returned nor raised"
     for k in out.get("kids", []):
         pids |= _tree(k.worker_pid)
+        netns.add(os.stat(f"/proc/{k.worker_pid}/ns/net").st_ino)
         k.close()
     assert_gone(pids)
     left = [n for n in os.listdir(sessiondir.session_dir()) if n.startswith(("snap-", "restore-", "."))]
-    assert not left, left
-    assert _netns_fds() == ns_before
-    with open("/proc/self/mountinfo") as f:
-        assert f.read() == mounts
+    assert not left, (left, out)
+    assert _netns_fds() == ns_before, out
+    with open("/proc/self/mountinfo") as f:  # gym_fork mounts nothing: no namespace of ours is pinned
+        assert not [line for line in f if any(f"net:[{ino}]" in line for ino in netns)]
 
 
 def test_close_kills_the_env_children():

@@ -99,6 +99,9 @@ class Scan:
                    fork_processes=list(d["fork_processes"]), tree=list(d["tree"]))
 
 
+_WORKER_COMM = b""  # the worker's own name, set below (forked copies inherit the value)
+
+
 def host_pid() -> int:
     try:
         return int(os.readlink("/proc/self"))
@@ -106,13 +109,22 @@ def host_pid() -> int:
         return os.getpid()
 
 
-def mark_fork_process() -> None:
-    """Name this process :data:`FORK_COMM` (a fork-tier process, not one of the env's)."""
+def _set_comm(name: bytes) -> None:
     try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, ctypes.c_char_p(FORK_COMM), 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def mark_fork_process() -> None:
+    """Name this process :data:`FORK_COMM` (a fork-tier process, not one of the env's)."""
+    _set_comm(FORK_COMM)
+
+
+def unmark_fork_process() -> None:
+    """Take the worker's own name back: for a copy that will be dumped by CRIU and run the env
+    again as a namespace init (its env's forked children must not look like gym_fork's)."""
+    _set_comm(_WORKER_COMM)
 
 
 def _children(proc: str, tids: list[str] | None = None) -> list[int]:
@@ -132,7 +144,7 @@ def _children(proc: str, tids: list[str] | None = None) -> list[int]:
     return out
 
 
-def _comm(pid: int) -> bytes:
+def _comm(pid: int | str) -> bytes:
     try:
         with open(f"/proc/{pid}/comm", "rb") as f:
             return f.read().strip()
@@ -199,12 +211,16 @@ def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tup
         return [], [(p, -1, False) for p in kids]
     env, fork = [], []
     level = _own_level()
+    # A marked child that is not one of our frozen snapshots is gym_fork's (a clone or spare
+    # orphaned to this namespace init) only when we are not marked ourselves: a clone is, and its
+    # env's fork()ed children inherit the name.
+    orphans_ours = _comm("self") != FORK_COMM
     for pid in kids:
         st = _status(pid, level)
         if st is None:  # gone (e.g. a zombie reaped just now)
             continue
         name, state, local = st
-        if local in forked or name == FORK_COMM:
+        if local in forked or (orphans_ours and name == FORK_COMM):
             fork.append((pid, local, state == b"Z"))
         else:
             env.append(pid)
@@ -273,7 +289,8 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         found.append(Resource("thread", me, f"{len(tids) - 1} other thread(s) ({', '.join(names)})", "criu"))
     env_kids, fork_kids = classify_children(_children("self", tids), own_children)
     fork_procs = [p for p, _local, _z in fork_kids]
-    fds = _scan_fds("self", me, set(own_fds), logs)
+    own_links = {_link("self", str(fd)) for fd in own_fds}
+    fds = _scan_fds("self", me, set(own_fds), logs, own_links)
     shared = _scan_maps("self", me)
     tree = [me]
     if env_kids or fds or shared:
@@ -282,8 +299,11 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         if env_kids:
             tree.extend(_descendants(env_kids))
             for pid in tree[1:]:
-                found.append(Resource("child", pid, f"process {pid} ({_comm(pid).decode(errors='replace')})", "criu"))
-                found.extend(_scan_fds(str(pid), pid, set(), logs))
+                comm = _comm(pid)
+                name = "a fork() of the worker" if comm == FORK_COMM else comm.decode(errors="replace")
+                found.append(Resource("child", pid, f"process {pid} ({name})", "criu"))
+                # a child that inherited the worker's channel: CRIU handles it like the worker's
+                found.extend(_scan_fds(str(pid), pid, set(), logs, own_links))
                 found.extend(_scan_maps(str(pid), pid))
         _resolve_peers(found, tree)
     return Scan(pid=me, ns_init=os.getpid() == 1, resources=found, fork_processes=fork_procs, tree=tree)
@@ -329,13 +349,15 @@ def _descendants(roots: list[int]) -> list[int]:
     return out
 
 
-def _scan_fds(proc: str, pid: int, own: set[int], logs: set[tuple[int, int]]) -> list[Resource]:
+def _scan_fds(proc: str, pid: int, own: set[int], logs: set[tuple[int, int]],
+              own_links: set[str | None] | None = None) -> list[Resource]:
     out: list[Resource] = []
     try:
         fds = os.listdir(f"/proc/{proc}/fd")
     except OSError:
         return out
-    own_links = {_link(proc, str(fd)) for fd in own}
+    if own_links is None:
+        own_links = {_link(proc, str(fd)) for fd in own}
     for name in fds:
         fd = int(name)
         if fd in own:
@@ -734,10 +756,11 @@ def _unix_diag() -> dict[int, dict]:
     return out
 
 
-def kill_env_processes(root: str = "self") -> list[int]:
-    """SIGKILL the env's own descendants of ``root`` (not gym_fork's fork-tier processes and what they
-    started): what a worker that stops, or retires into a reaper, must not leave behind."""
-    start = [p for p in _children(root) if _comm(p) != FORK_COMM]
+def kill_env_processes(forked: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """SIGKILL this worker's env's descendants (not gym_fork's fork-tier processes -- ``forked``,
+    its frozen snapshots, and clones orphaned to it -- nor what they started): what a worker that
+    stops, or retires into a reaper, must not leave behind."""
+    start = classify_children(_children("self"), set(forked))[0]
     victims = _descendants(start) if start else []
     for pid in reversed(victims):
         try:
@@ -745,3 +768,6 @@ def kill_env_processes(root: str = "self") -> list[int]:
         except OSError:
             pass
     return victims
+
+
+_WORKER_COMM = _comm("self")
