@@ -21,81 +21,12 @@ from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
 from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
+from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import Snapshot, new_id
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
 from gym_fork.worker.commands import make_source
 
 log = logging.getLogger("gym_fork")
-
-
-class _WorkerEnv(gym.Env):
-    """Local stand-in for the env that lives in the worker (what ``ForkableEnv.unwrapped`` is).
-
-    Spaces, metadata and spec are copied at start-up; any other attribute is fetched from the
-    worker's ``env.unwrapped`` on access (its value must pickle).
-    """
-
-    def __init__(self, owner: "ForkableEnv", meta: dict):
-        self._owner = owner
-        self.observation_space = meta["observation_space"]
-        self.action_space = meta["action_space"]
-        self.metadata = meta["metadata"]
-        self.render_mode = meta["render_mode"]
-        self.spec = meta["spec"]
-        self._type_name = meta["unwrapped_type"]
-
-    def step(self, action):
-        return self._owner.step(action)
-
-    def reset(self, *, seed=None, options=None):
-        return self._owner.reset(seed=seed, options=options)
-
-    def render(self):
-        return self._owner.render()
-
-    def close(self):
-        self._owner.close()
-
-    def _remote(self, *args: Any) -> Any:
-        return self._owner._request(*args)
-
-    @property
-    def np_random(self) -> np.random.Generator:  # type: ignore[override]
-        return self._remote("getattr", "np_random", "unwrapped")
-
-    @np_random.setter
-    def np_random(self, value: np.random.Generator) -> None:
-        self._remote("setattr", "np_random", value, "unwrapped")
-
-    @property
-    def _np_random(self):  # read by gymnasium's env checker
-        return self._remote("getattr", "_np_random", "unwrapped")
-
-    @property
-    def np_random_seed(self) -> int:  # type: ignore[override]
-        return self._remote("getattr", "np_random_seed", "unwrapped")
-
-    def get_wrapper_attr(self, name: str) -> Any:
-        return self._remote("getattr", name, "wrapper")
-
-    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
-        self._remote("setattr", name, value, "wrapper")
-        return True
-
-    def has_wrapper_attr(self, name: str) -> bool:
-        try:
-            self._remote("getattr", name, "wrapper")
-            return True
-        except AttributeError:
-            return False
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_owner", "_type_name"):
-            raise AttributeError(name)
-        return self._remote("getattr", name, "unwrapped")
-
-    def __str__(self) -> str:
-        return f"<{self._type_name} in a gym_fork worker>"
 
 
 class ForkableEnv(gym.Wrapper):
@@ -193,7 +124,7 @@ class ForkableEnv(gym.Wrapper):
         # Stop the worker even if the user forgets close(): the finalizer sees the current handle.
         self._box = [handle]
         self._finalizer = weakref.finalize(self, _kill_boxed, self._box)
-        super().__init__(_WorkerEnv(self, meta))
+        super().__init__(WorkerEnv(self, meta))
 
     @classmethod
     def _from_handle(cls, backend: Backend, handle: Handle, meta: dict | None = None, *, steps: int = 0,
@@ -338,6 +269,79 @@ class ForkableEnv(gym.Wrapper):
     @property
     def spec(self) -> gym.envs.registration.EnvSpec | None:  # type: ignore[override]
         return self._meta["spec"]
+
+    # --- the env in the worker -------------------------------------------------------------------
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the method ``name`` of the worker's env stack (found as ``get_wrapper_attr`` finds
+        it: the outermost layer that has it) with these arguments, in the worker; an attribute
+        that is not callable is returned instead, as Gymnasium's ``VectorEnv.call`` does.
+
+        Arguments and result are pickled (the result is the caller's own copy).  ``step``,
+        ``reset``, ``render`` and ``close`` go through this env (its step count and action
+        record stay right).
+
+        Example:
+            >>> import gym_fork, numpy as np
+            >>> env = gym_fork.make("CartPole-v1", backend="pickle")
+            >>> _ = env.reset(seed=0)
+            >>> env.call("force_mag")
+            10.0
+
+        Raises:
+            AttributeError: no layer has ``name``.
+            WorkerError: the call raised in the worker (also an instance of the env's exception
+                type when that is a builtin, e.g. ``TypeError``).
+        """
+        if name in ("step", "reset", "render", "close"):
+            return getattr(self, name)(*args, **kwargs)
+        return self._request("ref_call", ("wrapper", ("a", name)), args, kwargs, True)
+
+    def get_wrapper_attr(self, name: str) -> Any:
+        """Gymnasium's ``get_wrapper_attr``: this env's own attribute, else the first layer of the
+        worker's env stack (outside in) that has it.  Plain values come back as copies, methods
+        and other objects as references that act in the worker (see :mod:`gym_fork.proxy`)."""
+        if _own_attr(self, name):
+            return getattr(self, name)
+        return read(self, ("wrapper", ("a", name)))
+
+    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
+        """Gymnasium's ``set_wrapper_attr``, in the worker: on the first layer of the worker's
+        env stack that has ``name``; when none has it and ``force``, it is created on the
+        outermost layer in the worker.  ``value`` is pickled.
+
+        Returns:
+            Whether the attribute was set.
+        """
+        if _own_attr(self, name):
+            setattr(self, name, value)
+            return True
+        return bool(self._request("set_wrapper_attr", name, value, force))
+
+    def has_wrapper_attr(self, name: str) -> bool:
+        """Gymnasium's ``has_wrapper_attr``: this env or a layer in the worker has ``name``."""
+        return _own_attr(self, name) or bool(self._request("ref_call", ("wrapper", ("a", "has_wrapper_attr")),
+                                                           (name,), {}))
+
+    # --- copies and pickles ----------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> "ForkableEnv":
+        """``copy.deepcopy(env)``: an exact fork (:meth:`fork`), a new env that continues from this
+        env's current state; this env is not changed."""
+        return self.fork()[0]
+
+    def __copy__(self) -> "ForkableEnv":
+        raise TypeError("copy.copy() of a ForkableEnv would share its worker process with the original; "
+                        "use copy.deepcopy(env) or env.fork() for an independent copy of its current state")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("cannot pickle a ForkableEnv: its env runs in a worker process. To keep or send its "
+                        "state, save a snapshot: env.snapshot().save(path), then "
+                        "ForkableEnv.from_snapshot(gym_fork.load_snapshot(path)); for a copy in this process, "
+                        "copy.deepcopy(env) or env.fork()")
+
+    def _note_meta(self, name: str, value: Any) -> None:
+        """A mirrored attribute (spaces, metadata, render_mode, spec) was set on the worker's base
+        env; copy-on-write, since forks share the dict."""
+        self._meta = {**self._meta, name: value}
 
     # --- snapshots -----------------------------------------------------------------------------
     @property
@@ -608,3 +612,10 @@ def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "s
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
                        record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
                        store=store, workspace=workspace, private_network=private_network)
+
+
+def _own_attr(env: ForkableEnv, name: str) -> bool:
+    """Whether ``name`` is the ForkableEnv's own (its class's or set on it), not the worker env's:
+    Gymnasium's ``hasattr(self, name)`` check, which a Wrapper without ``__getattr__`` passes
+    only for its own attributes."""
+    return hasattr(type(env), name) or name in env.__dict__

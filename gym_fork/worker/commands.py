@@ -16,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
+from gym_fork.worker import refs
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
 EnvSource = tuple
@@ -169,6 +170,25 @@ class EnvServer:
     def cmd_call(self, name: str, args: tuple, kwargs: dict, where: str) -> Any:
         target = self.env if where == "wrapper" else self.env.unwrapped
         return getattr(target, name)(*args, **kwargs)
+
+    # --- paths into the env (gym_fork.worker.refs): the learner's env.unwrapped, env.call ------
+    def cmd_ref_get(self, path: tuple) -> tuple:
+        return refs.get(self.env, path)
+
+    def cmd_ref_set(self, path: tuple, value: Any) -> None:
+        refs.assign(self.env, path, value)
+
+    def cmd_ref_del(self, path: tuple) -> None:
+        refs.delete(self.env, path)
+
+    def cmd_ref_call(self, path: tuple, args: tuple, kwargs: dict, or_get: bool = False) -> Any:
+        return refs.call(self.env, path, args, kwargs, or_get)
+
+    def cmd_ref_value(self, path: tuple) -> Any:
+        return refs.resolve(self.env, path)
+
+    def cmd_set_wrapper_attr(self, name: str, value: Any, force: bool) -> bool:
+        return refs.set_wrapper_attr(self.env, name, value, force)
 
     def cmd_last(self) -> tuple:
         """(obs, info, steps) of the latest reset/step: what restore() hands back."""
