@@ -177,6 +177,11 @@ class ForkableVecEnv(VecEnv):
             ``"pickle"`` runs every env in this process: no parallelism.
         env_kwargs: keyword arguments for ``gymnasium.make`` when ``env`` is an id.
         seed: calls :meth:`seed`, so the first ``reset()`` seeds slot ``i`` with ``seed + i``.
+        start_method: accepted as ``SubprocVecEnv`` accepts it (``"fork"``, ``"spawn"``,
+            ``"forkserver"`` or None), so ``make_vec_env(..., vec_env_kwargs=dict(start_method=...))``
+            works unchanged.  It changes nothing: every worker is a fresh Python process (as with
+            ``"spawn"``) that receives the env factory by cloudpickle, as ``SubprocVecEnv``'s
+            workers receive theirs under every start method.
         **forkable_kwargs: passed to every :class:`~gym_fork.ForkableEnv` (``verify``,
             ``record_actions``, ``worker_log``, ...).
 
@@ -187,7 +192,8 @@ class ForkableVecEnv(VecEnv):
 
     def __init__(self, env: EnvSpecifier | Sequence[EnvSpecifier] | Sequence[ForkableEnv],
                  n_envs: int | None = None, *, backend: str | Backend = "auto", env_kwargs: dict | None = None,
-                 seed: int | None = None, **forkable_kwargs: Any):
+                 seed: int | None = None, start_method: str | None = None, **forkable_kwargs: Any):
+        _check_start_method(start_method)
         if isinstance(env, (list, tuple)):
             if n_envs is not None and n_envs != len(env):
                 raise ValueError(f"n_envs={n_envs} but {len(env)} envs were given")
@@ -479,6 +485,15 @@ class ForkableVecEnv(VecEnv):
         first = self.envs[0]
         env_id = first.spec.id if first.spec else first._meta.get("unwrapped_type")
         return f"<ForkableVecEnv {env_id} n_envs={self.num_envs} backend={first.backend}>"
+
+
+def _check_start_method(start_method: str | None) -> None:
+    """Refuse what ``SubprocVecEnv`` refuses (``multiprocessing.get_context`` raises ValueError)."""
+    import multiprocessing
+
+    if start_method is not None and start_method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"cannot find context for {start_method!r}: start_method must be one of "
+                         f"{', '.join(multiprocessing.get_all_start_methods())} or None")
 
 
 def _with_subclasses(cls: type) -> list[type]:

@@ -87,6 +87,12 @@ class ForkPayload:
             return h.request_with_fd(cmd, fd)
 
 
+# What losing the fork tier costs, for the warnings that say so.
+DUMP_COST = (" (each snapshot and restore then takes a CRIU dump or restore of the process: tens to hundreds "
+             "of milliseconds and images the size of its memory, instead of a copy-on-write fork() in about a "
+             "millisecond)")
+
+
 class CriuBackend(Backend):
     """CRIU process snapshots, with a copy-on-write fork tier for in-memory snapshots.
 
@@ -185,7 +191,11 @@ class CriuBackend(Backend):
     def _use_fork_tier(self, meta: dict) -> bool:
         if self.fork_tier is False:
             return False
-        unsafe = meta.get("threads", 1) > 1 or meta.get("torch_loaded")
+        # fork() copies only the calling thread: other threads make it unsafe (torch's pools once
+        # they run), not torch being imported.  A worker with torch imported but idle forks like any
+        # other, and every fork first checks for threads (a CRIU dump of the whole tree instead
+        # when there are some).  In fork-only mode there is no dump to fall back on, so torch counts.
+        unsafe = meta.get("threads", 1) > 1 or bool(meta.get("torch_loaded") and self.mode == "fork")
         if unsafe and self.mode == "fork":
             # backends.start_env() hands such an env to the pickle backend where that is exact,
             # else refuses it at start-up; a direct start() gets the worker's own refusal later.
@@ -197,8 +207,11 @@ class CriuBackend(Backend):
                 "their thread pools. Use fork_tier='auto' or False (CRIU dumps keep all threads)."
             )
         if unsafe:
-            log.info("gym_fork: env worker has %s threads%s; using CRIU dumps, not fork(), for snapshots",
-                     meta.get("threads"), " and torch" if meta.get("torch_loaded") else "")
+            spec = meta.get("spec")
+            log.warning("gym_fork: env %s: its worker has %s threads at start-up, so its snapshots are CRIU "
+                        "dumps%s. To keep the fast path, keep the env single-threaded (OMP_NUM_THREADS=1, "
+                        "torch.set_num_threads(1)); fork_tier=False chooses dumps without this warning",
+                        getattr(spec, "id", None) or meta.get("unwrapped_type"), meta.get("threads"), DUMP_COST)
         return not unsafe
 
     # --- snapshot --------------------------------------------------------------------------
@@ -217,7 +230,7 @@ class CriuBackend(Backend):
                 found, moved = self._move_out_frozen(handle, found)
             treecapture.check_tree(found, criu_ok=self.mode != "fork", private_network=self.private_network,
                                    unavailable=self.unavailable, fork_tier_required=self.fork_tier is True)
-            log.info(treecapture.describe_switch(found, moved))
+            log.warning(treecapture.describe_switch(found, moved) + DUMP_COST)
             handle.fork_tier = False  # its tree holds no fork-tier process: the dumps from now on stay exact
             return self._dump(handle, snap_id, leave_running=True, scan=found)
         scan = Scan.from_wire(handle.request("resources"))

@@ -49,7 +49,7 @@ os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
-from gym_fork.worker import resources  # noqa: E402
+from gym_fork.worker import lean, resources  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 REAPER = (
@@ -328,6 +328,7 @@ def main(argv: list[str]) -> int:
         os.setsid()
     except OSError:
         pass  # already a session leader
+    lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
     chan = Channel.from_fd(int(argv[1]))
     try:
         cmd, args = chan.recv()
