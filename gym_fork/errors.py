@@ -109,12 +109,33 @@ class BundleError(GymForkError):
     """A bundle cannot be loaded here; the message says exactly why."""
 
 
+class BundleDamagedError(BundleError, SnapshotCorruptedError):
+    """A bundle's or store entry's ``bundle.json`` is unreadable, not JSON, or has a field of the
+    wrong type: damaged (or altered), not merely foreign.  Nothing in it was used."""
+
+
 class StoreError(GymForkError):
     """The snapshot store cannot do what was asked (unknown id, not a store, ...)."""
 
 
 class NoSpaceError(GymForkError):
-    """Not enough free disk space for what was asked (a checkpoint, a bundle, a store entry)."""
+    """Not enough free disk space for what was asked (a checkpoint, a bundle, a store entry).
+    What the failed write had written is removed; the env keeps running.  ``path``,
+    ``free_bytes`` and ``needed_bytes`` say where and how much (None where unknown)."""
+
+    path: str | None = None
+    free_bytes: int | None = None
+    needed_bytes: int | None = None
+
+
+class CapacityError(GymForkError, ValueError):
+    """A request for more copies of an env than this machine can hold (processes, threads or
+    memory); the message has the numbers, the limit, and how to override it."""
+
+    def __init__(self, message: str, requested: int = 0, limit: int = 0):
+        super().__init__(message)
+        self.requested = requested
+        self.limit = limit
 
 
 # --- migration: on every one of these the source (env or job) keeps running unchanged ---------

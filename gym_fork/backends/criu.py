@@ -14,6 +14,7 @@ Invariants (see ARCHITECTURE.md):
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -32,6 +33,7 @@ from gym_fork.criu.images import check_compatible, is_page_image, mapped_files, 
 from gym_fork.criu.status import criu_status, log_tail
 from gym_fork.errors import (
     BackendUnavailableError,
+    BundleDamagedError,
     RestoreError,
     SnapshotCorruptedError,
     SnapshotError,
@@ -39,7 +41,8 @@ from gym_fork.errors import (
     WorkerError,
 )
 from gym_fork.snapshots import sessiondir
-from gym_fork.snapshots.files import link_tree
+from gym_fork.snapshots.bundle import check_field, check_images
+from gym_fork.snapshots.files import is_no_space, no_space
 from gym_fork.worker.channel import Channel, socket_inode
 from gym_fork.worker.commands import EnvSource
 from gym_fork.worker.resources import Scan
@@ -303,6 +306,9 @@ class CriuBackend(Backend):
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
             shutil.rmtree(tmp, ignore_errors=True)
+            if "No space left on device" in tail:
+                raise no_space(OSError(errno.ENOSPC, "No space left on device"), root,
+                               f"the CRIU images of worker {handle.pid}") from e
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
         if into is not None:
             return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier, netns=self.private_network), 0
@@ -311,6 +317,8 @@ class CriuBackend(Backend):
             sessiondir.commit(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if is_no_space(e):
+                raise no_space(e, root, f"the CRIU images of worker {handle.pid}") from e
             raise SnapshotError(f"could not store the snapshot images: {e}") from e
         return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=self.private_network), size
 
@@ -483,28 +491,61 @@ class CriuBackend(Backend):
     def is_persisted(self, payload: CriuPayload | ForkPayload) -> bool:
         return isinstance(payload, CriuPayload) or payload.image is not None
 
+    def persisted_bytes(self, payload: CriuPayload | ForkPayload) -> int | None:
+        """The size of a persisted snapshot's images (from their manifest), or None."""
+        image = payload if isinstance(payload, CriuPayload) else payload.image
+        if image is None:
+            return None
+        try:
+            return sum(f["size"] for f in sessiondir.read_manifest(image.path)["files"].values())
+        except SnapshotCorruptedError:
+            return None
+
     # --- bundles and stores: the images, plus what a restore elsewhere depends on ------------------
     def bundle_write(self, payload: CriuPayload | ForkPayload, dest_dir: str) -> dict:
-        """``images/`` (hard links to the images, dumped first if the snapshot is in memory only),
-        checked against their manifest; the fields say what they are and what they need."""
+        """``images/``: the image files only (dumped first if the snapshot is in memory only),
+        checked in our private directory and then hard-linked (copied, and checked while copied,
+        across file systems); the fields say what they are and what they need."""
         image = _image_of(self.persist(payload))
+        man = sessiondir.verify(image.path, full=True)  # our private images are intact
         images = os.path.join(dest_dir, "images")
-        link_tree(image.path, images)
-        man = sessiondir.verify(images, full=True)  # the copy is intact
+        sessiondir.export_images(image.path, man["files"], images)
         return dict(image_meta(image, images), images=man["files"])
 
     def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[CriuPayload, int]:
+        """The images a bundle's signed list names, copied into a private directory and checked
+        there (:func:`~gym_fork.snapshots.sessiondir.copy_verified`): restores read that copy, so
+        nothing done to the bundle after the check changes what is restored.  ``received``
+        (streamed into our own private directory, hashed on arrival): used in place."""
         images = os.path.join(bundle_dir, "images")
         if received is not None:
             sessiondir.verify_received(received, meta["images"], bundle_dir)
-            files = meta["images"]
-        else:
-            files = sessiondir.verify(images, full=True)["files"]
-            if files != meta["images"]:
-                raise SnapshotCorruptedError(f"{bundle_dir}: image manifest does not match bundle.json")
-        return self.payload_at(images, meta), sum(f["size"] for f in files.values())
+            return self.payload_at(images, meta), sum(f["size"] for f in meta["images"].values())
+        dest = os.path.join(sessiondir.session_dir(), f"load-{meta['id']}-{os.urandom(4).hex()}")
+        os.mkdir(dest, 0o700)
+        try:
+            size = sessiondir.copy_verified(images, meta["images"], dest, bundle_dir)
+            sessiondir.write_signed_manifest(dest, meta["images"], {"backend": "criu", "ino": meta["ino"], "id": meta["id"]})
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        payload = self.payload_at(dest, meta)
+        payload.owned = True  # the private copy goes with the snapshot; the bundle stays
+        return payload, size
 
     def check_compatible(self, meta: dict, path: str) -> None:
+        """The CRIU fields' types (BundleDamagedError), then whether this machine can restore
+        the images (BundleError)."""
+        check_field(meta, "ino", (int,), path)
+        check_field(meta, "criu_version", (str, int), path)
+        for name in ("fork_tier", "netns"):
+            check_field(meta, name, (bool,), path, optional=True)
+        files = check_field(meta, "files", (list,), path)
+        if not all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], int)
+                   for f in files):
+            raise BundleDamagedError(f"{path}: bundle.json field 'files' is not a list of [path, size]; nothing "
+                                     "was loaded")
+        check_images(check_field(meta, "images", (dict,), path), path)
         check_compatible(meta, path)
 
     def store_images(self, payload: CriuPayload | ForkPayload) -> tuple[str, dict]:

@@ -12,6 +12,7 @@ the pickle, such as the global RNGs of ``random``/``numpy``/``torch``, is caught
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from typing import Any
 
@@ -21,10 +22,13 @@ import numpy as np
 
 from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.backends.exactness import copies_diverge
-from gym_fork.errors import SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
+from gym_fork.errors import BundleDamagedError, SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
+from gym_fork.snapshots.bundle import check_field
+from gym_fork.snapshots.files import read_bounded
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
 
 PAYLOAD = "payload.pkl"  # in a bundle
+_LEGACY_PAYLOAD_LIMIT = 16 << 30  # bundles whose payload size is not signed: read at most this
 
 
 def refuse_if_ezpickle(env: gym.Env) -> None:
@@ -174,15 +178,28 @@ class PickleBackend(Backend):
         pass  # plain bytes: the garbage collector frees them
 
     def bundle_write(self, payload: bytes, dest_dir: str) -> dict:
-        """``payload.pkl``; its sha256 goes into the signed metadata."""
+        """``payload.pkl``; its size and sha256 go into the signed metadata."""
         with open(os.path.join(dest_dir, PAYLOAD), "wb") as f:
             f.write(payload)
-        return {"payload_sha256": hashlib.sha256(payload).hexdigest()}
+        return {"payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_size": len(payload)}
 
     def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[bytes, int]:
-        """The pickle bytes, checked against the signed sha256 before anything unpickles them."""
-        with open(os.path.join(bundle_dir, PAYLOAD), "rb") as f:
-            payload = f.read()
-        if hashlib.sha256(payload).hexdigest() != meta.get("payload_sha256"):
+        """The pickle bytes (a regular file, opened without following links or blocking, read up
+        to the signed size), checked against the signed sha256 before anything unpickles them."""
+        limit = meta.get("payload_size")
+        if limit is None:  # bundles saved before the size was signed
+            limit = _LEGACY_PAYLOAD_LIMIT
+        try:
+            payload = read_bounded(os.path.join(bundle_dir, PAYLOAD), limit, what=bundle_dir)
+        except SnapshotCorruptedError as e:
+            raise SnapshotCorruptedError(f"{e}; it was not unpickled") from None
+        if not hmac.compare_digest(hashlib.sha256(payload).hexdigest(), meta["payload_sha256"]):
             raise SnapshotCorruptedError(f"{bundle_dir}/{PAYLOAD} fails its sha256 check; it was not unpickled")
         return payload, len(payload)
+
+    def check_compatible(self, meta: dict, path: str) -> None:
+        """The pickle fields' types (BundleDamagedError)."""
+        check_field(meta, "payload_sha256", (str,), path)
+        size = check_field(meta, "payload_size", (int,), path, optional=True)
+        if size is not None and size < 0:
+            raise BundleDamagedError(f"{path}: bundle.json field 'payload_size' is negative; nothing was loaded")

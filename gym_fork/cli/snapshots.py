@@ -17,12 +17,16 @@ DESCRIPTION = (
     "ForkableEnv(..., store=SnapshotStore(DIR))).  Stored snapshots survive the process that took "
     "them; load one in Python with SnapshotStore(DIR).load(ID).\n\n"
     "ls lists them (id, steps, env, age, last use, logical size, pinned) and the bytes the store "
-    "really occupies (page images are deduplicated in DIR/chunks).  inspect prints one snapshot's "
-    "metadata as JSON (--verify also reassembles its images and checks the HMAC and every sha256).  "
-    "rm deletes snapshots and the chunks only they used.  gc removes what crashed writers left "
-    "(temporary directories, unreferenced chunks), rebuilds the index from the snapshot "
+    "really occupies (page images are deduplicated in DIR/chunks); it also checks every entry's "
+    "metadata: a damaged entry is moved to DIR/quarantine/ (never deleted) and listed with the "
+    "reason, and entries whose HMAC does not verify with this machine's key are named.  inspect "
+    "prints one snapshot's metadata as JSON (--verify also reassembles its images and checks the "
+    "HMAC, that images/ holds exactly the signed files, and every sha256).  rm deletes snapshots "
+    "and the chunks only they used.  gc removes what crashed writers left (temporary directories, "
+    "unreferenced chunks), quarantines damaged entries, rebuilds the index from the snapshot "
     "directories and, with --max-bytes, deletes least recently used unpinned snapshots until the "
-    "store fits.\n\nExit status: 0 on success, 1 on an error (message on stderr)."
+    "store fits; --drop-quarantined also deletes the quarantined entries (each one is named).\n\n"
+    "Exit status: 0 on success, 1 on an error (message on stderr)."
 )
 EPILOG = (
     "examples:\n"
@@ -65,6 +69,8 @@ def configure(p: Any) -> None:
     gc.add_argument("dir", help="store directory")
     gc.add_argument("--max-bytes", type=_parse_bytes, default=None,
                     help="delete least recently used unpinned snapshots until the store fits (e.g. 500M, 2G)")
+    gc.add_argument("--drop-quarantined", action="store_true",
+                    help="also delete the damaged entries kept in DIR/quarantine/ (ls lists them)")
 
 
 def run(args: Any) -> int:
@@ -75,9 +81,12 @@ def run(args: Any) -> int:
     try:
         st = SnapshotStore(d, max_bytes=getattr(args, "max_bytes", None))
         if args.action == "ls":
+            unverified = st.check()  # damaged entries go to quarantine (logged), listed below
             snaps = st.list()
+            damaged = st.damaged()
             if args.json:
-                print(json.dumps({"snapshots": snaps, "disk_bytes": st.disk_bytes()}, indent=1, sort_keys=True))
+                print(json.dumps({"snapshots": snaps, "disk_bytes": st.disk_bytes(), "damaged": damaged,
+                                  "unverified": unverified}, indent=1, sort_keys=True))
                 return 0
             now = time.time()
             print(f"{'ID':16}  {'STEPS':>6}  {'ENV':18}  {'CREATED':>9}  {'USED':>9}  {'SIZE':>10}  PINNED")
@@ -89,10 +98,17 @@ def run(args: Any) -> int:
             disk = st.disk_bytes()
             print(f"{len(snaps)} snapshots, {_human(logical)} of images, {_human(disk)} on disk"
                   + (f" (deduplicated {logical / disk:.1f}x)" if disk else ""))
+            for sid, why in sorted(unverified.items()):
+                print(f"UNVERIFIED {sid}: {why}")
+            if damaged:
+                print(f"{len(damaged)} damaged entries in quarantine (kept; `gym-fork snapshots gc {d} "
+                      "--drop-quarantined` deletes them):")
+                for e in damaged:
+                    print(f"DAMAGED {e['id']}  {e['path']}  {e['reason']}")
         elif args.action == "inspect":
             meta = st.verify(args.id) if args.verify else st.meta(args.id)
-            meta = dict(meta, pinned=os.path.exists(os.path.join(st._snap_dir(args.id), "PINNED")),
-                        path=st._snap_dir(args.id))
+            meta = dict(meta, pinned=os.path.exists(os.path.join(st.snapshot_dir(args.id), "PINNED")),
+                        path=st.snapshot_dir(args.id))
             if args.verify:
                 meta["verified"] = True
             print(json.dumps(meta, indent=1, sort_keys=True))
@@ -101,9 +117,12 @@ def run(args: Any) -> int:
                 st.remove(sid)
                 print(f"removed {sid}")
         elif args.action == "gc":
-            out = st.gc()
+            out = st.gc(drop_quarantined=args.drop_quarantined)
+            for e in out["quarantine_dropped"]:
+                print(f"deleted quarantined entry {e['path']} ({e['reason']})")
             print(f"removed {out['tmp_removed']} temporary entries and {out['chunks_removed']} unreferenced "
-                  f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk")
+                  f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk"
+                  + (f"; {out['quarantined']} damaged entries in quarantine" if out["quarantined"] else ""))
     except BrokenPipeError:  # `... | head`: the reader left; main() ends quietly
         raise
     except (GymForkError, ValueError, OSError) as e:

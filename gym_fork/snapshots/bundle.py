@@ -11,7 +11,11 @@ A bundle is a directory (mode 0700)::
                    in bundle.json (:mod:`gym_fork.snapshots.workspace`)
 
 It is written aside and renamed into place (files fsynced first), so a crash leaves either the
-complete bundle or none.  Nothing in a bundle is used before its HMAC verifies.  This module
+complete bundle or none.  Nothing in a bundle is used before its HMAC verifies, and then only
+through the signed list: ``bundle.json`` is read bounded and without following links, its
+fields are type-checked (:func:`check_meta`), and the payload files are opened only if that list
+names them, copied into a private directory and checked there (the bytes restored are the bytes
+checked; see :func:`gym_fork.snapshots.sessiondir.copy_verified`).  This module
 knows the format only; each backend writes and reads its own payload, and
 :func:`gym_fork.load_snapshot` picks the backend that a bundle names.
 """
@@ -22,14 +26,16 @@ import hmac
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import time
 from typing import Any
 
 from gym_fork import keys
-from gym_fork.errors import BundleError, SnapshotCorruptedError
+from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError
 from gym_fork.snapshots import files, sessiondir, workspace
+from gym_fork.snapshots.files import as_no_space, read_bounded
 
 FORMAT = 1
 META = "bundle.json"
@@ -81,7 +87,12 @@ def bundle_meta(snap: Any = None, **fields: Any) -> dict[str, Any]:
 
 def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
     """Write ``snap`` as a self-contained bundle at ``path`` (which must not exist); returns the
-    absolute path.  The snapshot's backend writes its payload (``bundle_write``)."""
+    absolute path.  The snapshot's backend writes its payload (``bundle_write``).
+
+    Raises:
+        FileExistsError: ``path`` exists.
+        NoSpaceError: the disk filled up; nothing is left at ``path`` and the snapshot is unchanged.
+    """
     path = os.path.abspath(path)
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists; choose a new path or remove it first")
@@ -103,35 +114,121 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
                     os.chmod(os.path.join(root, name), 0o600)
         files.fsync_tree(tmp)
         os.rename(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = as_no_space(e, os.path.dirname(path), f"the bundle {path}", getattr(snap, "size_bytes", None) or None)
+        if full is not None and full is not e:
+            raise full from e
         raise
     return path
 
 
+META_LIMIT = 64 << 20  # bundle.json is read whole before its HMAC is checked: bounded
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_NUM = (int, float)
+# the fields every snapshot bundle has, and their JSON types (bool is no int here)
+_COMMON: dict[str, tuple] = {
+    "format": (int,), "backend": (str,), "id": (str,), "steps": (int,), "parent_id": (str, type(None)),
+    "created": _NUM, "env_id": (str, type(None)), "actions": (list, type(None)), "saved": _NUM,
+    "python": (str,), "python_version": (str,), "kernel": (str,), "machine": (str,),
+}
+_OPTIONAL: dict[str, tuple] = {"workspace": (dict,), "workspace_path": (str, type(None)), "session": (str,)}
+
+
+def _type_names(types: tuple) -> str:
+    return " or ".join("null" if t is type(None) else {"int": "integer", "float": "number", "str": "string",
+                                                        "list": "list", "dict": "object"}.get(t.__name__, t.__name__)
+                       for t in types)
+
+
+def check_field(meta: dict, name: str, types: tuple, path: str, *, optional: bool = False) -> Any:
+    """``meta[name]``, which must have one of the JSON ``types`` (``bool`` never passes as a
+    number); raises BundleDamagedError naming the field otherwise.  ``optional``: absent is fine
+    (returns None)."""
+    if name not in meta:
+        if optional:
+            return None
+        raise BundleDamagedError(f"{path}: {META} has no field {name!r} (damaged); nothing was loaded")
+    v = meta[name]
+    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+        raise BundleDamagedError(f"{path}: {META} field {name!r} is a {type(v).__name__}, not a {_type_names(types)} "
+                                 "(damaged or altered); nothing was loaded")
+    return v
+
+
+def check_images(images: Any, path: str, field: str = "images") -> dict:
+    """A signed image list (``{name: {"size": int >= 0, "sha256": 64 hex}}``; a streamed one may
+    carry ``blake3`` instead) checked for types; raises BundleDamagedError otherwise.  Names are
+    checked when files are opened."""
+    if not isinstance(images, dict):
+        raise BundleDamagedError(f"{path}: {META} field {field!r} is not an object; nothing was loaded")
+    for name, e in images.items():
+        ok = (isinstance(e, dict) and isinstance(e.get("size"), int) and not isinstance(e.get("size"), bool)
+              and e["size"] >= 0 and any(isinstance(e.get(alg), str) and _HEX64.fullmatch(e[alg])
+                                         for alg in ("sha256", "blake3")))
+        if not ok:
+            raise BundleDamagedError(f"{path}: {META} entry {field}[{name!r}] is not {{size, sha256}}; nothing "
+                                     "was loaded")
+    return images
+
+
+def check_meta(meta: Any, path: str) -> dict:
+    """``meta`` unchanged if it has the shape of a snapshot bundle's metadata: every common field
+    present with its type (the backend's own fields are checked by its ``check_compatible``).
+    Raises BundleDamagedError naming the first wrong field."""
+    if not isinstance(meta, dict):
+        raise BundleDamagedError(f"{path}: {META} holds a JSON {type(meta).__name__}, not an object (damaged); "
+                                 "nothing was loaded")
+    for name, types in _COMMON.items():
+        check_field(meta, name, types, path)
+    for name, types in _OPTIONAL.items():
+        check_field(meta, name, types, path, optional=True)
+    if not sessiondir.is_valid_id(meta["id"]) or meta["steps"] < 0:
+        raise BundleDamagedError(f"{path}: {META} has an invalid id or step count; nothing was loaded")
+    return meta
+
+
 def read_bundle_meta(path: str, *, key: bytes | None = None, require_hmac: bool = True) -> dict:
-    """The metadata of the bundle at ``path``, its format and HMAC checked.
+    """The metadata of the bundle (or store entry) at ``path``: read without following a link
+    or blocking and at most :data:`META_LIMIT` bytes, its format and HMAC checked, then every
+    common field's type.
 
     Raises:
-        BundleError: not a bundle, an unknown format, or the HMAC does not verify with ``key``.
-        SnapshotCorruptedError: ``bundle.json`` is not valid JSON.
+        BundleError: not a bundle (a file, nothing there, no bundle.json), an unknown format, or
+            the HMAC does not verify with ``key``.
+        BundleDamagedError: ``bundle.json`` is not a regular file, not JSON, not an object, or a
+            field has the wrong type (also a :class:`SnapshotCorruptedError`).
     """
+    if not os.path.isdir(path):
+        if os.path.lexists(path):
+            raise BundleError(f"{path} is a file, not a bundle directory (Snapshot.save(path) writes a directory)")
+        raise BundleError(f"{path}: no such bundle directory")
     try:
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise BundleError(f"{path} is not a gym_fork bundle (no {META})") from None
-    except ValueError as e:
-        raise SnapshotCorruptedError(f"{path}/{META} is corrupted: {e}") from e
-    if meta.get("format") != FORMAT:
-        raise BundleError(f"{path}: bundle format {meta.get('format')} is not supported (this gym_fork reads {FORMAT})")
-    if require_hmac and not keys.verify(canonical_meta(meta), meta.get("hmac", ""), key):
-        raise BundleError(
-            f"{path}: the bundle's HMAC does not verify with this machine's key "
-            f"({keys.key_file()} or $GYM_FORK_KEY): it was saved with another key or altered. "
-            "Nothing was loaded."
-        )
-    return meta
+        raw = read_bounded(os.path.join(path, META), META_LIMIT)
+    except SnapshotCorruptedError as e:
+        if not os.path.lexists(os.path.join(path, META)):
+            raise BundleError(f"{path} is not a gym_fork bundle (no {META})") from None
+        raise BundleDamagedError(str(e)) from None
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BundleDamagedError(f"{path}/{META} is corrupted (not JSON: {e}); nothing was loaded") from None
+    if not isinstance(meta, dict):
+        check_meta(meta, path)  # raises: not an object
+    if meta.get("format") != FORMAT or isinstance(meta.get("format"), bool):
+        raise BundleError(f"{path}: bundle format {meta.get('format')!r} is not supported (this gym_fork reads {FORMAT})")
+    if require_hmac:
+        mac = meta.get("hmac")
+        if not isinstance(mac, str) or not _HEX64.fullmatch(mac):
+            raise BundleDamagedError(f"{path}: {META} has no valid 'hmac' field (a 64-digit hex string); it was "
+                                     "altered or damaged. Nothing was loaded.")
+        if not keys.verify(canonical_meta(meta), mac, key):
+            raise BundleError(
+                f"{path}: the bundle's HMAC does not verify with this machine's key "
+                f"({keys.key_file()} or $GYM_FORK_KEY): it was saved with another key or altered. "
+                "Nothing was loaded."
+            )
+    return check_meta(meta, path)
 
 
 def check_session(meta: dict, session: str | None, path: str) -> None:

@@ -4,7 +4,9 @@ The snapshot directories ``DIR/snaps/<id>/`` are the truth; the index is a cache
 listing or a budget needs (steps, env id, sizes, created, last used, pinned), rewritten
 atomically and reconciled with the directories whenever the store is opened or collected, so a
 crash between a rename and an index write loses nothing.  One writer at a time, also across
-processes: :meth:`StoreIndex.locked` (a thread lock plus ``flock``).
+processes: :meth:`StoreIndex.locked` (a thread lock plus ``flock``).  A directory whose
+bundle.json or recipe.json is damaged is moved into quarantine (:mod:`.quarantine`), never
+deleted; a damaged index is simply rebuilt.
 """
 
 from __future__ import annotations
@@ -13,17 +15,25 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
 
-from gym_fork.snapshots import sessiondir
-from gym_fork.snapshots.files import allocated_bytes, atomic_write_json
+from gym_fork.errors import BundleDamagedError
+from gym_fork.snapshots import quarantine, sessiondir
+from gym_fork.snapshots.bundle import META, META_LIMIT, check_meta
+from gym_fork.snapshots.chunks import read_recipe
+from gym_fork.snapshots.files import allocated_bytes, atomic_write_json, is_no_space, read_bounded
 
 FORMAT = 1
 INDEX = "index.json"
 PINNED = "PINNED"
+_ENTRY_TYPES = {"steps": (int,), "created": (int, float), "last_used": (int, float), "logical_bytes": (int,),
+                "own_bytes": (int,), "pinned": (bool,)}
+
+
+def _entry_ok(e: object) -> bool:
+    return isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in _ENTRY_TYPES.items())
 
 
 class StoreIndex:
@@ -32,14 +42,28 @@ class StoreIndex:
     def __init__(self, root: str):
         self.root = root
         self.lock = threading.RLock()  # threads of this process; flock serializes processes
+        self._depth = 0  # nesting of locked() in the thread holding self.lock
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
+        """The store's lock, for this thread and against other processes; reentrant (a nested
+        call must not flock a second descriptor: that would wait for itself)."""
         with self.lock:
-            fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
+                self._depth = 1
+                try:
+                    yield
+                finally:
+                    self._depth = 0
             finally:
                 os.close(fd)  # releases the flock
 
@@ -47,36 +71,62 @@ class StoreIndex:
         return os.path.join(self.root, "snaps", sessiondir.check_id(snap_id))
 
     def read(self) -> dict:
+        """The index; an empty one when it is missing or damaged (reconcile rebuilds it from the
+        directories), without the entries whose fields have the wrong types."""
         try:
-            with open(os.path.join(self.root, INDEX)) as f:
-                idx = json.load(f)
-            if idx.get("format") == FORMAT:
-                return idx
-        except (OSError, ValueError):
-            pass
-        return {"format": FORMAT, "snapshots": {}}
+            idx = json.loads(read_bounded(os.path.join(self.root, INDEX), 256 << 20))
+        except Exception:  # noqa: BLE001 - any damage: the index is only a cache
+            idx = None
+        if not (isinstance(idx, dict) and idx.get("format") == FORMAT and isinstance(idx.get("snapshots"), dict)):
+            return {"format": FORMAT, "snapshots": {}}
+        idx["snapshots"] = {sid: e for sid, e in idx["snapshots"].items() if _entry_ok(e)}
+        return idx
 
     def write(self, idx: dict) -> None:
-        atomic_write_json(os.path.join(self.root, INDEX), idx)
+        """Rewrite the index; on a full disk the old one stays (it is a cache: reconcile fixes it)."""
+        try:
+            atomic_write_json(os.path.join(self.root, INDEX), idx)
+        except OSError as e:
+            if not is_no_space(e):
+                raise
 
     def is_temp(self, name: str) -> bool:
         """Whether ``name`` in the store directory is an index being rewritten (gc removes it)."""
         return name.startswith(INDEX + ".tmp-")
 
-    def entry_from_dir(self, snap_id: str) -> dict | None:
-        """The index entry of a snapshot directory, from its bundle.json (None: incomplete)."""
+    def entry_from_dir(self, snap_id: str) -> dict:
+        """The index entry of a snapshot directory, from its bundle.json (types checked, not
+        its HMAC: listing needs no key) and recipe.json.
+
+        Raises:
+            BundleDamagedError: either file is missing, unreadable, not JSON or malformed.
+        """
         d = self.snap_dir(snap_id)
+        what = f"snapshot {snap_id} in {self.root}"
         try:
-            with open(os.path.join(d, "bundle.json")) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
-            return None
-        logical = sum(v["size"] for v in meta.get("images", {}).values())
+            raw = read_bounded(os.path.join(d, META), META_LIMIT, what=what)
+            meta = check_meta(json.loads(raw), what)
+        except BundleDamagedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - missing, not a regular file, not JSON
+            raise BundleDamagedError(f"{what}: {META} is unusable ({e})") from None
+        if meta.get("id") != snap_id:
+            raise BundleDamagedError(f"{what}: its {META} describes snapshot {meta.get('id')!r}")
+        images = meta.get("images")
+        if not isinstance(images, dict) or not all(isinstance(v, dict) and type(v.get("size")) is int
+                                                   for v in images.values()):
+            raise BundleDamagedError(f"{what}: {META} has no valid image list")
+        read_recipe(d, what)
         own = sum(allocated_bytes(os.path.join(r, n)) for r, _, fs in os.walk(d) for n in fs)
-        return {"steps": meta.get("steps"), "env_id": meta.get("env_id"), "created": meta.get("created"),
-                "parent_id": meta.get("parent_id"), "last_used": meta.get("saved", time.time()),
-                "logical_bytes": logical, "own_bytes": own,
+        return {"steps": meta["steps"], "env_id": meta["env_id"], "created": meta["created"],
+                "parent_id": meta["parent_id"], "last_used": meta["saved"],
+                "logical_bytes": sum(v["size"] for v in images.values()), "own_bytes": own,
                 "pinned": os.path.exists(os.path.join(d, PINNED))}
+
+    def quarantine(self, idx: dict, snap_id: str, reason: str) -> str | None:
+        """Move a damaged entry into quarantine and drop it from ``idx``.  Call locked."""
+        idx["snapshots"].pop(snap_id, None)
+        return quarantine.move(self.root, snap_id, reason)
 
     def reconcile(self) -> dict:
         """Make the index list exactly the complete snapshot directories; returns it.  Call with
@@ -90,11 +140,10 @@ class StoreIndex:
                 del snaps[sid]
                 changed = True
         for sid in sorted(on_disk - set(snaps)):
-            e = self.entry_from_dir(sid)
-            if e is None:  # not a complete bundle: cannot happen through rename; remove it
-                shutil.rmtree(self.snap_dir(sid), ignore_errors=True)
-                continue
-            snaps[sid] = e
+            try:
+                snaps[sid] = self.entry_from_dir(sid)
+            except BundleDamagedError as e:  # cannot happen through rename: damage or tampering
+                self.quarantine(idx, sid, str(e))
             changed = True
         for sid, e in snaps.items():  # PINNED files are the truth for pins
             p = os.path.exists(os.path.join(self.snap_dir(sid), PINNED))

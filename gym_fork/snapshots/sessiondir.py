@@ -9,19 +9,26 @@ a crash leaves either a complete snapshot or none.  Restores verify the manifest
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
+import hmac
 import json
 import os
 import re
 import shutil
 import tempfile
 import threading
+from typing import Any
 
 from gym_fork.errors import SnapshotCorruptedError
+from gym_fork.snapshots.files import is_no_space, no_space, open_regular, read_bounded
 
 MANIFEST = "MANIFEST.json"
 _NOT_IMAGES = re.compile(r"(\.log|^stats-.*|^" + re.escape(MANIFEST) + r")$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would accept a trailing newline
+_IMAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # fullmatch: no "/", no "..", no "\n"
+_MANIFEST_LIMIT = 64 << 20
+_BLOCK = 1 << 20
 
 _lock = threading.Lock()
 _session: str | None = None
@@ -75,6 +82,15 @@ def file_digest(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def check_image_name(name: Any, what: str) -> str:
+    """``name`` unchanged if it can name an image file inside an images directory (a plain file
+    name: no path separator, no ``..``, no newline), else SnapshotCorruptedError."""
+    if not isinstance(name, str) or not _IMAGE_NAME.fullmatch(name):
+        raise SnapshotCorruptedError(f"{what}: {name!r} cannot name an image file (a plain file name is "
+                                     "expected); nothing was opened")
+    return name
+
+
 def write_manifest(dirpath: str, meta: dict) -> int:
     """Checksum every image file in ``dirpath``; returns their total size in bytes."""
     files = {}
@@ -92,31 +108,154 @@ def write_manifest(dirpath: str, meta: dict) -> int:
 
 
 def read_manifest(dirpath: str) -> dict:
-    """``{"files": {name: {"size", "sha256"}}, "meta": ...}`` of an image directory (not checked).
-    Raises SnapshotCorruptedError when it is missing or unreadable."""
+    """``{"files": {name: {"size", "sha256"}}, "meta": ...}`` of one of *our* image directories
+    (the session directory's, or a private copy): not signed, never read from a bundle or a
+    store entry.  Raises SnapshotCorruptedError when it is missing or unreadable."""
     try:
-        with open(os.path.join(dirpath, MANIFEST)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise SnapshotCorruptedError(f"snapshot directory {dirpath} is missing or has no {MANIFEST}") from None
-    except (OSError, ValueError) as e:
+        man = json.loads(read_bounded(os.path.join(dirpath, MANIFEST), _MANIFEST_LIMIT, what=dirpath))
+    except ValueError as e:
         raise SnapshotCorruptedError(f"cannot read {MANIFEST} in {dirpath}: {e}") from e
+    except SnapshotCorruptedError:
+        if not os.path.lexists(os.path.join(dirpath, MANIFEST)):
+            raise SnapshotCorruptedError(f"snapshot directory {dirpath} is missing or has no {MANIFEST}") from None
+        raise
+    if not isinstance(man, dict) or not isinstance(man.get("files"), dict):
+        raise SnapshotCorruptedError(f"{MANIFEST} in {dirpath} is malformed")
+    return man
+
+
+def _hash_fd(fd: int, size: int, name: str, what: str, out: int | None = None) -> str:
+    """sha256 of the first ``size`` bytes of ``fd`` (the file must have exactly that many), each
+    piece also written to ``out`` if given: what is hashed is what is copied."""
+    h = hashlib.sha256()
+    left = size
+    while left > 0:
+        b = os.read(fd, min(left, _BLOCK))
+        if not b:
+            raise SnapshotCorruptedError(f"{what}: image {name} is shorter than its signed size (truncated)")
+        h.update(b)
+        if out is not None:
+            view = memoryview(b)
+            while view:
+                view = view[os.write(out, view):]
+        left -= len(b)
+    return h.hexdigest()
 
 
 def verify(dirpath: str, full: bool = True) -> dict:
-    """Raise SnapshotCorruptedError unless every image file is present and intact."""
+    """Raise SnapshotCorruptedError unless every image file that ``dirpath``'s MANIFEST.json lists
+    is present, a regular file, and intact.  For our own image directories (see
+    :func:`read_manifest`); bundles and store entries are checked against their *signed* list
+    by :func:`copy_verified`."""
     man = read_manifest(dirpath)
-    for name, want in man["files"].items():
-        p = os.path.join(dirpath, name)
-        try:
-            size = os.path.getsize(p)
-        except OSError:
-            raise SnapshotCorruptedError(f"snapshot image {p} is missing") from None
-        if size != want["size"]:
-            raise SnapshotCorruptedError(f"snapshot image {p} has {size} bytes, expected {want['size']}")
-        if full and file_digest(p) != want["sha256"]:
-            raise SnapshotCorruptedError(f"snapshot image {p} fails its sha256 check (corrupted)")
+    dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name, want in man["files"].items():
+            check_image_name(name, dirpath)
+            fd, st = open_regular(name, dir_fd=dfd, what=f"snapshot image in {dirpath}")
+            try:
+                if st.st_size != want.get("size"):
+                    raise SnapshotCorruptedError(f"snapshot image {dirpath}/{name} has {st.st_size} bytes, "
+                                                 f"expected {want.get('size')}")
+                if full and not hmac.compare_digest(_hash_fd(fd, st.st_size, name, dirpath), str(want.get("sha256"))):
+                    raise SnapshotCorruptedError(f"snapshot image {dirpath}/{name} fails its sha256 check (corrupted)")
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dfd)
     return man
+
+
+def copy_verified(src: str, files: dict, dest: str, what: str, *, full: bool = True,
+                  ignore_extra: bool = False) -> int:
+    """Copy the image files that a *signed* list names from ``src`` (a bundle's or a store
+    entry's ``images/``, which others may be able to write to) into ``dest``, checking the bytes
+    that are copied; returns the bytes copied.  What a restore then reads is this private copy,
+    so nothing done to ``src`` after the check can change what is restored.
+
+    ``src`` must hold exactly the files ``files`` lists (``name -> {"size", "sha256"}``): an
+    extra file is refused (nothing unsigned reaches CRIU).  Each one is opened without following
+    links and without blocking, must be a regular file of exactly the signed size, and is read
+    only up to that size.  Nothing is opened that the signed list does not name.
+
+    Args:
+        src: the directory to copy from.
+        files: the signed list (already HMAC-verified by the caller).
+        dest: an existing private directory to copy into.
+        what: names the bundle or entry in messages.
+        full: check sha256 (else sizes only).
+        ignore_extra: copy from one of our own directories, which also holds logs.
+
+    Raises:
+        SnapshotCorruptedError: an extra, missing, oddly typed, resized or altered file.
+        NoSpaceError: ``dest``'s file system is full (what was copied is removed by the caller).
+    """
+    for name in files:
+        check_image_name(name, what)
+    try:
+        sfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise SnapshotCorruptedError(f"{what}: its images directory cannot be opened ({e.strerror}; a "
+                                     "directory, not a link, is expected)") from None
+    dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    total = 0
+    try:
+        extra = sorted(set(os.listdir(sfd)) - set(files))
+        if extra and not ignore_extra:
+            raise SnapshotCorruptedError(
+                f"{what}: images/ holds files the signed list does not name ({', '.join(map(repr, extra[:5]))}"
+                f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}); nothing was restored. Remove them, "
+                "or save the snapshot again")
+        for name, want in files.items():
+            fd, st = open_regular(name, dir_fd=sfd, what=f"{what}: image")
+            try:
+                if st.st_size != want.get("size"):
+                    raise SnapshotCorruptedError(f"{what}: image {name} is not the signed size (truncated, grown "
+                                                 "or replaced); nothing was restored")
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=dfd)
+                try:
+                    digest = _hash_fd(fd, want["size"], name, what, out)
+                finally:
+                    os.close(out)
+                if full and not hmac.compare_digest(digest, str(want.get("sha256"))):
+                    raise SnapshotCorruptedError(f"{what}: image {name} fails its sha256 check (corrupted or "
+                                                 "altered); nothing was restored")
+                total += want["size"]
+            finally:
+                os.close(fd)
+    except OSError as e:
+        if is_no_space(e):
+            raise no_space(e, dest, f"a private copy of {what}", sum(f["size"] for f in files.values())) from e
+        raise
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    return total
+
+
+def export_images(src: str, files: dict, dest: str) -> None:
+    """Put the image files ``files`` names from our private ``src`` (just verified) into the new
+    directory ``dest`` (a bundle being written): hard links (images are never modified in
+    place), or, across file systems, copies checked while they are made.  Nothing else of
+    ``src`` (logs, stats, its manifest) goes along: a bundle holds exactly its signed files."""
+    os.mkdir(dest, 0o700)
+    names = list(files)
+    try:
+        for name in names:
+            os.link(os.path.join(src, check_image_name(name, src)), os.path.join(dest, name))
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        for name in os.listdir(dest):
+            os.unlink(os.path.join(dest, name))
+        copy_verified(src, files, dest, src, ignore_extra=True)
+
+
+def write_signed_manifest(dest: str, files: dict, meta: dict) -> None:
+    """Give a private copy made by :func:`copy_verified` the MANIFEST.json a restore checks."""
+    with open(os.path.join(dest, MANIFEST), "w") as f:
+        json.dump({"files": files, "meta": meta}, f)
 
 
 def verify_received(received: dict, signed: dict, what: str) -> None:

@@ -42,6 +42,8 @@ class PayloadBackend(Protocol):
     def store_images(self, payload: Any) -> tuple[str, dict]: ...
     def payload_at(self, path: str, meta: dict) -> Any: ...
     def chunk_lengths(self, images_dir: str, name: str, chunk_size: int) -> list[int] | None: ...
+    # optional (looked up with getattr): ``persisted_bytes(payload) -> int | None``, the size of
+    # what persist() wrote (copy-on-write snapshots have no size before)
 
 
 _resolve: Callable[[str], PayloadBackend] | None = None
@@ -67,7 +69,8 @@ class Snapshot:
         id: unique id (16 hex digits).
         backend: name of the backend that took it (``"criu"``, ``"pickle"``, ...).
         steps: steps since the last ``reset()`` at the moment it was taken (its depth).
-        size_bytes: what it occupies (image files or pickle bytes).
+        size_bytes: what it occupies (image files or pickle bytes); 0 for a copy-on-write snapshot
+            until it is persisted (``persist()``, a store, ``save()``).
         created: ``time.time()`` when it was taken.
         parent_id: id of the snapshot this state descends from (the previous snapshot taken or
             restored on the same timeline since the last reset), or ``None``.
@@ -114,10 +117,21 @@ class Snapshot:
 
     def pin(self, pinned: bool = True) -> "Snapshot":
         """Protect this snapshot from eviction by its :class:`~gym_fork.snapshots.store.SnapshotStore`'s
-        disk budget (``pin(False)`` / :meth:`unpin` undoes it). Returns the snapshot."""
-        self.pinned = bool(pinned)
+        disk budget (``pin(False)`` / :meth:`unpin` undoes it). Returns the snapshot.
+
+        A snapshot tracked by a store that is still only in memory is also written into the store
+        (it stays in memory as well), so a later process can ``SnapshotStore(DIR).load(id)`` it.
+
+        Raises:
+            NoSpaceError: it had to be written and the disk is full (it stays unpinned).
+        """
+        was, self.pinned = self.pinned, bool(pinned)
         if self._store is not None:
-            self._store.set_pinned(self.id, self.pinned)
+            try:
+                self._store.set_pinned(self.id, self.pinned)
+            except BaseException:
+                self.pinned = was
+                raise
         return self
 
     def unpin(self) -> "Snapshot":
@@ -137,6 +151,9 @@ class Snapshot:
         memory until then). With ``keep_in_memory=False`` the frozen process is then released, so
         the snapshot costs no memory and later restores come from the images."""
         self._payload = self._backend.persist(self.payload())
+        if not self.size_bytes:  # copy-on-write snapshots have no size until their images exist
+            measure = getattr(self._backend, "persisted_bytes", None)
+            self.size_bytes = (measure(self._payload) if measure is not None else None) or self.size_bytes
         if not keep_in_memory:
             self._backend.evict(self._payload)
         return self

@@ -16,30 +16,37 @@ Layout (everything 0700/0600)::
                             images as lists of chunks), PINNED, workspace/ (the env's files)
     DIR/chunks/ab/<sha256>  content-addressed chunks shared by all snapshots
     DIR/.tmp-*              snapshots being written (removed by gc once their writer is gone)
+    DIR/quarantine/<id>-<time>/   damaged entries, moved aside with the reason (never deleted
+                            silently; ``gym-fork snapshots ls`` lists them)
 
 A snapshot is written into ``.tmp-*``, the file system is flushed, and the directory renamed
-into ``snaps/``; only then is the index rewritten.  Before a restore the images are reassembled
-from the chunks into the private session directory and checked against the sha256 manifest
-that the bundle's HMAC covers.  Which images are cut into chunks, and where, the snapshot's
-backend decides (CRIU: page images, along the dumped virtual addresses).
+into ``snaps/``; only then is the index rewritten.  A write that fails (a full disk:
+:class:`~gym_fork.errors.NoSpaceError`) leaves nothing: its directory and the chunks it created
+are removed, and the snapshot stays as it was.  Before a restore the images are reassembled into
+the private session directory -- the files the entry's signed list names, copied and checked
+while copied, and the chunked ones rebuilt and checked -- and the restore reads that copy, so
+nothing done to the store directory after the check changes what is restored.  Which images
+are cut into chunks, and where, the snapshot's backend decides (CRIU: page images, along the
+dumped virtual addresses).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
+import hmac
 import os
 import shutil
 import time
 import weakref
 from typing import Any, Iterator
 
-from gym_fork.errors import SnapshotCorruptedError, StoreError
-from gym_fork.snapshots import sessiondir
+from gym_fork.errors import BundleDamagedError, BundleError, NoSpaceError, SnapshotCorruptedError, StoreError
+from gym_fork.snapshots import quarantine, sessiondir
 from gym_fork.snapshots.budgets import MemoryBudget, disk_evictions
-from gym_fork.snapshots.bundle import bundle_meta, read_bundle_meta, sign_meta
-from gym_fork.snapshots.chunks import ChunkFiles, count_refs
-from gym_fork.snapshots.files import fsync_dir, syncfs
+from gym_fork.snapshots.bundle import bundle_meta, check_images, read_bundle_meta, sign_meta
+from gym_fork.snapshots.chunks import ChunkFiles, count_refs, read_recipe
+from gym_fork.snapshots.files import as_no_space, atomic_write_json, fsync_dir, syncfs
 from gym_fork.snapshots.index import PINNED, StoreIndex
 from gym_fork.snapshots.snapshot import Snapshot, backend_named
 from gym_fork.snapshots.workspace import pack as pack_workspace
@@ -59,7 +66,7 @@ class SnapshotStore:
         max_in_memory: budget as a number of in-memory snapshots.
         dedup: store page images as shared content-addressed chunks (else whole files).
         chunk_size: chunk size for ``dedup`` (a multiple of 4096).
-        verify: ``"full"`` (check every chunk's sha256 when reassembling) or ``"size"``.
+        verify: ``"full"`` (check every image's sha256 when reassembling) or ``"size"``.
 
     Raises:
         ValueError: ``chunk_size`` is not a multiple of the page size.
@@ -83,9 +90,10 @@ class SnapshotStore:
         self._memory = MemoryBudget(max_memory, max_in_memory)
         self._handles: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._recipes: dict[str, dict] = {}  # id -> recipe (immutable once written)
-        # payloads that stand for images kept here (restores reassemble them), -> snapshot id
-        self._stored: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self.stats = {"spilled": 0, "collected": 0, "evicted": 0, "written": 0}
+        # payloads that stand for images kept here (restores reassemble them) -> (snapshot id,
+        # the signed image list it was loaded with: an entry swapped since is refused)
+        self._stored: weakref.WeakKeyDictionary[Any, tuple[str, dict]] = weakref.WeakKeyDictionary()
+        self.stats = {"spilled": 0, "collected": 0, "evicted": 0, "written": 0, "quarantined": 0}
         with self._index.locked():
             self._index.reconcile()
 
@@ -112,19 +120,91 @@ class SnapshotStore:
 
     _snap_dir = snapshot_dir
 
+    def _what(self, snap_id: str) -> str:
+        return f"snapshot {snap_id} in {self.path}"
+
+    # --- damage ----------------------------------------------------------------------------------
+    def _quarantine(self, snap_id: str, reason: str) -> str | None:
+        """Move a damaged entry aside (logged, listed by :meth:`damaged`); returns where to."""
+        with self._index.locked():
+            idx = self._index.read()
+            where = self._index.quarantine(idx, snap_id, reason)
+            self._index.write(idx)
+        self._recipes.pop(snap_id, None)
+        if where is not None:
+            self.stats["quarantined"] += 1
+        return where
+
+    def _damaged(self, snap_id: str, e: BundleDamagedError) -> BundleDamagedError:
+        where = self._quarantine(snap_id, str(e))
+        return BundleDamagedError(f"{e}; the entry was moved to {where} (nothing deleted)" if where else str(e))
+
+    def _read_meta(self, snap_id: str, *, require_hmac: bool = True) -> dict:
+        """A stored entry's bundle.json (HMAC and types checked); a damaged one is quarantined.
+        Raises StoreError (no such entry), BundleDamagedError, BundleError (HMAC)."""
+        d = self._snap_dir(snap_id)
+        if not os.path.isdir(d):
+            raise StoreError(f"no snapshot {snap_id!r} in {self.path}")
+        try:
+            meta = read_bundle_meta(d, require_hmac=require_hmac)
+            check_images(meta.get("images"), self._what(snap_id))
+        except BundleDamagedError as e:
+            raise self._damaged(snap_id, e) from None
+        if meta["id"] != snap_id:
+            raise SnapshotCorruptedError(f"{self._what(snap_id)}: the entry holds snapshot {meta['id']!r} (moved "
+                                         "or swapped); nothing was used")
+        return meta
+
+    def damaged(self) -> list[dict]:
+        """The quarantined entries: ``{"id", "path", "reason", "time"}`` (see :mod:`.quarantine`)."""
+        return quarantine.entries(self.path)
+
+    def check(self, *, hmac_too: bool = True) -> dict[str, str]:
+        """Read every entry's bundle.json and recipe.json: damaged entries are quarantined (and
+        then listed by :meth:`damaged`).  Returns the entries that are intact but whose HMAC
+        does not verify with this machine's key (id -> reason; they stay where they are: another
+        key is not damage)."""
+        unverified = {}
+        with self._index.locked():
+            idx = self._index.reconcile()
+            for sid in list(idx["snapshots"]):
+                try:
+                    self._index.entry_from_dir(sid)
+                    if hmac_too:
+                        read_bundle_meta(self._snap_dir(sid))
+                except BundleDamagedError as e:
+                    self._index.quarantine(idx, sid, str(e))
+                    self._recipes.pop(sid, None)
+                    self.stats["quarantined"] += 1
+                except BundleError as e:
+                    unverified[sid] = str(e)
+            self._index.write(idx)
+        return unverified
+
+    # --- chunk references ------------------------------------------------------------------------
     def _recipe(self, snap_id: str) -> dict:
+        """The entry's checked recipe (cached).  Raises BundleDamagedError."""
         r = self._recipes.get(snap_id)
         if r is None:
-            try:
-                with open(os.path.join(self._snap_dir(snap_id), "recipe.json")) as f:
-                    r = json.load(f)
-            except FileNotFoundError:
-                r = {"chunk_size": self.chunk_size, "files": {}}
+            r = read_recipe(self._snap_dir(snap_id), self._what(snap_id))
             self._recipes[snap_id] = r
         return r
 
-    def _chunk_refs(self, ids: Any) -> dict[str, int]:
-        return count_refs(self._recipe(sid) for sid in ids)
+    def _refs(self, idx: dict) -> dict[str, int]:
+        """How often each chunk is used by the entries in ``idx`` (an entry whose recipe is
+        damaged is quarantined and dropped from ``idx``) and by quarantined entries (whose
+        chunks are kept).  Call locked."""
+        recipes = []
+        for sid in list(idx["snapshots"]):
+            try:
+                recipes.append(self._recipe(sid))
+            except BundleDamagedError as e:
+                self._index.quarantine(idx, sid, str(e))
+                self.stats["quarantined"] += 1
+        for path in quarantine.recipe_paths(self.path):
+            with contextlib.suppress(BundleDamagedError):
+                recipes.append(read_recipe(os.path.dirname(path), path))
+        return count_refs(recipes)
 
     # --- writing ---------------------------------------------------------------------------------
     def put(self, snap: Snapshot) -> str:
@@ -133,37 +213,42 @@ class SnapshotStore:
 
         Raises:
             StoreError: its backend keeps no image files (e.g. pickle).
+            NoSpaceError: the disk is full; nothing of this write is left in the store, and the
+                snapshot stays restorable (from the images it was persisted to).
         """
         with self._tlock:
-            if os.path.isdir(self._snap_dir(snap.id)):
-                self._attach(snap)
-                return self._snap_dir(snap.id)
             backend = snap._backend
+            if os.path.isdir(self._snap_dir(snap.id)):  # stored already: restores come from here now
+                old = snap.payload()
+                self._attach(snap)
+                backend.release(old)
+                return self._snap_dir(snap.id)
             snap.persist(keep_in_memory=False)  # e.g. a CRIU dump into the session dir
             payload = snap.payload()
             images, fields = backend.store_images(payload)
-            meta = self._write(snap, images, fields)
+            meta = self._write(snap, images, fields)  # on failure: still restorable from those images
             backend.release(payload)  # its images in the session dir: restores now come from here
             self._attach(snap, meta)
             self._enforce_disk(keep={snap.id})
         return self._snap_dir(snap.id)
 
     def _write(self, snap: Snapshot, images: str, fields: dict) -> dict:
-        """Write ``snap``'s entry from the image files in ``images``; returns its bundle.json."""
+        """Write ``snap``'s entry from the image files in ``images``; returns its bundle.json.
+        Raises NoSpaceError on a full disk (after removing its directory and new chunks)."""
         man = sessiondir.verify(images, full=True)  # never store a corrupted image
         with self._index.locked():
-            tmp = sessiondir.private_mkdir(os.path.join(self.path, f"{_TMP_PREFIX}{snap.id}-{os.getpid()}-{os.urandom(3).hex()}"))
+            tmp = os.path.join(self.path, f"{_TMP_PREFIX}{snap.id}-{os.getpid()}-{os.urandom(3).hex()}")
+            created: list[str] = []  # chunks this write adds: removed again if it fails
             try:
+                sessiondir.private_mkdir(tmp)
                 imgs = sessiondir.private_mkdir(os.path.join(tmp, "images"))
                 recipe: dict = {"chunk_size": self.chunk_size, "files": {}}
-                for name in os.listdir(images):
-                    src = os.path.join(images, name)
-                    if not os.path.isfile(src) or name.endswith(".log"):
-                        continue
-                    lengths = (snap._backend.chunk_lengths(images, name, self.chunk_size)
-                               if self.dedup and name in man["files"] else None)
+                for name, want in sorted(man["files"].items()):  # the signed images, nothing else
+                    src = os.path.join(images, sessiondir.check_image_name(name, images))
+                    lengths = snap._backend.chunk_lengths(images, name, self.chunk_size) if self.dedup else None
                     if lengths is not None:
-                        recipe["files"][name] = {"size": os.path.getsize(src), "chunks": self._chunks.put(src, lengths)}
+                        recipe["files"][name] = {"size": want["size"],
+                                                 "chunks": self._chunks.put(src, lengths, created)}
                     else:
                         shutil.copyfile(src, os.path.join(imgs, name))
                         os.chmod(os.path.join(imgs, name), 0o600)
@@ -172,28 +257,29 @@ class SnapshotStore:
                     meta["workspace"] = pack_workspace(snap.workspace, os.path.join(tmp, "workspace"))
                     meta["workspace_path"] = snap.workspace_path
                 sign_meta(meta)
-                with open(os.path.join(tmp, "recipe.json"), "w") as f:
-                    json.dump(recipe, f)
-                with open(os.path.join(tmp, "bundle.json"), "w") as f:
-                    json.dump(meta, f, indent=1)
+                atomic_write_json(os.path.join(tmp, "recipe.json"), recipe)
+                atomic_write_json(os.path.join(tmp, "bundle.json"), meta)
                 if snap.pinned:
-                    open(os.path.join(tmp, PINNED), "w").close()
-                for name in ("recipe.json", "bundle.json", PINNED):
-                    if os.path.exists(os.path.join(tmp, name)):
-                        os.chmod(os.path.join(tmp, name), 0o600)
+                    os.close(os.open(os.path.join(tmp, PINNED), os.O_WRONLY | os.O_CREAT, 0o600))
                 syncfs(tmp)  # chunks, images, metadata durable before the snapshot is visible
                 final = self._snap_dir(snap.id)
                 os.rename(tmp, final)
-                fsync_dir(os.path.dirname(final))
-            except BaseException:
+            except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
+                self._chunks.remove(created)
+                full = as_no_space(e, self.path, f"snapshot {snap.id} into the store",
+                                   sum(f["size"] for f in man["files"].values()))
+                if full is not None and full is not e:
+                    raise full from e
                 raise
+            with contextlib.suppress(OSError):
+                fsync_dir(os.path.dirname(final))
             self._recipes[snap.id] = recipe
             idx = self._index.reconcile()
-            e = idx["snapshots"].get(snap.id) or self._index.entry_from_dir(snap.id)
-            e["last_used"] = time.time()
-            idx["snapshots"][snap.id] = e
-            self._index.write(idx)
+            e = idx["snapshots"].get(snap.id)
+            if e is not None:
+                e["last_used"] = time.time()
+                self._index.write(idx)
             self.stats["written"] += 1
         return meta
 
@@ -201,22 +287,37 @@ class SnapshotStore:
         """Point ``snap`` at the store copy (restores reassemble it; release keeps it on disk)."""
         d = self._snap_dir(snap.id)
         if meta is None:
-            with open(os.path.join(d, "bundle.json")) as f:
-                meta = json.load(f)
+            meta = self._read_meta(snap.id)
         payload = snap._backend.payload_at(d, meta)
-        self._stored[payload] = snap.id
+        self._stored[payload] = (snap.id, meta["images"])
         snap._keep_in(self, payload, d)
         self._handles[snap.id] = snap
         self._memory.forget(snap.id)
 
     # --- the env's hooks -------------------------------------------------------------------------
     def add(self, snap: Snapshot) -> None:
-        """Track a snapshot just taken; enforce the memory budget."""
+        """Track a snapshot just taken; enforce the memory budget.
+
+        Raises:
+            NoSpaceError: older snapshots had to go to disk and the disk is full.  The snapshot
+                just taken is released (a failed ``snapshot()`` changes nothing); every other
+                snapshot stays as it was, in memory.
+        """
         snap._store = self
         with self._tlock:
             self._memory.add(snap)
             self._handles[snap.id] = snap
-            self._enforce_memory()
+            try:
+                self._enforce_memory()
+            except NoSpaceError as e:
+                self._memory.forget(snap.id)
+                snap.release()
+                err = NoSpaceError(f"{e} [the store spills in-memory snapshots to disk to keep its memory budget "
+                                   f"(max_in_memory={self.max_in_memory}, max_memory={self.max_memory}); the "
+                                   "snapshot just taken was dropped, the others are unchanged, the env keeps "
+                                   "running]")
+                err.path, err.free_bytes, err.needed_bytes = e.path, e.free_bytes, e.needed_bytes
+                raise err from e
 
     def touch(self, snap: Snapshot) -> None:
         """``snap`` was just used (restore/fork): most recently used now."""
@@ -226,9 +327,18 @@ class SnapshotStore:
                     self._index.touch(snap.id)
 
     def set_pinned(self, snap_id: str, pinned: bool) -> None:
+        """Pin or unpin ``snap_id``.  Pinning a snapshot that is still only in memory writes it
+        into the store (:meth:`put`), so that later processes can :meth:`load` it.
+
+        Raises:
+            NoSpaceError: the disk is full (the snapshot is not in the store).
+        """
         with self._tlock:
             if not os.path.isdir(self._snap_dir(snap_id)):
-                return  # in memory only: written with PINNED when it is spilled
+                snap = self._handles.get(snap_id)
+                if pinned and snap is not None and not snap.released and snap._backend.storable:
+                    self.put(snap)  # written with its PINNED marker
+                return
             with self._index.locked():
                 self._index.set_pinned(snap_id, pinned)
 
@@ -237,15 +347,16 @@ class SnapshotStore:
         """``payload`` itself, or, if it stands for images kept here, a payload over those images
         reassembled (and verified) in the private session directory for the duration."""
         try:
-            snap_id = self._stored.get(payload)
+            ref = self._stored.get(payload)
         except TypeError:  # bytes (pickle backend), None: not weak-referenceable, never stored
-            snap_id = None
-        if snap_id is None:
+            ref = None
+        if ref is None:
             yield payload
             return
+        snap_id, images = ref
         dest = os.path.join(sessiondir.session_dir(), f"m-{snap_id}-{os.urandom(4).hex()}")
         try:
-            meta = self._materialize(snap_id, dest)
+            meta = self._materialize(snap_id, dest, expect=images)
             yield snap._backend.payload_at(dest, meta)
         finally:
             shutil.rmtree(dest, ignore_errors=True)
@@ -267,8 +378,9 @@ class SnapshotStore:
     # --- disk budget / removal -------------------------------------------------------------------
     def disk_bytes(self) -> int:
         """Bytes the store occupies: per-snapshot files plus every referenced chunk once."""
-        idx = self._index.read()
-        refs = self._chunk_refs(idx["snapshots"])
+        with self._index.locked():
+            idx = self._index.read()
+            refs = self._refs(idx)
         return (sum(e.get("own_bytes", 0) for e in idx["snapshots"].values())
                 + sum(self._chunks.disk_bytes(c) for c in refs))
 
@@ -277,7 +389,7 @@ class SnapshotStore:
             return
         with self._index.locked():
             idx = self._index.reconcile()
-            refs = self._chunk_refs(idx["snapshots"])
+            refs = self._refs(idx)
             sizes = {c: self._chunks.disk_bytes(c) for c in refs}
             for sid in disk_evictions(idx["snapshots"], self._recipe, refs, sizes, self.max_bytes, keep):
                 self._remove_locked(idx, sid)
@@ -307,16 +419,21 @@ class SnapshotStore:
             idx = self._index.reconcile()
             if snap_id not in idx["snapshots"]:
                 raise StoreError(f"no snapshot {snap_id!r} in {self.path}")
-            mine = self._chunk_refs([snap_id])
+            try:
+                mine = count_refs([self._recipe(snap_id)])
+            except BundleDamagedError:  # its chunks cannot be told: gc sweeps what nothing uses
+                mine = {}
             self._remove_locked(idx, snap_id)
+            others = self._refs(idx)
             self._index.write(idx)
-            others = self._chunk_refs(idx["snapshots"])
             self._chunks.drop_unreferenced({c: others.get(c, 0) for c in mine})
 
-    def gc(self) -> dict:
-        """Remove what crashed writers left (temp dirs, orphan chunks), reconcile the index and
-        enforce the disk budget.  Safe while other processes use the store (it takes the lock)."""
-        out = {"tmp_removed": 0, "chunks_removed": 0}
+    def gc(self, *, drop_quarantined: bool = False) -> dict:
+        """Remove what crashed writers left (temp dirs, orphan chunks), check every entry (the
+        damaged ones go to quarantine), reconcile the index and enforce the disk budget.  Safe
+        while other processes use the store (it takes the lock).  ``drop_quarantined``: also
+        delete the quarantined entries (each deletion is logged and reported)."""
+        out: dict[str, Any] = {"tmp_removed": 0, "chunks_removed": 0, "quarantine_dropped": []}
         with self._index.locked():
             for name in os.listdir(self.path):
                 if name.startswith(_TMP_PREFIX) or self._index.is_temp(name):
@@ -324,16 +441,22 @@ class SnapshotStore:
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(self.path, name))
                     out["tmp_removed"] += 1
+            self.check(hmac_too=False)
+            if drop_quarantined:
+                out["quarantine_dropped"] = quarantine.drop_all(self.path)
             idx = self._index.reconcile()
-            out["chunks_removed"] = self._chunks.sweep(self._chunk_refs(idx["snapshots"]))
+            out["chunks_removed"] = self._chunks.sweep(self._refs(idx))
+            self._index.write(idx)
         self._enforce_disk()
         out["snapshots"] = len(self.list())
+        out["quarantined"] = len(self.damaged())
         out["disk_bytes"] = self.disk_bytes()
         return out
 
     # --- reading ---------------------------------------------------------------------------------
     def list(self) -> dict[str, dict]:
-        """The index: snapshot id -> steps, env id, sizes, created, last used, pinned."""
+        """The index: snapshot id -> steps, env id, sizes, created, last used, pinned.  Damaged
+        entries are not in it (see :meth:`damaged`)."""
         with self._index.locked():
             return self._index.reconcile()["snapshots"]
 
@@ -343,12 +466,9 @@ class SnapshotStore:
         return sorted(snaps, key=lambda s: snaps[s]["created"] or 0)
 
     def meta(self, snap_id: str) -> dict:
-        """A stored snapshot's bundle.json (not verified; see :meth:`verify`)."""
-        try:
-            with open(os.path.join(self._snap_dir(snap_id), "bundle.json")) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            raise StoreError(f"no snapshot {snap_id!r} in {self.path}") from None
+        """A stored snapshot's bundle.json (its types checked, not its HMAC or images; see
+        :meth:`verify`).  Raises StoreError (no such entry) or BundleDamagedError (quarantined)."""
+        return self._read_meta(snap_id, require_hmac=False)
 
     def materialize(self, snap_id: str, dest: str) -> str:
         """Write the full images of ``snap_id`` into the new directory ``dest``, verified; returns
@@ -356,38 +476,66 @@ class SnapshotStore:
         self._materialize(snap_id, dest)
         return dest
 
-    def _materialize(self, snap_id: str, dest: str) -> dict:
+    def _materialize(self, snap_id: str, dest: str, expect: dict | None = None) -> dict:
+        """Copy (checking while copying) the entry's whole images and rebuild its chunked ones in
+        ``dest``: exactly the signed list, nothing else.  ``expect``: the signed image list the
+        snapshot was loaded with (an entry replaced since is refused).  Returns the bundle.json."""
+        what = self._what(snap_id)
         d = self._snap_dir(snap_id)
         if not os.path.isdir(d):
             raise SnapshotCorruptedError(f"snapshot {snap_id} is no longer in the store {self.path} "
                                          "(removed or evicted by the disk budget)")
-        meta = read_bundle_meta(d)  # HMAC first: it covers every image's sha256
-        sessiondir.private_mkdir(dest)
-        imgs = os.path.join(d, "images")
-        for name in os.listdir(imgs):
-            try:
-                os.link(os.path.join(imgs, name), os.path.join(dest, name))
-            except OSError:
-                shutil.copyfile(os.path.join(imgs, name), os.path.join(dest, name))
+        meta = self._read_meta(snap_id)  # HMAC first: it covers every image's sha256
+        signed = meta["images"]
+        if expect is not None and signed != expect:
+            raise SnapshotCorruptedError(f"{what}: the entry's images are not those it had when this snapshot "
+                                         "was loaded (replaced or swapped); nothing was restored")
+        try:
+            chunked = self._recipe(snap_id)["files"] if expect is None else read_recipe(d, what)["files"]
+        except BundleDamagedError as e:
+            raise self._damaged(snap_id, e) from None
+        odd = [n for n, e in chunked.items() if n not in signed or e["size"] != signed[n]["size"]]
+        if odd:
+            raise SnapshotCorruptedError(f"{what}: recipe.json does not match the signed image list ({odd[:3]}); "
+                                         "nothing was restored")
         full = self.verify_mode == "full"
-        what = f"snapshot {snap_id}"
-        for name, entry in self._recipe(snap_id)["files"].items():
-            with open(os.path.join(dest, name), "wb") as out:
-                for c in entry["chunks"]:
-                    out.write(self._chunks.read(c, verify=full, what=what))
-        man = sessiondir.read_manifest(dest)
-        if man["files"] != meta["images"]:
-            raise SnapshotCorruptedError(f"{what}: image manifest does not match bundle.json")
-        sessiondir.verify(dest, full=full)
+        sessiondir.private_mkdir(dest)
+        try:
+            sessiondir.copy_verified(os.path.join(d, "images"), {n: v for n, v in signed.items() if n not in chunked},
+                                     dest, what, full=full)
+            for name, entry in chunked.items():
+                self._rebuild(name, entry["chunks"], signed[name], dest, what, full)
+            sessiondir.write_signed_manifest(dest, signed, {"id": snap_id})
+        except OSError as e:
+            err = as_no_space(e, dest, f"the images of {what}")
+            if err is not None:
+                raise err from e
+            raise
         return meta
 
+    def _rebuild(self, name: str, chunks: list, want: dict, dest: str, what: str, full: bool) -> None:
+        """Write the image ``name`` from its chunks into ``dest``, checked against ``want``."""
+        sessiondir.check_image_name(name, what)
+        h = hashlib.sha256()
+        done = 0
+        fd = os.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            for c in chunks:
+                data = self._chunks.read(c, verify=full, what=what, size=max(want["size"] - done, 0))
+                if full:
+                    h.update(data)
+                out.write(data)
+                done += len(data)
+        if done != want["size"] or (full and not hmac.compare_digest(h.hexdigest(), want["sha256"])):
+            raise SnapshotCorruptedError(f"{what}: image {name} rebuilt from its chunks fails its signed "
+                                         f"{'sha256' if full else 'size'} check; nothing was restored")
+
     def verify(self, snap_id: str) -> dict:
-        """Reassemble and check every image of ``snap_id`` (HMAC, chunk and file sha256); returns
-        its bundle.json."""
+        """Reassemble and check every image of ``snap_id`` (HMAC, exactly the signed files, chunk
+        and file sha256); returns its bundle.json."""
         tmp = os.path.join(sessiondir.session_dir(), f"verify-{snap_id}-{os.urandom(3).hex()}")
         try:
-            self._materialize(snap_id, tmp)
-            return self.meta(snap_id)
+            return self._materialize(snap_id, tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -398,19 +546,21 @@ class SnapshotStore:
         Raises:
             StoreError: no such snapshot here.
             BundleError: its HMAC does not verify, or this machine cannot restore it.
+            BundleDamagedError: its metadata is damaged (the entry is moved into quarantine).
         """
         with self._tlock:
             s = self._handles.get(snap_id)
             if s is not None and not s.released:
                 return s
             d = self._snap_dir(snap_id)
-            meta = read_bundle_meta(d) if os.path.isdir(d) else None
-            if meta is None:
-                raise StoreError(f"no snapshot {snap_id!r} in {self.path}")
+            meta = self._read_meta(snap_id)
             backend = backend_named(meta["backend"])
-            backend.check_compatible(meta, d)
+            try:
+                backend.check_compatible(meta, d)
+            except BundleDamagedError as e:
+                raise self._damaged(snap_id, e) from None
             payload = backend.payload_at(d, meta)
-            self._stored[payload] = snap_id
+            self._stored[payload] = (snap_id, meta["images"])
             snap = Snapshot._from_meta(meta, backend, payload, sum(f["size"] for f in meta["images"].values()), d)
             snap._store = self
             snap.pinned = os.path.exists(os.path.join(d, PINNED))
