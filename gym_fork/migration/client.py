@@ -132,12 +132,14 @@ def migrate_env(env: Any, target: str, *, token: str | bytes | None = None, toke
             "timings": timings, "remote_timings": reply.get("timings", {})}
 
 
-def check_migratable(env: Any, target: str) -> None:
-    """Everything checked before anything is done (raises; the env is untouched)."""
-    parse_host_port(target)  # a malformed address fails here, not in a background thread
+def check_movable(env: Any) -> None:
+    """What a move of ``env``'s worker anywhere needs (raises; the env is untouched).
+
+    Raises:
+        EnvClosedError: the env was closed.
+        MigrationError: not the criu backend, or the env has a workspace.
+    """
     env._check_open()
-    if isinstance(env._handle, NetworkHandle):
-        raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
     if env.backend != "criu":
         raise MigrationError(f"only the criu backend can migrate (this env uses {env.backend!r})")
     ws = getattr(env, "_workspace", None)
@@ -146,6 +148,15 @@ def check_migratable(env: Any, target: str) -> None:
             f"this env has a workspace ({ws.path}): migration does not carry workspace files yet, and the "
             "moved worker would use that path on the target; save a snapshot bundle (it carries the "
             "workspace) and load it there instead")
+
+
+def check_migratable(env: Any, target: str) -> None:
+    """Everything a move to the agent at ``target`` needs, checked before anything is done."""
+    parse_host_port(target)  # a malformed address fails here, not in a background thread
+    env._check_open()
+    if isinstance(env._handle, NetworkHandle):
+        raise MigratedEnvError(f"this env already runs on node {env._handle.node}; migrating it again is not supported")
+    check_movable(env)
 
 
 def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,

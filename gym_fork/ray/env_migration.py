@@ -19,7 +19,8 @@ from typing import Any
 import ray
 
 from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
-from gym_fork.migration.client import MigratedBackend, NetworkHandle, switch_to_remote, write_transient_bundle
+from gym_fork.migration.client import (MigratedBackend, NetworkHandle, check_movable, switch_to_remote,
+                                       write_transient_bundle)
 from gym_fork.migration.live import check_live, start_live
 from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.connect import connect
@@ -69,13 +70,8 @@ class RayMigratedBackend(MigratedBackend):
             "step/reset/render/attributes/close and migrate(RayNode(...)) work")
 
 
-def _check_movable(env: Any, node: RayNode) -> None:
-    """What any move to ``node`` needs (raises MigrationError, before anything is done)."""
-    if not isinstance(env._handle, NetworkHandle) and env.backend != "criu":
-        raise MigrationError(f"only the criu backend can migrate (this env uses {env.backend!r})")
-    if getattr(env, "_workspace", None) is not None:
-        raise MigrationError(f"this env has a workspace ({env._workspace.path}): migration does not carry "
-                             "workspace files yet; save a snapshot bundle (it carries the workspace) instead")
+def _check_alive(node: RayNode) -> None:
+    """Raises MigrationError (before anything is done) unless ``node`` is an alive node."""
     if node.node_id not in alive_nodes():
         raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
 
@@ -154,11 +150,11 @@ def migrate_env_to_node_live(env: Any, node: RayNode, *, token: str | bytes | No
     Raises:
         MigrationError: the env cannot move live (nothing was changed).
     """
-    env._check_open()
+    check_movable(env)
     if isinstance(env._handle, NetworkHandle):
         raise MigrationError("live=True moves a worker that runs here; this env's worker runs on "
                              f"{env._handle.node} already: use live=False to move it on")
-    _check_movable(env, node)
+    _check_alive(node)
     check_live(env)
     tok = resolve_token(token)
     target = host_for(node.node_id)
@@ -190,11 +186,11 @@ def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = 
     Raises:
         MigrationError: (a subclass of) on failure; the env keeps running where it was, unchanged.
     """
-    env._check_open()
+    check_movable(env)  # an env on a node has a stand-in backend named "criu": it passes
     cur = env._handle
     if isinstance(cur, NetworkHandle) and not isinstance(cur, RayNetworkHandle):
         raise MigratedEnvError(f"this env runs on agent node {cur.node}; it cannot move on to a Ray node")
-    _check_movable(env, node)
+    _check_alive(node)
     on_node = isinstance(cur, RayNetworkHandle)
     source = cur.node_id if on_node else ray.get_runtime_context().get_node_id()
     if on_node and cur.node_id == node.node_id:
