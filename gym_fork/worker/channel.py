@@ -57,7 +57,13 @@ class Channel:
             raise ChannelClosed(f"corrupt message header (length {n})")
         buf = bytearray(n)
         self._recv_exact_into(buf)
-        return pickle.loads(buf)
+        msg = pickle.loads(buf)
+        if type(msg) is tuple and len(msg) == 4 and msg[0] == 2:  # (OUTPUT, ...): the env's prints, warnings
+            from gym_fork.worker import output  # and logs, sent just ahead of the reply
+
+            output.emit(msg)
+            return self.recv()
+        return msg
 
     def _recv_exact_into(self, buf: bytearray) -> None:
         view = memoryview(buf)

@@ -171,3 +171,94 @@ def test_containers_refuse_local_changes():
         assert type(copy.copy(hist)) is list and pickle.loads(pickle.dumps(hist)) == [1]
     finally:
         env.close()
+
+
+# --- what the env prints, warns and logs in the worker reaches the user ---------------------------
+def broken_env_factory(wrap=None):
+    """An env that violates the Gymnasium API in four ways the passive checker warns about, and
+    logs and prints as it goes (a closure: shipped by value)."""
+
+    def make():
+        import logging
+
+        class Broken(gym.Env):
+            observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+            action_space = gym.spaces.Discrete(2)
+
+            def reset(self, seed=None, options=None):
+                print("reset", seed)
+                logging.getLogger("broken.env").warning("reset with seed=%s", seed)
+                logging.getLogger("broken.env").info("not shown: below WARNING")
+                return np.zeros(2, np.float64), {}  # wrong dtype
+
+            def step(self, action):
+                print("step", action)
+                return np.zeros(3, np.float32), 1, 0, 0, {}  # wrong shape, int flags
+
+        env = Broken()
+        return gym.wrappers.PassiveEnvChecker(env) if wrap is None else wrap(env)
+
+    return make
+
+
+def _warnings_of(make) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        env = make()
+        try:
+            env.reset(seed=0)
+            env.step(0)
+        finally:
+            env.close()
+    return [(w.category, str(w.message)) for w in caught]
+
+
+def test_worker_warnings_reach_the_user_as_gymnasium_shows_them():
+    ref = _warnings_of(broken_env_factory())  # the env in this process
+    pid = {}
+
+    def make():
+        env = gym_fork.ForkableEnv(broken_env_factory(), backend="criu")
+        pid["w"] = env.worker_pid
+        return env
+
+    got = _warnings_of(make)
+    assert len(ref) >= 4 and len(got) == len(ref)
+    prefix = f"(worker Broken, pid {pid['w']}) "
+    assert [(c, prefix + m) for c, m in ref] == got
+
+
+def test_worker_logging_and_prints_reach_the_user(caplog, capsys):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    env = gym_fork.ForkableEnv(broken_env_factory(wrap=lambda e: e), backend="criu")
+    try:
+        env.reset(seed=7)
+        env.step(1)
+        out = capsys.readouterr().out
+        assert f"(worker Broken, pid {env.worker_pid}) reset 7\n" in out
+        assert f"(worker Broken, pid {env.worker_pid}) step 1\n" in out
+        recs = [r for r in caplog.records if r.name == "gym_fork.worker.Broken"]
+        assert [(r.levelno, r.getMessage(), r.worker_logger, r.process) for r in recs] == [
+            (logging.WARNING, "reset with seed=7", "broken.env", env.worker_pid)]
+    finally:
+        env.close()
+
+
+def test_forked_copies_print_once_with_their_own_pid(capsys):
+    env = gym_fork.ForkableEnv(broken_env_factory(wrap=lambda e: e), backend="criu")
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.step(0)
+        env.restore(snap)
+        env.step(1)
+        out = capsys.readouterr().out.splitlines()
+        steps = [line for line in out if line.endswith(("step 0", "step 1"))]
+        assert len(steps) == 2 and steps[1] == f"(worker Broken, pid {env.worker_pid}) step 1"
+        assert steps[0].split(") ")[0] != steps[1].split(") ")[0]  # another process
+    finally:
+        env.close()
