@@ -49,7 +49,7 @@ os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
-from gym_fork.worker import lean, output, resources  # noqa: E402
+from gym_fork.worker import resources  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 REAPER = (
@@ -141,7 +141,6 @@ def serve(chan: Channel, server: EnvServer) -> None:
             try:
                 server.cmd_close()
             finally:
-                output.flush(chan)
                 chan.send((OK, None))
             _retire_or_exit()
             return
@@ -183,6 +182,11 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 os.close(fd)
                 _reap_zombies()
                 continue
+            elif cmd == "hello" and os.getpid() == 1:  # a CRIU-restored copy's first words
+                # dumped as a promoted copy of a snapshot (named gym_fork-fork), it is a worker
+                # again: its env's forked children must not look like gym_fork's processes
+                resources.unmark_fork_process()
+                reply = (OK, server.dispatch(cmd, args))
             elif cmd == "resources":  # before a CRIU dump: what it would (not) capture
                 _reap_zombies()
                 reply = (OK, resources.fork_blockers({chan.fileno()}, _FORKED).to_wire())
@@ -190,7 +194,6 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
             reply = _error_reply(exc)
-        output.flush(chan)  # what the env printed, warned or logged: ahead of the reply
         try:
             chan.send(reply)
         except ChannelClosed:
@@ -297,7 +300,6 @@ def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
             os._exit(1)
         if _fork_exact() == 0:
             os.setsid()
-            resources.unmark_fork_process()  # restored from its images, it is a worker again
             os.write(w, str(host_pid()).encode())
             os.close(w)
             serve(Channel.from_fd(fd), server)
@@ -330,7 +332,6 @@ def main(argv: list[str]) -> int:
         os.setsid()
     except OSError:
         pass  # already a session leader
-    lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
     chan = Channel.from_fd(int(argv[1]))
     try:
         cmd, args = chan.recv()
@@ -340,13 +341,9 @@ def main(argv: list[str]) -> int:
         chan.send((ERR, "ProtocolError", f"expected init, got {cmd!r}", ""))
         return 2
     try:
-        output.install(args[0])  # the env's warnings, logs and prints reach the user
         server = EnvServer(build_env(args[0]))
-        output.identify(server.env)
-        output.flush(chan)
         chan.send((OK, server.cmd_meta()))
     except Exception as exc:  # noqa: BLE001
-        output.flush(chan)
         chan.send(_error_reply(exc))
         return 1
     serve(chan, server)
