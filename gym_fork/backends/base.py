@@ -18,6 +18,7 @@ from typing import Any
 from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker.channel import OK, Channel, ChannelClosed, send_fds
 from gym_fork.worker.commands import EnvServer, EnvSource
+from gym_fork.worker.resources import kill_env_descendants
 
 
 class Handle(abc.ABC):
@@ -195,6 +196,9 @@ class RemoteHandle(Handle):
             self.chan.close()
             _reap_in_background(self._popen, self.pid if self._child else None)
             return
+        if not self.ns_root and self.pid:
+            # not its namespace's init: its env's children would outlive it (orphaned to that init)
+            kill_env_descendants(self.pid)
         self.chan.close()
         try:
             # SIGKILL: a PID-namespace init ignores SIGTERM, and killing it ends its namespace.
