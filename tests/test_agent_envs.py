@@ -407,3 +407,20 @@ def test_children_after_fork_tier_snapshots_move_them_out():
         assert_same_traj(first, [step(env, x) for x in xs])
     finally:
         env.close()
+
+
+def test_restore_away_from_a_clone_with_children_leaves_none():
+    """A copy-on-write clone that started a child is replaced by a restore (killed, not asked to
+    close): its env's child goes with it."""
+    env = gym_fork.ForkableEnv(agent_envs.redis_unix)  # redis-server does not stop with its client
+    try:
+        s0 = env.snapshot()  # before reset(): a fork-tier snapshot
+        env.restore(s0)  # the worker is now a clone (not its namespace's init)
+        env.reset(seed=0)  # starts redis-server
+        env.step(1)
+        pids = _tree(env.worker_pid)
+        assert len(pids) >= 2
+        env.restore(s0)  # the clone is killed
+        assert_gone(pids)
+    finally:
+        env.close()

@@ -770,4 +770,18 @@ def kill_env_processes(forked: set[int] | frozenset[int] = frozenset()) -> list[
     return victims
 
 
+def kill_env_descendants(pid: int) -> list[int]:
+    """Controller side: SIGKILL the descendants of worker ``pid`` that are the env's (all but
+    gym_fork's fork-tier processes, its frozen snapshots, which outlive it).  For a worker that
+    is not its namespace's init, whose env children would otherwise live on without it."""
+    start = [p for p in _children(str(pid)) if _comm(p) != FORK_COMM]
+    victims = _descendants(start) if start else []
+    for victim in reversed(victims):
+        try:
+            os.kill(victim, 9)
+        except OSError:
+            pass
+    return victims
+
+
 _WORKER_COMM = _comm("self")
