@@ -120,6 +120,10 @@ def run(args: Any) -> int:
             out = st.gc(drop_quarantined=args.drop_quarantined)
             for e in out["quarantine_dropped"]:
                 print(f"deleted quarantined entry {e['path']} ({e['reason']})")
+            if out["chunks_kept_for"]:
+                print(f"kept unreferenced chunks: the quarantined entries {', '.join(out['chunks_kept_for'])} have "
+                      f"unreadable recipes, so their chunks cannot be told apart (`gym-fork snapshots gc {d} "
+                      "--drop-quarantined` deletes those entries and then the chunks)")
             print(f"removed {out['tmp_removed']} temporary entries and {out['chunks_removed']} unreferenced "
                   f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk"
                   + (f"; {out['quarantined']} damaged entries in quarantine" if out["quarantined"] else ""))

@@ -158,12 +158,12 @@ def check_field(meta: dict, name: str, types: tuple, path: str, *, optional: boo
 
 def check_images(images: Any, path: str, field: str = "images") -> dict:
     """A signed image list (``{name: {"size": int >= 0, "sha256": 64 hex}}``; a streamed one may
-    carry ``blake3`` instead) checked for types; raises BundleDamagedError otherwise.  Names are
-    checked when files are opened."""
+    carry ``blake3`` instead; names are plain file names) checked; raises BundleDamagedError
+    otherwise."""
     if not isinstance(images, dict):
         raise BundleDamagedError(f"{path}: {META} field {field!r} is not an object; nothing was loaded")
     for name, e in images.items():
-        ok = (isinstance(e, dict) and isinstance(e.get("size"), int) and not isinstance(e.get("size"), bool)
+        ok = (sessiondir.is_image_file_name(name) and isinstance(e, dict) and isinstance(e.get("size"), int) and not isinstance(e.get("size"), bool)
               and e["size"] >= 0 and any(isinstance(e.get(alg), str) and _HEX64.fullmatch(e[alg])
                                          for alg in ("sha256", "blake3")))
         if not ok:

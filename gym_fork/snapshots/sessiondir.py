@@ -82,10 +82,15 @@ def file_digest(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def is_image_file_name(name: Any) -> bool:
+    """Whether ``name`` can name an image file inside an images directory (see below)."""
+    return isinstance(name, str) and bool(_IMAGE_NAME.fullmatch(name))
+
+
 def check_image_name(name: Any, what: str) -> str:
     """``name`` unchanged if it can name an image file inside an images directory (a plain file
     name: no path separator, no ``..``, no newline), else SnapshotCorruptedError."""
-    if not isinstance(name, str) or not _IMAGE_NAME.fullmatch(name):
+    if not is_image_file_name(name):
         raise SnapshotCorruptedError(f"{what}: {name!r} cannot name an image file (a plain file name is "
                                      "expected); nothing was opened")
     return name

@@ -201,10 +201,18 @@ class SnapshotStore:
             except BundleDamagedError as e:
                 self._index.quarantine(idx, sid, str(e))
                 self.stats["quarantined"] += 1
-        for path in quarantine.recipe_paths(self.path):
-            with contextlib.suppress(BundleDamagedError):
-                recipes.append(read_recipe(os.path.dirname(path), path))
+        recipes += self._quarantined_recipes()[0]
         return count_refs(recipes)
+
+    def _quarantined_recipes(self) -> tuple[list[dict], list[str]]:
+        """The readable recipes of quarantined entries, and the entries whose recipe is not."""
+        good, bad = [], []
+        for path in quarantine.recipe_paths(self.path):
+            try:
+                good.append(read_recipe(os.path.dirname(path), path))
+            except BundleDamagedError:
+                bad.append(os.path.dirname(path))
+        return good, bad
 
     # --- writing ---------------------------------------------------------------------------------
     def put(self, snap: Snapshot) -> str:
@@ -433,7 +441,7 @@ class SnapshotStore:
         damaged ones go to quarantine), reconcile the index and enforce the disk budget.  Safe
         while other processes use the store (it takes the lock).  ``drop_quarantined``: also
         delete the quarantined entries (each deletion is logged and reported)."""
-        out: dict[str, Any] = {"tmp_removed": 0, "chunks_removed": 0, "quarantine_dropped": []}
+        out: dict[str, Any] = {"tmp_removed": 0, "chunks_removed": 0, "quarantine_dropped": [], "chunks_kept_for": []}
         with self._index.locked():
             for name in os.listdir(self.path):
                 if name.startswith(_TMP_PREFIX) or self._index.is_temp(name):
@@ -445,7 +453,12 @@ class SnapshotStore:
             if drop_quarantined:
                 out["quarantine_dropped"] = quarantine.drop_all(self.path)
             idx = self._index.reconcile()
-            out["chunks_removed"] = self._chunks.sweep(self._refs(idx))
+            refs = self._refs(idx)
+            # a quarantined entry whose recipe is unreadable: its chunks cannot be told from
+            # garbage, so none is swept until the quarantine is dropped (never a silent loss)
+            out["chunks_kept_for"] = self._quarantined_recipes()[1]
+            if not out["chunks_kept_for"]:
+                out["chunks_removed"] = self._chunks.sweep(refs)
             self._index.write(idx)
         self._enforce_disk()
         out["snapshots"] = len(self.list())
