@@ -20,7 +20,7 @@ import numpy as np
 from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
-from gym_fork.errors import EnvClosedError, ForeignSnapshotError, WorkerError
+from gym_fork.errors import EnvClosedError, EnvNotShippableError, ForeignSnapshotError, WorkerError
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import Snapshot, new_id
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
@@ -101,7 +101,17 @@ class ForkableEnv(gym.Wrapper):
         source = make_source(env, env_kwargs)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier,
                          private_network=private_network)
-        be, handle, meta = start_env(be, source)
+        try:
+            be, handle, meta = start_env(be, source)
+        except (WorkerError, AttributeError) as e:
+            # PicklingError in the worker, or "Can't get attribute" unpickling its answer here
+            if getattr(e, "remote_type", "") != "PicklingError" and "Can't get attribute" not in str(e):
+                raise
+            raise EnvNotShippableError(
+                f"the env was built in the worker, but what it answered cannot be sent back ({e}). A class "
+                "it uses (e.g. the entry point it was registered with, or a type in its spaces) is defined "
+                "inside a function, where pickle cannot find it by name: define it at module level, in "
+                "your script or a module.") from None
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store
         if workspace is not None:

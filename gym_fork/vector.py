@@ -596,7 +596,8 @@ class ForkableVectorEnv(VectorEnv):
 
     def _slot_call(self, env: ForkableEnv, name: str, args: tuple, kwargs: dict) -> Any:
         env.set_wrapper_attr(_REQUEST, ("call", name, args, kwargs))
-        return env.get_wrapper_attr(_REPLY)
+        # the reply's value itself, pickled (get_wrapper_attr would hand objects back as references)
+        return env._request("getattr", _REPLY, "wrapper")
 
     def _batch_obs(self) -> Any:
         self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)

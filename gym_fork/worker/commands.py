@@ -16,14 +16,24 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
-from gym_fork.worker import refs
+from gym_fork.worker import refs, registry
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
+# | ("registered", registry.pack() of the learner, source): the learner's own env registrations first
 EnvSource = tuple
 
 
 def build_env(source: EnvSource) -> gym.Env:
     """Create the env a source describes (runs inside the worker)."""
+    if source[0] == "registered":
+        registry.install(source[1])
+        return build_env(source[2])
+    env = _build(source)
+    registry.publish_main_types(env)  # results holding its __main__ classes pickle back by name
+    return env
+
+
+def _build(source: EnvSource) -> gym.Env:
     kind = source[0]
     if kind == "id":
         _, env_id, kwargs = source
@@ -40,7 +50,20 @@ def build_env(source: EnvSource) -> gym.Env:
 
 
 def make_source(env: Any, env_kwargs: dict | None = None) -> EnvSource:
-    """Describe ``env`` (an id, a zero-argument factory, or an instance) so a worker can build it."""
+    """Describe ``env`` (an id, a zero-argument factory, or an instance) so a worker can build it;
+    the envs this process registered itself travel with it (:mod:`gym_fork.worker.registry`)."""
+    source = _source(env, env_kwargs)
+    try:
+        regs = registry.pack(env if isinstance(env, str) else None)
+    except Exception as e:  # noqa: BLE001 - the needed spec does not pickle
+        raise EnvNotShippableError(
+            f"cannot send the registration of env {env!r} to the worker process ({type(e).__name__}: {e}). "
+            "Register it with an entry point the worker can import ('package.module:Class') or a class "
+            "or function that pickles.") from e
+    return ("registered", regs, source) if regs else source
+
+
+def _source(env: Any, env_kwargs: dict | None) -> EnvSource:
     if isinstance(env, str):
         return ("id", env, dict(env_kwargs or {}))
     if env_kwargs:

@@ -262,3 +262,30 @@ def test_forked_copies_print_once_with_their_own_pid(capsys):
         assert steps[0].split(") ")[0] != steps[1].split(") ")[0]  # another process
     finally:
         env.close()
+
+
+class BrokenReg(gym.Env):
+    """Registered by class (at module level: the worker imports this module by name, from the
+    sys.path this process shipped to it)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(2, np.float64), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 1, 0, 0, {}
+
+
+def test_passive_checker_speaks_through_gym_fork_make_as_through_gymnasium_make():
+    gym.register("BrokenCompat-v0", entry_point=BrokenReg)
+    try:
+        ref = _warnings_of(lambda: gym.make("BrokenCompat-v0"))
+        envs = []
+        got = _warnings_of(lambda: envs.append(gym_fork.make("BrokenCompat-v0", backend="criu")) or envs[0])
+        assert len(ref) >= 4
+        prefix = f"(worker BrokenCompat-v0, pid {envs[0].worker_pid}) "
+        assert got == [(c, prefix + m) for c, m in ref]
+    finally:
+        del gym.registry["BrokenCompat-v0"]
