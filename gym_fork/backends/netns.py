@@ -9,7 +9,8 @@ namespace ``net[INO]``.  Nothing in such a namespace reaches the outside network
 
 The worker's channel socket must belong to the worker's namespace (CRIU looks sockets up in the
 dumped tree's namespace), so every channel that CRIU may dump is created inside it
-(:func:`socketpair_in`).
+(:func:`socketpair_in`).  :func:`in_netns` runs any call inside a namespace (the migration client
+connects from one with it).
 
 Needs root (``CAP_SYS_ADMIN`` for ``unshare(CLONE_NEWNET)``).
 
@@ -26,14 +27,22 @@ import os
 import socket
 import struct
 import threading
+from typing import Any, Callable
 
 CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
 
-def _in_thread(fn, *args):
-    """Run ``fn`` in a short-lived thread: a thread's network namespace is its own, so unshare()
-    or setns() there changes nothing for the rest of this process."""
+def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run in a short-lived thread of its own: a thread's network namespace is its
+    own, so an ``unshare()`` or ``setns()`` there changes nothing for the rest of this process.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        Whatever ``fn`` raised (re-raised in the caller's thread).
+    """
     out: dict = {}
 
     def run() -> None:
@@ -52,6 +61,43 @@ def _in_thread(fn, *args):
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _join(path: str) -> None:
+    """This thread joins the network namespace at ``path``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc().setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}) failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def netns_path(netns: str) -> str:
+    """``/run/netns/NAME`` for a name made by ``ip netns add``; an absolute path as given."""
+    return netns if netns.startswith("/") else f"/run/netns/{netns}"
+
+
+def in_netns(netns: str | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run in the network namespace ``netns`` (a name made by ``ip netns add``, or
+    a path such as ``/proc/PID/ns/net``); here when None.  Sockets it creates belong to that
+    namespace and stay usable from every thread.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        OSError: the namespace cannot be joined (and whatever ``fn`` raises).
+    """
+    if not netns:
+        return fn(*args)
+
+    def joined() -> Any:
+        _join(netns_path(netns))
+        return fn(*args)
+
+    return in_thread(joined)
 
 
 def _lo_up() -> None:
@@ -78,23 +124,12 @@ def new_netns() -> tuple[int, tuple[socket.socket, socket.socket]]:
     Raises:
         OSError: no privilege to create a network namespace.
     """
-    return _in_thread(_make)
-
-
-def _pair_in(nsfd: int) -> tuple[socket.socket, socket.socket]:
-    if _libc().setns(nsfd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns(network namespace) failed: {os.strerror(err)}")
-    return socket.socketpair()
+    return in_thread(_make)
 
 
 def socketpair_in(pid: int) -> tuple[socket.socket, socket.socket]:
     """A socketpair that belongs to the network namespace of process ``pid``."""
-    nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return _in_thread(_pair_in, nsfd)
-    finally:
-        os.close(nsfd)
+    return in_netns(f"/proc/{pid}/ns/net", socket.socketpair)
 
 
 def netns_inode(pid: int) -> int:

@@ -1,8 +1,9 @@
 """The agent's wire protocol, one module per concern: :mod:`.messages` (control messages),
 :mod:`.auth` (token, mutual challenge-response), :mod:`.tls` (certificates, contexts),
-:mod:`.accept` and :mod:`.connect` (the server's and the client's side of a connection),
-:mod:`.netns` (sockets in another network namespace), :mod:`.streams` (image files sent while
-CRIU writes them) and :mod:`.relay` (a worker's channel over the connection).
+:mod:`.accept` and :mod:`.connect` (the server's and the client's side of a connection, which
+may connect from another network namespace: :func:`gym_fork.backends.netns.in_netns`),
+:mod:`.streams` (image files sent while CRIU writes them) and :mod:`.relay` (a worker's channel
+over the connection).
 
 One TLS connection (plain TCP only where both sides say ``insecure``) per migration; ``B`` is
 the sha256 of the server's certificate (:mod:`.tls`; absent on plain TCP)::

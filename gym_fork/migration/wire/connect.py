@@ -9,10 +9,10 @@ import threading
 import time
 from typing import Any, Callable
 
+from gym_fork.backends.netns import in_netns
 from gym_fork.errors import AgentUnreachableError, AuthenticationError
 from gym_fork.migration.wire.auth import client_handshake
 from gym_fork.migration.wire.messages import arm
-from gym_fork.migration.wire.netns import in_netns
 from gym_fork.migration.wire.tls import client_context, peer_binding
 
 
