@@ -234,7 +234,11 @@ class SnapshotStore:
             snap.persist(keep_in_memory=False)  # e.g. a CRIU dump into the session dir
             payload = snap.payload()
             images, fields = backend.store_images(payload)
-            meta = self._write(snap, images, fields)  # on failure: still restorable from those images
+            try:
+                meta = self._write(snap, images, fields)
+            except NoSpaceError:  # it holds no memory now: restorable from the session-dir images
+                self._memory.forget(snap.id)
+                raise
             backend.release(payload)  # its images in the session dir: restores now come from here
             self._attach(snap, meta)
             self._enforce_disk(keep={snap.id})
@@ -307,9 +311,9 @@ class SnapshotStore:
         """Track a snapshot just taken; enforce the memory budget.
 
         Raises:
-            NoSpaceError: older snapshots had to go to disk and the disk is full.  The snapshot
-                just taken is released (a failed ``snapshot()`` changes nothing); every other
-                snapshot stays as it was, in memory.
+            NoSpaceError: an older snapshot had to go to disk and the disk is full.  The snapshot
+                just taken is released (a failed ``snapshot()`` changes nothing); the older one
+                stays restorable (in memory, or, if its images were written, from them).
         """
         snap._store = self
         with self._tlock:
@@ -322,8 +326,9 @@ class SnapshotStore:
                 snap.release()
                 err = NoSpaceError(f"{e} [the store spills in-memory snapshots to disk to keep its memory budget "
                                    f"(max_in_memory={self.max_in_memory}, max_memory={self.max_memory}); the "
-                                   "snapshot just taken was dropped, the others are unchanged, the env keeps "
-                                   "running]")
+                                   "snapshot just taken was dropped; the one being spilled is not in the store but "
+                                   "stays restorable in this process (store.put(it) once there is space); the env "
+                                   "keeps running]")
                 err.path, err.free_bytes, err.needed_bytes = e.path, e.free_bytes, e.needed_bytes
                 raise err from e
 
