@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
 from typing import Any
 
@@ -22,7 +21,7 @@ from gym_fork.criu.status import dump_size_bound
 from gym_fork.errors import MigratedEnvError, MigrationError, RemoteRestoreError
 from gym_fork.migration.wire.auth import bundle_key, load_token
 from gym_fork.migration.wire.connect import connect_in_background, parse_host_port
-from gym_fork.migration.wire.streams import send_images
+from gym_fork.migration.wire.streams import DumpThread, send_images
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import META, bundle_meta, sign_meta
 from gym_fork.snapshots.files import link_tree
@@ -172,24 +171,15 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
     tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"mig-{os.urandom(4).hex()}"))
     into = os.path.join(tmp, "images")
     sock = None
-    # CRIU dumps a copy of the snapshot into a private dir in this thread while the images are
-    # streamed (and hashed) as CRIU writes them: dump and transfer overlap.
-    done, failed = threading.Event(), threading.Event()
-    dumped: dict[str, Any] = {}
+    # CRIU dumps a copy of the snapshot into a private dir in another thread while the images
+    # are streamed (and hashed) as CRIU writes them: dump and transfer overlap.
     t_dump = time.monotonic()
 
-    def dump() -> None:
-        try:
-            dumped["image"] = snap._backend.dump_transient(snap.payload(), into)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
-            dumped["error"] = e
-            failed.set()
-        finally:
-            timings["save_s"] = time.monotonic() - t_dump
-            done.set()
+    def dumped() -> None:
+        timings["save_s"] = time.monotonic() - t_dump
 
-    dumper = threading.Thread(target=dump, daemon=True, name="gym_fork-migration-dump")
-    dumper.start()
+    dumper = DumpThread(lambda: snap._backend.dump_transient(snap.payload(), into), on_end=dumped,
+                        name="gym_fork-migration-dump")
     try:
         t0 = time.monotonic()
         sock, hello = conn.result()
@@ -197,7 +187,7 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         timings["connect_s"] = conn.elapsed
 
         def trailer(digests: dict) -> dict:
-            image = dumped["image"]
+            image = dumper.result
             known = os.path.join(image.path, sessiondir.MANIFEST)  # images dumped earlier: must still match
             if os.path.exists(known) and sessiondir.read_manifest(image.path)["files"] != digests:
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
@@ -209,10 +199,9 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         try:
             reply, nbytes = send_images(
                 sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, into, target, trailer,
-                done, failed, limit, "sha256" if snap.persisted else None)
+                dumper.done, dumper.failed, limit, "sha256" if snap.persisted else None)
         except ValueError:
-            if "error" in dumped:
-                raise dumped["error"] from None
+            dumper.raise_error()
             raise
         timings["transfer_restore_s"] = time.monotonic() - t0
         if not reply.get("ok"):

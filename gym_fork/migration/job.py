@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from gym_fork.criu import client as criu_client
@@ -29,7 +28,7 @@ from gym_fork.migration.control import CONTROL_ENV
 from gym_fork.migration.targets import TargetContext, Targets
 from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.connect import Background
-from gym_fork.migration.wire.streams import send_images
+from gym_fork.migration.wire.streams import DumpThread, send_images
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import bundle_meta, sign_meta
 from gym_fork.worker.channel import Channel, ChannelClosed, socket_inode
@@ -166,22 +165,12 @@ class JobHost:
         sock = None
         # CRIU dumps the tree in a thread while the images are streamed as it writes them
         st = criu_status()
-        done, failed = threading.Event(), threading.Event()
-        dump_error: list[BaseException] = []
         limit = dump_size_bound(self.pid, tree=True)
 
-        def dump() -> None:
-            try:
-                _dump_tree(images, self.pid, self.ino)
-            except Exception as e:  # noqa: BLE001 - reported by the streaming side
-                dump_error.append(e)
-                failed.set()
-            finally:
-                tl["dump_s"] = time.time() - t_freeze
-                done.set()
+        def dumped() -> None:
+            tl["dump_s"] = time.time() - t_freeze
 
-        dumper = threading.Thread(target=dump, daemon=True, name="gym_fork-job-dump")
-        dumper.start()
+        dumper = DumpThread(lambda: _dump_tree(images, self.pid, self.ino), on_end=dumped, name="gym_fork-job-dump")
         try:
             t0 = time.time()
             c = conn.result()
@@ -203,10 +192,9 @@ class JobHost:
             t0 = time.time()
             try:
                 reply, nbytes = send_images(sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl}, images,
-                                            target, trailer, done, failed, limit)
+                                            target, trailer, dumper.done, dumper.failed, limit)
             except ValueError:
-                if dump_error:
-                    raise dump_error[0] from None
+                dumper.raise_error()
                 raise
             finally:
                 sock.close()

@@ -56,6 +56,48 @@ def transfer_error(target: str, e: BaseException, sent: int, all_sent: bool) -> 
                          f"({type(e).__name__}: {e}); nothing was restored there")
 
 
+class DumpThread:
+    """The writing side of :func:`send_images`: ``dump()`` (a CRIU dump into the images
+    directory) runs in a thread of its own while the caller streams what it writes.
+
+    Args:
+        dump: writes the images; what it returns is kept in ``result``.
+        on_end: called in that thread once ``dump`` returned or raised (for timings).
+        name: the thread's name.
+
+    Attributes:
+        done: set once ``dump`` returned or raised (``send_images``' ``dump_done``).
+        failed: set when it raised (``send_images``' ``dump_failed``).
+    """
+
+    def __init__(self, dump: Callable[[], Any], *, on_end: Callable[[], None] | None = None,
+                 name: str = "gym_fork-dump"):
+        self.done, self.failed = threading.Event(), threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(dump, on_end), daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self, dump: Callable[[], Any], on_end: Callable[[], None] | None) -> None:
+        try:
+            self.result = dump()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread (raise_error)
+            self.error = e
+            self.failed.set()
+        finally:
+            if on_end is not None:
+                on_end()
+            self.done.set()
+
+    def raise_error(self) -> None:
+        """Raise the dump's own error, if it failed (the stream's ValueError only echoes it)."""
+        if self.error is not None:
+            raise self.error from None
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 def send_images(sock: socket.socket, header: dict, images: str, target: str,
                 trailer: Callable[[dict], dict], dump_done: threading.Event, dump_failed: threading.Event,
                 limit: int, alg: str | None = None) -> tuple[dict, int]:
