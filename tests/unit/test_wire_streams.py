@@ -14,7 +14,7 @@ import pytest
 
 from gym_fork.errors import TransferError
 from gym_fork.migration.wire.messages import recv_msg, send_msg
-from gym_fork.migration.wire.streams import receive_images, send_images
+from gym_fork.migration.wire.streams import DumpThread, receive_images, send_images
 
 FRAME = struct.Struct("!BIQ")  # kind, file number, length
 OPEN, DATA, DONE = 1, 2, 3
@@ -99,6 +99,40 @@ def test_receiver_refusal_before_the_stream_is_returned(pair, tmp_path):
     done.set()
     reply, sent = send_images(a, {"op": "env"}, str(tmp_path), "B", lambda d: {}, done, failed, limit=1, alg="sha256")
     assert reply["error"] == "NoSpaceError" and sent == 0
+
+
+def test_a_dump_that_fails_mid_stream_raises_its_own_error(pair, tmp_path):
+    """The writer (DumpThread) writes one image, then fails: the stream stops with a ValueError
+    and raise_error() gives the caller the dump's own exception."""
+    a, b = pair
+    send_msg(b, {"ok": True, "ready": True})
+    go = threading.Event()
+
+    def dump():
+        (tmp_path / "pages-1.img").write_bytes(b"x" * 100)
+        go.wait(10)
+        raise OSError("criu dump: no space left")
+
+    seen = []
+    dumper = DumpThread(dump, on_end=lambda: seen.append("end"))
+    threading.Timer(0.05, go.set).start()
+    with pytest.raises(OSError, match="no space left"):
+        try:
+            send_images(a, {"op": "env"}, str(tmp_path), "B", lambda d: {}, dumper.done, dumper.failed,
+                        limit=1 << 20, alg="sha256")
+        except ValueError as e:
+            assert "dump failed" in str(e)
+            dumper.raise_error()
+            raise
+    dumper.join()
+    assert seen == ["end"] and dumper.failed.is_set() and dumper.result is None
+
+
+def test_dump_thread_keeps_what_the_dump_returned():
+    dumper = DumpThread(lambda: "image")
+    dumper.join()
+    dumper.raise_error()  # nothing to raise
+    assert dumper.result == "image" and dumper.done.is_set() and not dumper.failed.is_set()
 
 
 @pytest.mark.parametrize("name", [
