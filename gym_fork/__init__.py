@@ -12,6 +12,7 @@ from gym_fork.env import ForkableEnv, make
 from gym_fork.errors import GymForkError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.snapshots.store import SnapshotStore
+from gym_fork.wrapped import find_forkable, restore_of, snapshot_of
 
 
 
@@ -24,5 +25,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
 
 
-__all__ = ["SnapshotStore", "ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult"]
+__all__ = ["SnapshotStore", "ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult", "snapshot_of", "restore_of", "find_forkable"]
 __version__ = "0.1.0"

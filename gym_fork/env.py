@@ -81,6 +81,11 @@ class ForkableEnv(gym.Wrapper):
             (only ``lo``), and every restored copy a fresh one, so servers the env starts (Redis,
             a web app) keep their addresses in every copy without colliding.  Without it, an env
             holding TCP/UDP sockets is refused at its first snapshot (UncapturableStateError).
+        wrappers: Gymnasium wrappers to apply *in the worker*, innermost first: wrapper classes
+            (``RecordEpisodeStatistics``) or ``env -> env`` callables
+            (``lambda e: FrameStackObservation(e, 4)``).  Wrappers in the worker are part of every
+            snapshot; wrappers you put *around* a ForkableEnv are not (their counters and buffers
+            stay as they are on restore -- see :func:`gym_fork.snapshot_of`).
 
     Raises:
         ValueError: an unknown backend name or option value.
@@ -97,8 +102,9 @@ class ForkableEnv(gym.Wrapper):
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
                  record_actions: bool = True, worker_log: str | None = None,
                  fork_tier: bool | Literal["auto"] = "auto", store: Any = None,
-                 workspace: str | None = None, private_network: bool = False):
-        source = make_source(env, env_kwargs)
+                 workspace: str | None = None, private_network: bool = False,
+                 wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None):
+        source = make_source(env, env_kwargs, wrappers)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier,
                          private_network=private_network)
         try:
@@ -613,15 +619,27 @@ def _kill_boxed(box: list) -> None:
 def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "size"] = "full",
          record_actions: bool = True, worker_log: str | None = None,
          fork_tier: bool | Literal["auto"] = "auto", store: Any = None, workspace: str | None = None,
-         private_network: bool = False, **kwargs: Any) -> ForkableEnv:
+         private_network: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None,
+         **kwargs: Any) -> ForkableEnv:
     """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
 
-    ``store``, ``workspace`` and ``private_network`` are :class:`ForkableEnv`'s.  Keyword arguments other than
-    gym_fork's own go to ``gymnasium.make`` in the worker.
+    ``store``, ``workspace``, ``private_network`` and ``wrappers`` are :class:`ForkableEnv`'s.
+    Keyword arguments other than gym_fork's own go to ``gymnasium.make`` in the worker.
+
+    Example:
+        >>> import gym_fork
+        >>> from gymnasium.wrappers import RecordEpisodeStatistics
+        >>> env = gym_fork.make("CartPole-v1", wrappers=[RecordEpisodeStatistics])
+        >>> _ = env.reset(seed=0)
+        >>> for _ in range(3):
+        ...     _ = env.step(0)
+        >>> env.get_wrapper_attr("episode_lengths")   # the wrapper runs in the worker, in every snapshot
+        3
+        >>> env.close()
     """
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
                        record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
-                       store=store, workspace=workspace, private_network=private_network)
+                       store=store, workspace=workspace, private_network=private_network, wrappers=wrappers)
 
 
 def _own_attr(env: ForkableEnv, name: str) -> bool:

@@ -29,6 +29,7 @@ MODULES = [
     "gym_fork.worker.resources",
     "gym_fork.backends.treecapture",
     "gym_fork.backends.exactness",
+    "gym_fork.wrapped",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {

@@ -20,6 +20,7 @@ from gym_fork.worker import refs, registry
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
 # | ("registered", registry.pack() of the learner, source): the learner's own env registrations first
+# | ("wrapped", cloudpickled list of wrappers, source): wrappers applied in the worker, innermost first
 EnvSource = tuple
 
 
@@ -28,7 +29,14 @@ def build_env(source: EnvSource) -> gym.Env:
     if source[0] == "registered":
         registry.install(source[1])
         return build_env(source[2])
-    env = _build(source)
+    if source[0] == "wrapped":
+        env = build_env(source[2])
+        for wrap in cloudpickle.loads(source[1]):
+            env = wrap(env)
+            if not isinstance(env, gym.Env):
+                raise TypeError(f"the wrapper {wrap!r} returned {type(env).__name__}, not a gymnasium.Env")
+    else:
+        env = _build(source)
     registry.publish_main_types(env)  # results holding its __main__ classes pickle back by name
     return env
 
@@ -49,10 +57,18 @@ def _build(source: EnvSource) -> gym.Env:
     return env
 
 
-def make_source(env: Any, env_kwargs: dict | None = None) -> EnvSource:
+def make_source(env: Any, env_kwargs: dict | None = None, wrappers: Any = None) -> EnvSource:
     """Describe ``env`` (an id, a zero-argument factory, or an instance) so a worker can build it;
-    the envs this process registered itself travel with it (:mod:`gym_fork.worker.registry`)."""
+    the envs this process registered itself travel with it (:mod:`gym_fork.worker.registry`).
+    ``wrappers`` (classes or ``env -> env`` callables) are applied in the worker, innermost first."""
     source = _source(env, env_kwargs)
+    if wrappers:
+        try:
+            source = ("wrapped", cloudpickle.dumps(list(wrappers)), source)
+        except Exception as e:  # noqa: BLE001
+            raise EnvNotShippableError(
+                f"cannot send the wrappers {wrappers!r} to the worker process ({type(e).__name__}: {e}). "
+                "Pass wrapper classes, or functions/lambdas that close over picklable values only.") from e
     try:
         regs = registry.pack(env if isinstance(env, str) else None)
     except Exception as e:  # noqa: BLE001 - the needed spec does not pickle
