@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
-from gym_fork.worker.channel import OK, Channel, ChannelClosed, send_fds
+from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, send_fds
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
 
@@ -91,38 +91,66 @@ class RemoteHandle(Handle):
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
         self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
+        self.packed = False  # the worker reads packed step frames (learned from init/meta/hello)
         self._status: str | None = None
 
     def request(self, cmd: str, *args: Any) -> Any:
         if self.closed:
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
-        chan = self.chan
+        if cmd == "hello" and not args:
+            return self._hello()
         try:
-            if self._pending:  # drain the reply of an interrupted request first
-                chan.recv()
-                self._pending = False
-            chan.send((cmd, args))
-            self._pending = True
-            reply = chan.recv()
+            self._post(cmd, args)
+            reply = self.chan.recv()
             self._pending = False
-        except (ChannelClosed, BrokenPipeError, ConnectionResetError, OSError) as e:
+        except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(
                 f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}"
             ) from e
-        if reply[0] == OK:
-            return reply[1]
-        _, type_name, message, tb = reply
-        raise remote_exception(type_name, message, tb)
+        result = _result(reply)
+        if cmd in ("init", "meta") and type(result) is dict:
+            self.packed = result.get("packed") == PACKED_VERSION
+        return result
+
+    def _post(self, cmd: str, args: tuple) -> None:
+        """Send one request (a step as a packed frame where the worker reads them); an unread
+        reply of an interrupted request is drained first (one request in flight, always)."""
+        chan = self.chan
+        if self._pending:
+            chan.recv()
+            self._pending = False
+        if cmd == "step" and self.packed:
+            chan.send_step(args[0])
+        else:
+            chan.send((cmd, args))
+        self._pending = True
+
+    def _hello(self) -> tuple:
+        """``hello``, offering packed step frames: a worker that reads them says so in a fifth
+        element (stripped here); an older one refuses the argument and is asked again plainly."""
+        for args in ((PACKED_VERSION,), ()):
+            try:
+                self._post("hello", args)
+                reply = self.chan.recv()
+                self._pending = False
+            except (ChannelClosed, OSError) as e:
+                raise WorkerDiedError(
+                    f"the env worker (pid {self.pid}) died during 'hello': {self.exit_status()}") from e
+            if args and reply[0] != OK and reply[1] == "TypeError":
+                continue
+            out = _result(reply)
+            if len(out) == 5:
+                self.packed = out[4] == PACKED_VERSION
+                return out[:4]
+            return out
+        raise AssertionError("unreachable")
 
     def send(self, cmd: str, *args: Any) -> None:
         """First half of a request: send it, so several workers can compute at the same time."""
         if self.closed:
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
         try:
-            if self._pending:
-                self.chan.recv()
-            self.chan.send((cmd, args))
-            self._pending = True
+            self._post(cmd, args)
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
 
@@ -133,10 +161,7 @@ class RemoteHandle(Handle):
             self._pending = False
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died: {self.exit_status()}") from e
-        if reply[0] == OK:
-            return reply[1]
-        _, type_name, message, tb = reply
-        raise remote_exception(type_name, message, tb)
+        return _result(reply)
 
     def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
         """A request that hands the worker one file descriptor (SCM_RIGHTS, right after it)."""
@@ -212,6 +237,14 @@ class RemoteHandle(Handle):
                 os.waitpid(self.pid, 0)
         except (ChildProcessError, subprocess.TimeoutExpired):
             pass
+
+
+def _result(reply: tuple) -> Any:
+    """The result of an ``(OK, result)`` reply; an ``(ERR, ...)`` reply raised as its exception."""
+    if reply[0] == OK:
+        return reply[1]
+    _, type_name, message, tb = reply
+    raise remote_exception(type_name, message, tb)
 
 
 def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -> None:

@@ -6,6 +6,14 @@ the controller sends ``(command, args)`` and waits for ``(OK, result)`` or
 flight, the worker is always blocked in ``recv`` when a snapshot is taken, so nothing is queued
 in the socket (CRIU would drop queued bytes in restored copies).
 
+Steps take a faster road: a *packed* frame (the header's top bit set) carries a ``step``
+request or its reply as raw bytes -- arrays as their dtype, shape and memory, Python and NumPy
+scalars by type and value, anything else (a non-empty ``info``) as a pickle of that part only --
+because pickling NumPy objects costs several times what the step of a small env does.  Decoding
+gives back objects of the same types and bit-identical values.  A controller sends packed frames
+only to a worker that said it reads them (``PACKED_VERSION`` in its ``init`` or ``hello`` reply),
+and a worker answers packed only to a packed request, so either side may be older.
+
 File descriptors travel with ``SCM_RIGHTS`` (:func:`send_fds` / :func:`recv_fds`).
 """
 
@@ -18,11 +26,16 @@ import socket
 import struct
 from typing import Any
 
+import numpy as np
+
 OK = 0
 ERR = 1
+PACKED_VERSION = 1  # the packed step frames this module reads and writes
 
 _HEADER = struct.Struct("!Q")
+_PACKED = 1 << 63  # header flag: the payload is a packed step frame, not a pickle
 _MAX_MESSAGE = 1 << 34  # 16 GiB: a sanity bound against a corrupted length header
+_KEEP_BUFFER = 1 << 20  # receive buffers up to this size are kept for the next message
 
 
 class ChannelClosed(EOFError):
@@ -30,13 +43,16 @@ class ChannelClosed(EOFError):
 
 
 class Channel:
-    """A framed, pickled request/reply channel over a connected stream socket."""
+    """A framed request/reply channel over a connected stream socket: pickles, and packed step
+    frames (:meth:`send_step`, :meth:`reply`)."""
 
-    __slots__ = ("sock", "_hdr")
+    __slots__ = ("sock", "_hdr", "_buf", "packed_in")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._hdr = bytearray(_HEADER.size)
+        self._buf = bytearray(4096)  # reused: a step's frame needs no allocation
+        self.packed_in = False  # whether the last message received was a packed frame
 
     @classmethod
     def from_fd(cls, fd: int) -> "Channel":
@@ -50,14 +66,48 @@ class Channel:
         # One sendall of header+payload: small messages (every step) cost one syscall.
         self.sock.sendall(_HEADER.pack(len(data)) + data)
 
+    def send_step(self, action: Any) -> None:
+        """Send ``("step", (action,))`` as a packed frame (the peer must read them)."""
+        parts = [b"", b"S"]
+        _pack(action, parts)
+        self._send_packed(parts)
+
+    def reply(self, reply: tuple) -> None:
+        """Send a worker's reply: packed when the request was packed and the reply is a step's
+        result ``(OK, (obs, reward, terminated, truncated, info))``, else pickled."""
+        if self.packed_in and reply[0] == OK and type(reply[1]) is tuple and len(reply[1]) == 5:
+            parts = [b"", b"R"]
+            for x in reply[1]:
+                _pack(x, parts)
+            self._send_packed(parts)
+        else:
+            self.send(reply)
+
+    def _send_packed(self, parts: list) -> None:
+        n = sum(len(p) for p in parts)
+        parts[0] = _HEADER.pack(n | _PACKED)
+        sent = self.sock.sendmsg(parts)  # arrays go out from their own memory, uncopied
+        if sent < n + _HEADER.size:  # a partial send (a big observation): the rest in one go
+            self.sock.sendall(memoryview(b"".join(parts))[sent:])
+
     def recv(self) -> Any:
         self._recv_exact_into(self._hdr)
         (n,) = _HEADER.unpack(self._hdr)
+        packed = bool(n & _PACKED)
+        n &= ~_PACKED
         if n > _MAX_MESSAGE:
             raise ChannelClosed(f"corrupt message header (length {n})")
-        buf = bytearray(n)
-        self._recv_exact_into(buf)
-        msg = pickle.loads(buf)
+        buf = self._buf
+        if n > len(buf):
+            buf = bytearray(n)
+            if n <= _KEEP_BUFFER:
+                self._buf = buf
+        view = memoryview(buf)[:n]
+        self._recv_exact_into(view)
+        self.packed_in = packed
+        if packed:
+            return _unpack_frame(view)
+        msg = pickle.loads(view)  # copies out what it needs: the buffer is reused
         if type(msg) is tuple and len(msg) == 4 and msg[0] == 2:  # (OUTPUT, ...): the env's prints, warnings
             from gym_fork.worker import output  # and logs, sent just ahead of the reply
 
@@ -65,22 +115,187 @@ class Channel:
             return self.recv()
         return msg
 
-    def _recv_exact_into(self, buf: bytearray) -> None:
-        view = memoryview(buf)
-        while view:
-            try:
+    def _recv_exact_into(self, buf: bytearray | memoryview) -> None:
+        # The usual case, a whole small message in the socket, costs one recv_into.
+        try:
+            k = self.sock.recv_into(buf)
+            if k == len(buf):
+                return
+            view = memoryview(buf)[k:]
+            while k:
                 k = self.sock.recv_into(view)
-            except (ConnectionResetError, BrokenPipeError) as e:
-                raise ChannelClosed(str(e)) from None
-            if k == 0:
-                raise ChannelClosed("peer closed the channel")
-            view = view[k:]
+                view = view[k:]
+                if not view:
+                    return
+        except (ConnectionResetError, BrokenPipeError) as e:
+            raise ChannelClosed(str(e)) from None
+        raise ChannelClosed("peer closed the channel")
 
     def close(self) -> None:
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+# --- packed step frames ------------------------------------------------------------------------
+# A frame is b"S" + one value (a step request's action) or b"R" + five values (a step's result).
+# A value is a tag byte and its bytes:
+#   N None | T, F a bool | i a Python int (<q) | f a Python float (<d)
+#   s a NumPy scalar: dtype length, dtype.str, its bytes
+#   a an ndarray: dtype length, dtype.str, ndim, shape (<q each), its C-order bytes
+#   d an empty dict | p anything else: length (<I), its pickle
+# Encoders are picked by the value's exact type and decoders by the tag (one dict lookup each);
+# an array's header is built once per dtype and shape.
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_U32 = struct.Struct("<I")
+_NUMERIC = frozenset("biufc")  # dtype kinds whose bytes are the whole value
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _pack_pickle(x: Any, parts: list) -> None:
+    data = pickle.dumps(x, protocol=5)
+    parts.append(b"p" + _U32.pack(len(data)))
+    parts.append(data)
+
+
+_ARRAY_HEADERS: dict[tuple, bytes] = {}
+
+
+def _pack_array(x: np.ndarray, parts: list) -> None:
+    if not x.flags.c_contiguous:
+        return _pack_pickle(x, parts)
+    key = (x.dtype, x.shape)
+    head = _ARRAY_HEADERS.get(key)
+    if head is None:
+        if x.dtype.kind not in _NUMERIC:
+            return _pack_pickle(x, parts)
+        ds = x.dtype.str.encode()
+        head = b"a%c%s%c" % (len(ds), ds, x.ndim) + struct.pack(f"<{x.ndim}q", *x.shape)
+        if len(_ARRAY_HEADERS) < 256:
+            _ARRAY_HEADERS[key] = head
+    parts.append(head)
+    parts.append(memoryview(x.reshape(-1)).cast("B"))  # the array's own memory, not a copy
+
+
+def _pack_int(x: int, parts: list) -> None:
+    if _INT64_MIN <= x <= _INT64_MAX:
+        parts.append(b"i" + _I64.pack(x))
+    else:
+        _pack_pickle(x, parts)
+
+
+def _pack_dict(x: dict, parts: list) -> None:
+    if x:
+        _pack_pickle(x, parts)
+    else:
+        parts.append(b"d")
+
+
+def _pack_scalar(x: np.generic, parts: list) -> None:
+    ds = x.dtype.str.encode()
+    parts.append(b"s%c%s" % (len(ds), ds) + x.tobytes())
+
+
+_PACKERS: dict[type, Any] = {
+    np.ndarray: _pack_array,
+    bool: lambda x, parts: parts.append(b"T" if x else b"F"),
+    float: lambda x, parts: parts.append(b"f" + _F64.pack(x)),
+    int: _pack_int,
+    type(None): lambda x, parts: parts.append(b"N"),
+    dict: _pack_dict,
+}
+
+
+def _pack(x: Any, parts: list) -> None:
+    t = type(x)
+    packer = _PACKERS.get(t)
+    if packer is None:
+        # NumPy scalars (np.float64, np.int64, np.bool_, ...) are learned as they come
+        numeric = isinstance(x, np.generic) and t is x.dtype.type and x.dtype.kind in _NUMERIC
+        packer = _pack_scalar if numeric else _pack_pickle
+        if numeric:
+            _PACKERS[t] = packer
+    packer(x, parts)
+
+
+_DTYPES: dict[bytes, np.dtype] = {}
+_ARRAY_LAYOUTS: dict[bytes, tuple] = {}
+
+
+def _dtype(name: bytes) -> np.dtype:
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = _DTYPES[name] = np.dtype(name.decode())
+    return dt
+
+
+def _unpack_array(view: memoryview, pos: int) -> tuple[Any, int]:
+    k = view[pos]
+    ndim = view[pos + 1 + k]
+    end = pos + 2 + k + 8 * ndim
+    head = bytes(view[pos:end])
+    layout = _ARRAY_LAYOUTS.get(head)
+    if layout is None:
+        dt = _dtype(head[1:1 + k])
+        shape = struct.unpack_from(f"<{ndim}q", head, 2 + k)
+        count = 1
+        for d in shape:
+            count *= d
+        layout = (dt, shape, count, count * dt.itemsize)
+        if len(_ARRAY_LAYOUTS) < 256:
+            _ARRAY_LAYOUTS[head] = layout
+    dt, shape, count, nbytes = layout
+    return np.frombuffer(view, dt, count, end).reshape(shape).copy(), end + nbytes
+
+
+def _unpack_scalar(view: memoryview, pos: int) -> tuple[Any, int]:
+    k = view[pos]
+    dt = _dtype(bytes(view[pos + 1:pos + 1 + k]))
+    pos += 1 + k
+    return np.frombuffer(view, dt, 1, pos)[0], pos + dt.itemsize
+
+
+def _unpack_pickle(view: memoryview, pos: int) -> tuple[Any, int]:
+    (n,) = _U32.unpack_from(view, pos)
+    pos += 4
+    return pickle.loads(view[pos:pos + n]), pos + n
+
+
+_UNPACKERS: dict[int, Any] = {
+    ord("a"): _unpack_array,
+    ord("f"): lambda view, pos: (_F64.unpack_from(view, pos)[0], pos + 8),
+    ord("i"): lambda view, pos: (_I64.unpack_from(view, pos)[0], pos + 8),
+    ord("T"): lambda view, pos: (True, pos),
+    ord("F"): lambda view, pos: (False, pos),
+    ord("N"): lambda view, pos: (None, pos),
+    ord("d"): lambda view, pos: ({}, pos),
+    ord("s"): _unpack_scalar,
+    ord("p"): _unpack_pickle,
+}
+
+
+def _unpack(view: memoryview, pos: int) -> tuple[Any, int]:
+    unpacker = _UNPACKERS.get(view[pos])
+    if unpacker is None:
+        raise ChannelClosed(f"corrupt packed frame (tag {view[pos]:#x})")
+    return unpacker(view, pos + 1)
+
+
+def _unpack_frame(view: memoryview) -> tuple:
+    kind = view[0]
+    if kind == 0x53:  # S: a step request
+        action, _ = _unpack(view, 1)
+        return ("step", (action,))
+    if kind == 0x52:  # R: a step's result
+        obs, pos = _unpack(view, 1)
+        reward, pos = _unpack(view, pos)
+        terminated, pos = _unpack(view, pos)
+        truncated, pos = _unpack(view, pos)
+        info, _ = _unpack(view, pos)
+        return (OK, (obs, reward, terminated, truncated, info))
+    raise ChannelClosed(f"corrupt packed frame (kind {kind:#x})")
 
 
 def send_fds(sock: socket.socket, payload: bytes, fds: list[int]) -> None:

@@ -16,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
+from gym_fork.worker.channel import PACKED_VERSION
 from gym_fork.worker import refs, registry
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
@@ -193,6 +194,7 @@ class EnvServer:
             "pid": host_pid(),
             "threads": len(os.listdir("/proc/self/task")),
             "torch_loaded": "torch" in __import__("sys").modules,
+            "packed": PACKED_VERSION,  # reads packed step frames (see gym_fork.worker.channel)
         }
 
     def cmd_getattr(self, name: str, where: str) -> Any:
@@ -236,8 +238,12 @@ class EnvServer:
     def cmd_ping(self) -> int:
         return host_pid()
 
-    def cmd_hello(self) -> tuple:
-        """First words with a new copy: (host pid, obs, info, steps) in one round trip."""
+    def cmd_hello(self, packed: int = 0) -> tuple:
+        """First words with a new copy: (host pid, obs, info, steps) in one round trip; a
+        controller that offers ``packed`` step frames also learns the version this worker reads
+        (a fifth element; an older worker refuses the argument)."""
+        if packed:
+            return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps
 
     def cmd_reseed(self, seed: int) -> None:

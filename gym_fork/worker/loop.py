@@ -195,7 +195,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
             reply = _error_reply(exc)
         try:
-            chan.send(reply)
+            chan.reply(reply)  # packed when the request was a packed step
         except ChannelClosed:
             _retire_or_exit()
             return

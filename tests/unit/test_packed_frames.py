@@ -1,0 +1,170 @@
+"""Packed step frames: a step request or a step's result crosses the channel as raw bytes and
+comes back as objects of the same types with bit-identical values (real socketpairs)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed
+
+HEADER = struct.Struct("!Q")
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(20)
+    b.settimeout(20)
+    yield Channel(a), Channel(b)
+    a.close()
+    b.close()
+
+
+def same(x, y) -> bool:
+    """Same type, same value, same bytes (NaN payloads and -0.0 included)."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, np.ndarray):
+        return (x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+                and y.flags.c_contiguous and y.flags.writeable)
+    if isinstance(x, np.generic):
+        return x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    if isinstance(x, float):
+        return struct.pack("<d", x) == struct.pack("<d", y)
+    if isinstance(x, (tuple, list)):
+        return len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+    return x == y
+
+
+ACTIONS = [
+    0, 1, -(1 << 63), (1 << 63) - 1, 1 << 70,  # the last one does not fit int64: pickled
+    np.int64(3), np.int32(-2), np.uint8(255), np.bool_(True), np.float32(0.5), np.float64(-0.0),
+    np.array([0.1, -0.2, 0.3], dtype=np.float32), np.array(7), np.zeros((0, 3)), np.arange(6).reshape(2, 3),
+    np.array([1, 2], dtype=">i4"), np.array([1 + 2j]), np.array([True, False]),
+    np.arange(6.0).reshape(2, 3)[:, 1],  # not contiguous: pickled, still exact
+    [1, 2], (0.5, 1), {"a": 1}, None, True, 2.5, float("nan"), "text",
+]
+
+
+@pytest.mark.parametrize("action", ACTIONS, ids=lambda a: type(a).__name__)
+def test_step_request_round_trip(pair, action):
+    ctl, wrk = pair
+    ctl.send_step(action)
+    cmd, args = wrk.recv()
+    assert wrk.packed_in and cmd == "step" and len(args) == 1
+    assert same(action, args[0]), (action, args[0])
+
+
+RESULTS = [
+    (np.array([0.01, -0.2, 0.03, 0.4], dtype=np.float32), 1.0, False, False, {}),
+    (np.zeros((210, 160, 3), dtype=np.uint8), np.float64(-1.5), np.bool_(True), False,
+     {"lives": 3, "frame_number": 1208}),
+    (np.arange(17, dtype=np.float64), np.float32(0.25), False, True, {"x_position": np.float64(1.0)}),
+    ({"pos": np.ones(2), "id": 3}, 0, True, False, {"terminal_observation": np.ones(3)}),
+    (3, 0.0, False, False, {}),
+    (np.array(float("nan")), float("-inf"), False, False, {}),
+]
+
+
+@pytest.mark.parametrize("result", RESULTS, ids=range(len(RESULTS)))
+def test_step_reply_round_trip(pair, result):
+    ctl, wrk = pair
+    ctl.send_step(0)
+    wrk.recv()
+    wrk.reply((OK, result))
+    reply = ctl.recv()
+    assert ctl.packed_in
+    assert reply[0] == OK and same(result, reply[1])
+
+
+def test_big_observation_crosses_the_socket_buffer(pair):
+    """An observation several times the socket buffer goes out in pieces and arrives whole."""
+    ctl, wrk = pair
+    obs = np.random.default_rng(0).integers(0, 255, size=(4, 1024, 1024), dtype=np.uint8)
+    ctl.send_step(1)
+    wrk.recv()
+    t = threading.Thread(target=wrk.reply, args=((OK, (obs, 1.0, False, False, {})),), daemon=True)
+    t.start()
+    reply = ctl.recv()
+    t.join()
+    assert same(obs, reply[1][0])
+
+
+def test_replies_are_pickled_unless_the_request_was_packed(pair):
+    """A worker answers packed only to a packed request: an older controller never sees one."""
+    ctl, wrk = pair
+    ctl.send(("step", (1,)))
+    assert wrk.recv() == ("step", (1,)) and not wrk.packed_in
+    result = (np.zeros(2, dtype=np.float32), 1.0, False, False, {})
+    wrk.reply((OK, result))
+    (n,) = HEADER.unpack(ctl.sock.recv(HEADER.size, socket.MSG_WAITALL))
+    assert n < 1 << 63  # no packed flag: a plain pickle follows
+    body = ctl.sock.recv(n, socket.MSG_WAITALL)
+    assert same((OK, result), pickle.loads(body))
+
+
+def test_errors_and_other_replies_stay_pickled(pair):
+    ctl, wrk = pair
+    for reply in [(ERR, "ValueError", "bad action", "tb"), (OK, None), (OK, (1, 2, 3))]:
+        ctl.send_step(0)
+        wrk.recv()
+        wrk.reply(reply)
+        assert ctl.recv() == reply and not ctl.packed_in
+
+
+def test_pickled_and_packed_frames_interleave(pair):
+    ctl, wrk = pair
+    for i in range(50):
+        if i % 3:
+            ctl.send_step(np.int64(i))
+        else:
+            ctl.send(("getattr", ("x", "unwrapped")))
+        cmd, args = wrk.recv()
+        if cmd == "step":
+            wrk.reply((OK, (np.full(3, i, dtype=np.float32), float(i), False, False, {})))
+            out = ctl.recv()[1]
+            assert same(out[0], np.full(3, i, dtype=np.float32)) and out[1] == float(i)
+        else:
+            wrk.reply((OK, "x"))
+            assert ctl.recv() == (OK, "x")
+
+
+def test_reply_that_does_not_pickle_raises_before_sending(pair):
+    """An info that cannot be pickled raises in reply() and nothing is sent: the worker's loop
+    then answers with the error, and the channel stays in step."""
+    ctl, wrk = pair
+    ctl.send_step(0)
+    wrk.recv()
+    with pytest.raises(Exception):
+        wrk.reply((OK, (np.zeros(1), 0.0, False, False, {"f": lambda: 0})))
+    wrk.send((ERR, "PicklingError", "no", ""))
+    assert ctl.recv()[0] == ERR
+
+
+def test_corrupt_packed_frame_is_channel_closed(pair):
+    ctl, wrk = pair
+    ctl.sock.sendall(HEADER.pack(2 | (1 << 63)) + b"Zz")
+    with pytest.raises(ChannelClosed, match="corrupt packed frame"):
+        wrk.recv()
+
+
+def test_values_survive_bit_for_bit():
+    """NaN payloads and signed zeros: the bytes travel, not the values."""
+    a, b = socket.socketpair()
+    try:
+        ctl, wrk = Channel(a), Channel(b)
+        odd = np.frombuffer(struct.pack("<d", math.nan)[:-1] + b"\x7f", dtype=np.float64).copy()
+        ctl.send_step(odd)
+        assert wrk.recv()[1][0].tobytes() == odd.tobytes()
+    finally:
+        a.close()
+        b.close()
