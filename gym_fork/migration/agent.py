@@ -46,19 +46,22 @@ def default_limits() -> tuple[int, int]:
 
 
 class _Throttled:
-    """Logs a recurring warning at most once a second, with how many were not logged between."""
+    """Logs a recurring warning at most once a second, with how many were not logged between
+    (so that a flood of refused connections cannot fill the disk with log lines)."""
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
         self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def warning(self, kind: str, msg: str, *args: Any) -> None:
         now = time.monotonic()
-        if now - self._last.get(kind, -1e9) < 1.0:
-            self._skipped[kind] = self._skipped.get(kind, 0) + 1
-            return
-        skipped = self._skipped.pop(kind, 0)
-        self._last[kind] = now
+        with self._lock:
+            if now - self._last.get(kind, -1e9) < 1.0:
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return
+            skipped = self._skipped.pop(kind, 0)
+            self._last[kind] = now
         log.warning(msg + (f" ({skipped} more like it since the last report)" if skipped else ""), *args)
 
 
@@ -241,11 +244,11 @@ class Agent:
                 req = dict(recv_msg(conn, deadline=deadline), _session=nonce)  # checkpoints must be signed for it
                 conn.settimeout(self.handshake_timeout)  # the op sets its own from here
             except AuthenticationError as e:
-                log.warning("REFUSED %s: %s", who, e)
+                self._warn.warning("refused", "REFUSED %s: %s", who, e)
                 return
             except Exception as e:  # noqa: BLE001 - garbage, a broken handshake or time up: never fatal
-                log.warning("REFUSED %s: not a gym_fork client or broken handshake (%s: %s)", who,
-                            type(e).__name__, e)
+                self._warn.warning("refused", "REFUSED %s: not a gym_fork client or broken handshake (%s: %s)",
+                                   who, type(e).__name__, e)
                 return
             self._serve(conn, req, who)
         finally:

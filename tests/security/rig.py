@@ -110,12 +110,13 @@ def speaks_first(sock: socket.socket, wait: float = 1.0) -> bool:
     return bool(select.select([sock], [], [], wait)[0])
 
 
-def open_raw(target: str, timeout: float = 20.0) -> socket.socket:
+def open_raw(target: str, timeout: float = 20.0, *, tls: bool | None = None) -> socket.socket:
     """A connection to the agent ready for its wire protocol: TLS accepted without checks (an
-    attacker has no certificate to check) unless the agent speaks plain TCP."""
+    attacker has no certificate to check) unless the agent speaks plain TCP (``tls=None``:
+    found out by waiting a second for the agent to speak first)."""
     host, port = target.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=timeout)
-    if speaks_first(sock):
+    if tls is False or (tls is None and speaks_first(sock)):
         return sock
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False

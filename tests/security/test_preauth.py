@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -86,3 +87,24 @@ def test_image_name_with_a_trailing_newline_is_refused(agent):
     assert not reply["ok"] and "refusing image name" in reply["message"], reply
     assert wait_for(lambda: not [d for d in os.listdir(agent.state_dir) if d.startswith("in-")])
     _clean_log(agent)
+
+
+def test_a_flood_of_refusals_is_logged_in_summary(agent):
+    """Refused connections are logged at most once a second with a count of the others, so a
+    flood of them cannot fill the disk with log lines."""
+    bad = json.dumps({"nonce": "a" * 64, "mac": "0" * 64}).encode()
+
+    def refused_once() -> None:
+        s = open_raw(agent.target, tls=True)
+        with s:
+            recv_frame(s)
+            send_frame(s, bad)
+            assert closed_by_peer(s, CLOSE_WITHIN_S)
+
+    for _ in range(60):
+        refused_once()
+    time.sleep(1.1)  # past the once-a-second window: the next refusal reports the ones held back
+    refused_once()
+    assert wait_for(lambda: "more like it" in agent.log()), agent.log()[-2000:]
+    assert agent.log().count("REFUSED") < 30
+    _ping(agent)
