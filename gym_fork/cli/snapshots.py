@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from gym_fork.errors import GymForkError
+from gym_fork.snapshots import reclaim, sessiondir
 from gym_fork.snapshots.store import SnapshotStore
 
 HELP = "list, inspect, remove and garbage-collect the snapshots in a SnapshotStore directory"
@@ -25,7 +26,9 @@ DESCRIPTION = (
     "and the chunks only they used.  gc removes what crashed writers left (temporary directories, "
     "unreferenced chunks), quarantines damaged entries, rebuilds the index from the snapshot "
     "directories and, with --max-bytes, deletes least recently used unpinned snapshots until the "
-    "store fits; --drop-quarantined also deletes the quarantined entries (each one is named).\n\n"
+    "store fits; --drop-quarantined also deletes the quarantined entries (each one is named).  gc "
+    "(with or without DIR) also removes the private session directories (CRIU images) of gym_fork "
+    "processes that were killed (their lock is free; see $GYM_FORK_DIR).\n\n"
     "Exit status: 0 on success, 1 on an error (message on stderr)."
 )
 EPILOG = (
@@ -34,7 +37,8 @@ EPILOG = (
     "  gym-fork snapshots ls ./store --json\n"
     "  gym-fork snapshots inspect ./store 3f2a9c1e0b7d4e55 --verify\n"
     "  gym-fork snapshots rm ./store 3f2a9c1e0b7d4e55\n"
-    "  gym-fork snapshots gc ./store --max-bytes 2G"
+    "  gym-fork snapshots gc ./store --max-bytes 2G\n"
+    "  gym-fork snapshots gc"
 )
 
 
@@ -65,16 +69,32 @@ def configure(p: Any) -> None:
     rm = sub.add_parser("rm", help="delete snapshots")
     rm.add_argument("dir", help="store directory")
     rm.add_argument("ids", nargs="+", metavar="ID", help="snapshot ids")
-    gc = sub.add_parser("gc", help="clean up after crashes, rebuild the index, enforce a budget")
-    gc.add_argument("dir", help="store directory")
+    gc = sub.add_parser("gc", help="clean up after crashes (also the session directories of killed "
+                                   "processes), rebuild the index, enforce a budget")
+    gc.add_argument("dir", nargs="?", default=None,
+                    help="store directory (without it: only the session directories of killed processes)")
     gc.add_argument("--max-bytes", type=_parse_bytes, default=None,
                     help="delete least recently used unpinned snapshots until the store fits (e.g. 500M, 2G)")
     gc.add_argument("--drop-quarantined", action="store_true",
                     help="also delete the damaged entries kept in DIR/quarantine/ (ls lists them)")
 
 
+def _reclaim() -> None:
+    base = sessiondir.base_dir()
+    out = reclaim.reclaim_orphans(base, keep=sessiondir.current_session())
+    print(f"removed {len(out['reclaimed'])} session directories of killed gym_fork processes "
+          f"({_human(out['bytes'])}) in {base}")
+    if out["legacy"]:
+        print(f"left {len(out['legacy'])} session directories without an owner lock (from an older gym_fork; "
+              f"delete them by hand once no such process runs): {', '.join(out['legacy'][:10])}")
+
+
 def run(args: Any) -> int:
     d = args.dir
+    if args.action == "gc":
+        _reclaim()
+        if d is None:
+            return 0
     if not os.path.isdir(os.path.join(d, "snaps")):
         print(f"gym-fork snapshots: {d} is not a snapshot store (no snaps/ directory)", file=sys.stderr)
         return 1

@@ -1,7 +1,9 @@
 """Where snapshot images live, and how they are made visible atomically and verified.
 
 Each controller process gets one private session directory (0700) under :func:`base_dir`
-(``$GYM_FORK_DIR`` or the temp dir); it is removed when the process exits.  A snapshot is written
+(``$GYM_FORK_DIR`` or the temp dir); it is removed when the process exits, and, if the process
+is killed before it can remove it, by the next gym_fork process (its lock, held for the
+owner's lifetime, is then free: :mod:`~gym_fork.snapshots.reclaim`).  A snapshot is written
 into ``.<id>.tmp``, checksummed into ``MANIFEST.json``, and only then renamed to ``snap-<id>``:
 a crash leaves either a complete snapshot or none.  Restores verify the manifest first.
 """
@@ -21,6 +23,7 @@ import threading
 from typing import Any
 
 from gym_fork.errors import SnapshotCorruptedError
+from gym_fork.snapshots import reclaim
 from gym_fork.snapshots.files import is_no_space, no_space, open_regular, read_bounded
 
 MANIFEST = "MANIFEST.json"
@@ -32,6 +35,8 @@ _BLOCK = 1 << 20
 
 _lock = threading.Lock()
 _session: str | None = None
+_owner_fd: int | None = None  # the flock-ed owner lock of _session, open for this process's lifetime
+_JOB_ENV = "GYM_FORK_CONTROL_FD"  # set inside a `gym-fork run` job (gym_fork.migration.control)
 
 
 def is_image_name(name: str) -> bool:
@@ -53,15 +58,53 @@ def private_mkdir(path: str) -> str:
 
 
 def session_dir() -> str:
-    """This process's private directory for images (created on first use, removed at exit)."""
-    global _session
+    """This process's private directory for images (created on first use, removed at exit; the
+    directories of processes that were killed are reclaimed when it is created)."""
+    global _session, _owner_fd
     with _lock:
         if _session is None or not os.path.isdir(_session):
             base = private_mkdir(base_dir())
-            _session = tempfile.mkdtemp(prefix=f"s{os.getpid()}-", dir=base)
+            if os.environ.get(_JOB_ENV):
+                # inside a `gym-fork run` job, which CRIU checkpoints whole: a held lock would have
+                # to travel with it, so no lock (and no reclaiming by others); the job's own exit
+                # removes it
+                _session = tempfile.mkdtemp(prefix=f"j{os.getpid()}-", dir=base)
+            else:
+                tmp = tempfile.mkdtemp(prefix=".new-", dir=base)
+                _owner_fd = reclaim.hold(tmp)
+                _session = os.path.join(base, f"s{os.getpid()}-{os.path.basename(tmp)[5:]}")
+                os.rename(tmp, _session)  # visible only once its lock is held
+                reclaim.reclaim_orphans(base, keep=_session, background=True)
             os.chmod(_session, 0o700)
-            atexit.register(shutil.rmtree, _session, True)
+            atexit.register(_remove_session, _session, os.getpid())
         return _session
+
+
+def current_session() -> str | None:
+    """This process's session directory if it has one (none is created)."""
+    return _session
+
+
+def _remove_session(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child inherits atexit handlers: never the parent's dir
+        shutil.rmtree(path, True)
+
+
+def _after_fork_in_child() -> None:
+    """A child forked without exec gets its own session directory when it needs one, and must
+    not keep its parent's lock held (flock stays held while any copy of the descriptor is open)."""
+    global _session, _owner_fd, _lock
+    _lock = threading.Lock()
+    _session = None
+    if _owner_fd is not None:
+        try:
+            os.close(_owner_fd)
+        except OSError:
+            pass
+        _owner_fd = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def is_valid_id(snap_id: str) -> bool:
