@@ -13,6 +13,7 @@ from gym_fork.errors import GymForkError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.snapshots.store import SnapshotStore
 from gym_fork.wrapped import find_forkable, restore_of, snapshot_of
+from gym_fork.check import check_env
 
 
 
@@ -25,5 +26,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
 
 
-__all__ = ["SnapshotStore", "ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult", "snapshot_of", "restore_of", "find_forkable"]
+__all__ = ["SnapshotStore", "ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot", "GymForkError", "errors", "explore", "Branch", "ExploreResult", "snapshot_of", "restore_of", "find_forkable", "check_env"]
 __version__ = "0.1.0"

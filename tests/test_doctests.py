@@ -30,6 +30,7 @@ MODULES = [
     "gym_fork.backends.treecapture",
     "gym_fork.backends.exactness",
     "gym_fork.wrapped",
+    "gym_fork.check",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {

@@ -3,6 +3,7 @@
     gym-fork doctor            can gym_fork use CRIU here? what is missing and how to fix it
     gym-fork doctor --json     the same, as one JSON object (for scripts and CI)
     gym-fork install-criu      build and install CRIU 4.1.1 + pycriu (root; the installer ships in the package)
+    gym-fork check ENV         Gymnasium's checker in the worker + exact snapshot/restore/fork on every backend
     gym-fork --version
 
 Also runnable as ``python -m gym_fork.cli``.  Subcommands are registered in ``COMMANDS``
@@ -47,7 +48,7 @@ def _command(name: str) -> Command:
     return Command(help=m.HELP, description=m.DESCRIPTION, epilog=m.EPILOG, configure=m.configure, run=m.run)
 
 
-COMMANDS: dict[str, Command] = {name: _command(name) for name in ("doctor", "agent", "run", "snapshots", "install-criu")}
+COMMANDS: dict[str, Command] = {name: _command(name) for name in ("doctor", "check", "agent", "run", "snapshots", "install-criu")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
 from gym_fork.worker.channel import PACKED_VERSION
-from gym_fork.worker import refs, registry
+from gym_fork.worker import checker, refs, registry
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
 # | ("registered", registry.pack() of the learner, source): the learner's own env registrations first
@@ -230,6 +230,10 @@ class EnvServer:
 
     def cmd_set_wrapper_attr(self, name: str, value: Any, force: bool) -> bool:
         return refs.set_wrapper_attr(self.env, name, value, force)
+
+    def cmd_gymnasium_check(self, skip_render_check: bool = True) -> dict:
+        """Gymnasium's env checker on the base env, here (:mod:`gym_fork.worker.checker`)."""
+        return checker.gymnasium_check(self.env.unwrapped, skip_render_check)
 
     def cmd_last(self) -> tuple:
         """(obs, info, steps) of the latest reset/step: what restore() hands back."""

@@ -36,7 +36,7 @@ _cache: tuple[tuple, bytes | None] | None = None
 
 
 def pack(needed: str | None = None) -> bytes | None:
-    """What the worker needs to know of this process's env registry, or None when nothing.
+    """What the worker needs to know of this process's env registry and ``sys.path``.
 
     Args:
         needed: an env id the worker is about to make: its spec must ship.
@@ -60,9 +60,8 @@ def pack(needed: str | None = None) -> bytes | None:
             continue
         shipped.append(spec)
         main_objects.update(objects)
-    blob = None
-    if shipped:
-        blob = pickle.dumps((list(sys.path), cloudpickle.dumps((shipped, main_objects))))
+    # The path travels even with no spec: a factory pickled by reference imports its module there.
+    blob = pickle.dumps((list(sys.path), cloudpickle.dumps((shipped, main_objects))))
     _cache = (key, blob)
     return blob
 

@@ -1,0 +1,137 @@
+"""``gym_fork.check_env`` and ``gym-fork check``: Gymnasium's checker sees the env's own bugs (it
+runs in the worker), and the exactness check catches an env that no snapshot copies exactly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import gym_fork
+from gym_fork.check import FAIL, PASS, REFUSES
+
+pytestmark = pytest.mark.criu
+
+BROKEN_MODULE = textwrap.dedent('''
+    import gymnasium as gym
+    import numpy as np
+
+    class NoSeed(gym.Env):
+        """reset() takes no seed/options: Gymnasium's checker must fail it."""
+        observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self):
+            return np.zeros(2, np.float32), {}
+
+        def step(self, action):
+            return np.zeros(2, np.float32), 0.0, False, False, {}
+
+    def make_broken():
+        return NoSeed()
+
+    class Walk(gym.Env):
+        observation_space = gym.spaces.Box(-100.0, 100.0, (1,), np.float64)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.x = float(self.np_random.normal())
+            return np.array([self.x]), {}
+
+        def step(self, action):
+            self.x += (2 * int(action) - 1) * 0.5 + float(self.np_random.normal()) * 0.1
+            return np.array([self.x]), -abs(self.x), abs(self.x) > 20, False, {}
+
+    def make_good():
+        return gym.wrappers.TimeLimit(Walk(), 30)
+''')
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "checkenvs.py").write_text(BROKEN_MODULE)
+    return tmp_path
+
+
+def cli(project, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gym_fork.cli", "check", *args], cwd=project,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_fails_an_env_whose_reset_breaks_the_api(project):
+    out = cli(project, "checkenvs:make_broken", "--backends", "pickle")
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = [x for x in out.stdout.splitlines() if "gymnasium checker" in x][0]
+    assert "FAIL" in line and "seed" in line
+    assert "verdict: FAILED" in out.stdout
+
+
+def test_cli_passes_a_good_env_on_every_backend(project):
+    out = cli(project, "checkenvs:make_good", "--steps", "60")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {x.split("  ")[1].strip(): x for x in out.stdout.splitlines() if x.startswith("  exact:")}
+    assert len(rows) == 3 and all(" PASS " in r for r in rows.values()), out.stdout
+    assert "save/load" in rows["exact: fork tier (copy-on-write)"]
+    assert "verdict: OK" in out.stdout
+
+
+def test_cli_usage_errors(project):
+    assert cli(project, "CartPole-v1", "--backends", "nope").returncode == 2
+
+
+def outside_state_factory(path: str):
+    """An env whose state lives in a file outside its process: no snapshot holds it."""
+
+    def make():
+        import gymnasium as gym
+
+        class FileCounter(gym.Env):
+            observation_space = gym.spaces.Box(0.0, 1e9, (1,), np.float64)
+            action_space = gym.spaces.Discrete(2)
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                with open(path, "w") as f:
+                    f.write("0")
+                return np.zeros(1), {}
+
+            def step(self, action):
+                with open(path) as f:
+                    n = int(f.read()) + 1 + int(action)
+                with open(path, "w") as f:
+                    f.write(str(n))
+                return np.array([float(n)]), 0.0, False, False, {}
+
+        return FileCounter()
+
+    return make
+
+
+def test_exactness_check_catches_state_outside_the_process(tmp_path):
+    report = gym_fork.check_env(outside_state_factory(str(tmp_path / "counter")), steps=10, verbose=False)
+    rows = {r.check: r for r in report.rows}
+    assert rows["gymnasium checker"].verdict == PASS
+    for label in ("exact: fork tier (copy-on-write)", "exact: CRIU dumps"):
+        assert rows[label].verdict == FAIL and "restore diverges: at step 1: obs differ" in rows[label].detail, rows[label]
+    assert rows["exact: pickle"].verdict in (FAIL, REFUSES)
+    assert not report.ok and "verdict: FAILED" in str(report)
+
+
+def test_check_env_of_a_forkable_env_leaves_it_unchanged():
+    env = gym_fork.make("CartPole-v1", backend="criu")
+    try:
+        env.reset(seed=0)
+        for a in (0, 1, 0):
+            env.step(a)
+        state = np.array(env.unwrapped.state)
+        report = gym_fork.check_env(env, backends=["fork", "pickle"], steps=10, verbose=False)
+        assert report.ok and [r.verdict for r in report.rows[1:]] == [PASS, PASS]
+        assert env.steps == 3 and np.array_equal(env.unwrapped.state, state)
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="unknown backend"):
+        gym_fork.check_env("CartPole-v1", backends=["nope"])
