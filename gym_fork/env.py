@@ -192,7 +192,7 @@ class ForkableEnv(gym.Wrapper):
         if getattr(snapshot, "workspace", None) and workspace is None:
             raise ValueError(f"snapshot {snapshot.id} captured a workspace: pass workspace=DIR, the "
                              "directory its files are put back into")
-        be = snapshot._backend
+        be = snapshot.payload_backend
         with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
             handle = be.restore(payload)
         env = cls._from_handle(be, handle, steps=snapshot.steps, parent_id=snapshot.id,
@@ -493,7 +493,7 @@ class ForkableEnv(gym.Wrapper):
         pickles into this process.
 
         ``target`` may also be ``gym_fork.ray.RayNode(node_id)``: the worker moves to that Ray
-        node's host actor, and can move on from there (:mod:`gym_fork.ray.migration`)."""
+        node's host actor, and can move on from there (:mod:`gym_fork.ray.env_migration`)."""
         if not isinstance(target, str) and not hasattr(target, "_gym_fork_migrate"):
             raise TypeError(f"target must be an agent's 'host:port' or a gym_fork.ray.RayNode, not "
                             f"{type(target).__name__}")
@@ -604,6 +604,25 @@ class ForkableEnv(gym.Wrapper):
         if self._actions is not None:
             self._actions = []
 
+    def _use_backend(self, backend: Backend) -> None:
+        """From now on ``backend`` takes this env's snapshots and restores (a migrated env's
+        stand-in, which refuses them with the reason)."""
+        self._backend = backend
+
+    def _track_live(self, migration: Any) -> None:
+        """``migration`` (a ``LiveMigration``) now runs for this env; None: it ended.  Calls that
+        replace the worker cancel a running one first."""
+        self._live = migration
+
+    def _set_steps(self, steps: int) -> None:
+        """The worker was stepped past this env (through a bridge to it): its step count is ``steps``."""
+        self._steps = steps
+
+    def _share_lineage(self, other: "ForkableEnv") -> None:
+        """Declare this env interchangeable with ``other`` (same source, same wrappers): from now
+        on its snapshots restore into ``other`` and ``other``'s into it."""
+        self._lineage = other._lineage
+
     def _hand_over(self, snapshot: Snapshot, to: "ForkableEnv") -> None:
         """Make ``snapshot`` (taken here) belong to ``to``: released when ``to`` is closed, not
         when this env is."""
@@ -643,6 +662,32 @@ def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "s
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
                        record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
                        store=store, workspace=workspace, private_network=private_network, wrappers=wrappers)
+
+
+def start_envs(sources: Sequence[Any], **kwargs: Any) -> list[ForkableEnv]:
+    """One :class:`ForkableEnv` per source (an env id, factory or instance; ``kwargs`` are
+    ForkableEnv's), started concurrently: a worker spends most of its start-up importing.
+
+    Raises:
+        The first start's error, after closing the envs that did start.
+    """
+    if len(sources) == 1:
+        return [ForkableEnv(sources[0], **kwargs)]
+    from concurrent.futures import ThreadPoolExecutor  # not at import: env workers import this module
+
+    with ThreadPoolExecutor(max_workers=min(len(sources), 16)) as pool:
+        futures = [pool.submit(ForkableEnv, src, **kwargs) for src in sources]
+    envs, error = [], None
+    for future in futures:
+        try:
+            envs.append(future.result())
+        except Exception as e:  # noqa: BLE001 - raised below, after closing the others
+            error = error or e
+    if error is not None:
+        for env in envs:
+            env.close()
+        raise error
+    return envs
 
 
 def _own_attr(env: ForkableEnv, name: str) -> bool:

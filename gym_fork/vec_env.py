@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -19,7 +18,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv
+from gym_fork.env import ForkableEnv, start_envs
 from gym_fork.errors import EnvClosedError, WorkerError
 from gym_fork.snapshots.snapshot import Snapshot
 
@@ -99,37 +98,8 @@ def _run(envs: Sequence[ForkableEnv], cmd: str, args: Sequence[tuple] | tuple = 
 # --- ForkableEnv bookkeeping (mirrors ForkableEnv.step / reset) --------------------------------
 def _note_step(env: ForkableEnv, action: Any) -> None:
     """What ``ForkableEnv.step`` records after the worker stepped."""
-    env._steps += 1
-    if env._actions is not None:
-        # A copy: SB3 may reuse its action array, and a row of it is only a view.
-        env._actions.append(action.copy() if isinstance(action, np.ndarray) else action)
-
-
-def _note_reset(env: ForkableEnv) -> None:
-    """What ``ForkableEnv.reset`` records after the worker reset."""
-    env._steps = 0
-    env._parent_id = None
-    if env._actions is not None:
-        env._actions = []
-
-
-def _start_envs(sources: list[EnvSpecifier], kwargs: dict) -> list[ForkableEnv]:
-    """Start one ForkableEnv per source, concurrently (a worker spends its start-up importing)."""
-    if len(sources) == 1:
-        return [ForkableEnv(sources[0], **kwargs)]
-    with ThreadPoolExecutor(max_workers=min(len(sources), 16)) as pool:
-        futures = [pool.submit(ForkableEnv, src, **kwargs) for src in sources]
-    envs, error = [], None
-    for f in futures:
-        try:
-            envs.append(f.result())
-        except Exception as e:  # noqa: BLE001
-            error = error or e
-    if error is not None:
-        for env in envs:
-            env.close()
-        raise error
-    return envs
+    # A copy: SB3 may reuse its action array, and a row of it is only a view.
+    env._record_step(action.copy() if isinstance(action, np.ndarray) else action)
 
 
 class ForkableVecEnv(VecEnv):
@@ -207,11 +177,11 @@ class ForkableVecEnv(VecEnv):
             sources = [env] * (1 if n_envs is None else n_envs)
         if not sources:
             raise ValueError("need at least one env")
-        envs = _start_envs(sources, dict(backend=backend, env_kwargs=env_kwargs, **forkable_kwargs))
+        envs = start_envs(sources, backend=backend, env_kwargs=env_kwargs, **forkable_kwargs)
         # One lineage for all slots: they come from the same source, so a snapshot of one slot is
         # a valid state for every other (ForkableEnv checks the lineage on restore).
         for e in envs[1:]:
-            e._lineage = envs[0]._lineage
+            e._share_lineage(envs[0])
         self._init(envs, seed)
 
     @classmethod
@@ -227,7 +197,7 @@ class ForkableVecEnv(VecEnv):
         envs = cls._check_envs(list(envs))
         if share_lineage:
             for e in envs[1:]:
-                e._lineage = envs[0]._lineage
+                e._share_lineage(envs[0])
         self = cls.__new__(cls)
         self._init(envs, seed)
         return self
@@ -270,7 +240,7 @@ class ForkableVecEnv(VecEnv):
         for i, (obs, info) in enumerate(results):
             self._obs[i] = obs
             self.reset_infos[i] = info
-            _note_reset(self.envs[i])
+            self.envs[i]._record_reset()
         # Seeds and options are only used once
         self._reset_seeds()
         self._reset_options()
@@ -308,7 +278,7 @@ class ForkableVecEnv(VecEnv):
         reset_results, reset_error = _collect(list(resets.values()))
         for i, r in zip(resets, reset_results):
             if r is not _FAILED:
-                _note_reset(self.envs[i])
+                self.envs[i]._record_reset()
         if error is not None or reset_error is not None:
             raise error or reset_error  # the other slots did step; reset() brings all back in line
 

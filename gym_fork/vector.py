@@ -26,7 +26,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv
+from gym_fork.env import ForkableEnv, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source, reseed_env
 
@@ -116,28 +116,6 @@ class _SlotFactory:
         for wrapper in self.wrappers:
             env = wrapper(env)
         return _Slot(env)
-
-
-def _start(factories: list[_SlotFactory], kwargs: dict) -> list[ForkableEnv]:
-    """One ForkableEnv per factory, started concurrently (a worker spends most of its start-up
-    importing); on any failure the ones already started are closed."""
-    if len(factories) == 1:
-        return [ForkableEnv(factories[0], **kwargs)]
-    from concurrent.futures import ThreadPoolExecutor  # not at import: workers import this module
-
-    with ThreadPoolExecutor(max_workers=min(len(factories), 16)) as pool:
-        futures = [pool.submit(ForkableEnv, f, **kwargs) for f in factories]
-    envs, error = [], None
-    for future in futures:
-        try:
-            envs.append(future.result())
-        except Exception as e:  # noqa: BLE001 - raised below, after closing the others
-            error = error or e
-    if error is not None:
-        for env in envs:
-            env.close()
-        raise error
-    return envs
 
 
 class ForkableVectorEnv(VectorEnv):
@@ -232,12 +210,12 @@ class ForkableVectorEnv(VectorEnv):
         if isinstance(env_fns, (str, gym.Env)) or callable(env_fns) or not len(env_fns):
             raise ValueError("env_fns must be a non-empty list of env ids or zero-argument factories")
         factories = [self._factory(fn) for fn in env_fns]
-        envs = _start(factories, dict(backend=backend, **forkable_kwargs))
+        envs = start_envs(factories, backend=backend, **forkable_kwargs)
         self._closing_envs = envs
         # One lineage for all slots (they are interchangeable sub-envs), so a snapshot of any
         # slot restores into any other; ForkableEnv checks the lineage on every restore.
         for env in envs[1:]:
-            env._lineage = envs[0]._lineage
+            env._share_lineage(envs[0])
         self.envs = envs
         self.num_envs = len(envs)
         self.metadata = dict(envs[0].metadata)

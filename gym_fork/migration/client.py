@@ -88,10 +88,11 @@ def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
     hard-linked and listed from the manifest written when CRIU dumped them into our private dir,
     not re-hashed, and nothing is fsynced (the bundle lives only until it is sent)."""
     snap.persist()
-    images, fields = snap._backend.store_images(snap.payload())
-    meta = sign_meta(bundle_meta(snap, **fields, images=sessiondir.read_manifest(images)["files"]), key)
+    images, fields = snap.payload_backend.store_images(snap.payload())
+    listed = sessiondir.read_manifest(images)["files"]
+    meta = sign_meta(bundle_meta(snap, **fields, images=listed), key)
     os.makedirs(path, mode=0o700)
-    link_tree(images, os.path.join(path, "images"))
+    link_tree(images, os.path.join(path, "images"), names=listed)  # a bundle holds only its signed files
     with open(os.path.join(path, META), "w") as f:
         json.dump(meta, f)
 
@@ -178,7 +179,7 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
     def dumped() -> None:
         timings["save_s"] = time.monotonic() - t_dump
 
-    dumper = DumpThread(lambda: snap._backend.dump_transient(snap.payload(), into), on_end=dumped,
+    dumper = DumpThread(lambda: snap.payload_backend.dump_transient(snap.payload(), into), on_end=dumped,
                         name="gym_fork-migration-dump")
     try:
         t0 = time.monotonic()
@@ -231,4 +232,4 @@ def switch_to_remote(env: Any, new: NetworkHandle, backend: Backend, local: Any 
         old.detach()
     else:
         old.kill()
-    env._backend = backend
+    env._use_backend(backend)

@@ -126,7 +126,7 @@ class LiveMigration:
         self._t_start = time.monotonic()
         self._recording = _RecordingHandle(env._handle, self)
         self._local = env._swap_worker(self._recording)
-        env._live = self
+        env._track_live(self)
         self._sock: Any = None  # the connection to an agent, once made (shut down on cancel)
         self._thread = threading.Thread(target=self._background, daemon=True, name="gym_fork-live-migration")
         self._thread.start()
@@ -188,7 +188,7 @@ class LiveMigration:
             self._uninstall()
             return
         node = self._switch_to(self.env, self._remote, self._local)
-        self.env._live = None
+        self.env._track_live(None)
         switch_s = time.monotonic() - t0
         self._timings["switch_s"] = switch_s
         self._timings["total_s"] = time.monotonic() - self._t_start
@@ -236,7 +236,7 @@ class LiveMigration:
         if self.env._handle is self._recording:
             self.env._swap_worker(self._local)
         if getattr(self.env, "_live", None) is self:
-            self.env._live = None
+            self.env._track_live(None)
 
     # --- the background thread -------------------------------------------------------------------
     def _background(self) -> None:

@@ -121,7 +121,7 @@ def receive_env(conn: socket.socket, req: dict, state_dir: str, node: str, key: 
         snap = load_snapshot(rec.bundle, key=key, received=rec.digests, session=req["_session"])
         rec.timings["verify_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        handle = snap._backend.restore_verified(snap.payload())
+        handle = snap.payload_backend.restore_verified(snap.payload())
         rec.timings["restore_s"] = time.monotonic() - t0
         return handle, rec.timings
     finally:

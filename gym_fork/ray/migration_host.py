@@ -271,10 +271,10 @@ class MigrationHost(BranchHost):
         try:
             snap = load_snapshot(path, key=self._key)  # HMAC, compatibility, sha256 of every image
             t3 = time.perf_counter()
-            handle = snap._backend.restore_verified(snap.payload())  # CRIU restore + ping
+            handle = snap.payload_backend.restore_verified(snap.payload())  # CRIU restore + ping
             t4 = time.perf_counter()
             try:
-                env = ForkableEnv._from_handle(snap._backend, handle, steps=steps, record_actions=False)
+                env = ForkableEnv._from_handle(snap.payload_backend, handle, steps=steps, record_actions=False)
             except BaseException:
                 handle.kill()
                 raise
@@ -302,7 +302,7 @@ class MigrationHost(BranchHost):
         tmp = os.path.join(self.session, f"out-{uuid.uuid4().hex}")
         snap = None
         try:
-            h.env._steps = steps  # the driver stepped it meanwhile: the bundle says how far
+            h.env._set_steps(steps)  # the driver stepped it meanwhile: the bundle says how far
             snap = h.env.snapshot()
             t2 = time.perf_counter()
             snap.persist()  # CRIU dump of the frozen copy (+ sha256 manifest)

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import stat
-from typing import Any
+from typing import Any, Iterable
 
 from gym_fork.errors import NoSpaceError, SnapshotCorruptedError
 
@@ -186,11 +186,12 @@ def atomic_write_json(path: str, obj: Any) -> None:
     fsync_dir(os.path.dirname(path))
 
 
-def link_tree(src: str, dst: str) -> None:
-    """Put the regular files directly in ``src`` into the new private directory ``dst``: hard
-    links on the same file system (images are never modified in place), else copies."""
+def link_tree(src: str, dst: str, names: Iterable[str] | None = None) -> None:
+    """Put the regular files directly in ``src`` (only those in ``names``, when given) into the
+    new private directory ``dst``: hard links on the same file system (images are never modified
+    in place), else copies."""
     os.makedirs(dst, mode=0o700)
-    for name in os.listdir(src):
+    for name in os.listdir(src) if names is None else names:
         s, d = os.path.join(src, name), os.path.join(dst, name)
         if not os.path.isfile(s):
             continue

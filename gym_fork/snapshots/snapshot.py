@@ -138,6 +138,12 @@ class Snapshot:
         return self.pin(False)
 
     @property
+    def payload_backend(self) -> PayloadBackend:
+        """The backend object that made this snapshot and holds its payload (``backend`` is its
+        name): envs restore through it, bundles, the store and migration write the payload with it."""
+        return self._backend
+
+    @property
     def released(self) -> bool:
         return not self._finalizer.alive
 
