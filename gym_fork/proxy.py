@@ -285,71 +285,49 @@ class WorkerArray(np.ndarray):
         return repr(np.asarray(self))
 
 
-class FrozenList(list):
+class _Frozen:
+    """What the frozen copies of a list, dict and set share: changing one raises (it would not
+    change the env), and a copy or pickle of one is the plain builtin (``_plain``)."""
+
+    _plain: type
+
+    def __init__(self, items: Any = (), path: tuple | None = None):
+        super().__init__(items)  # type: ignore[call-arg]
+        self._gf_path = path
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise _read_only(self._gf_path or ("unwrapped",))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (self._plain, (self._plain(self),))
+
+    def __copy__(self) -> Any:
+        return self._plain(self)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _copy.deepcopy(self._plain(self), memo)
+
+
+class FrozenList(_Frozen, list):
     """A copy of a list in the env's worker; changing it raises (it would not change the env)."""
 
-    def __init__(self, items: Any = (), path: tuple | None = None):
-        super().__init__(items)
-        self._gf_path = path
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise _read_only(self._gf_path or ("unwrapped",))
-
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (list, (list(self),))
-
-    def __copy__(self) -> list:
-        return list(self)
-
-    def __deepcopy__(self, memo: dict) -> list:
-        return _copy.deepcopy(list(self), memo)
+    _plain = list
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _Frozen._refuse
+    append = extend = insert = pop = remove = clear = sort = reverse = _Frozen._refuse
 
 
-class FrozenDict(dict):
+class FrozenDict(_Frozen, dict):
     """A copy of a dict in the env's worker; changing it raises (it would not change the env)."""
 
-    def __init__(self, items: Any = (), path: tuple | None = None):
-        super().__init__(items)
-        self._gf_path = path
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise _read_only(self._gf_path or ("unwrapped",))
-
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    pop = popitem = clear = update = setdefault = _refuse
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (dict, (dict(self),))
-
-    def __copy__(self) -> dict:
-        return dict(self)
-
-    def __deepcopy__(self, memo: dict) -> dict:
-        return _copy.deepcopy(dict(self), memo)
+    _plain = dict
+    __setitem__ = __delitem__ = __ior__ = _Frozen._refuse
+    pop = popitem = clear = update = setdefault = _Frozen._refuse
 
 
-class FrozenSet(set):
+class FrozenSet(_Frozen, set):
     """A copy of a set in the env's worker; changing it raises (it would not change the env)."""
 
-    def __init__(self, items: Any = (), path: tuple | None = None):
-        super().__init__(items)
-        self._gf_path = path
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise _read_only(self._gf_path or ("unwrapped",))
-
-    add = discard = remove = pop = clear = update = _refuse
-    difference_update = intersection_update = symmetric_difference_update = _refuse
-    __ior__ = __iand__ = __isub__ = __ixor__ = _refuse
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (set, (set(self),))
-
-    def __copy__(self) -> set:
-        return set(self)
-
-    def __deepcopy__(self, memo: dict) -> set:
-        return _copy.deepcopy(set(self), memo)
+    _plain = set
+    add = discard = remove = pop = clear = update = _Frozen._refuse
+    difference_update = intersection_update = symmetric_difference_update = _Frozen._refuse
+    __ior__ = __iand__ = __isub__ = __ixor__ = _Frozen._refuse
