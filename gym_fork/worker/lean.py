@@ -22,8 +22,11 @@ import sys
 import types
 from typing import Any
 
-# Packages whose __init__ imports far more than their submodules need (torch).
-LAZY_PACKAGES = ("stable_baselines3", "stable_baselines3.common.vec_env")
+# Packages whose __init__ imports far more than their submodules need: torch (SB3), and pygame
+# with its ~40 shared libraries (gymnasium's box2d package imports car_racing, which imports pygame;
+# LunarLander and BipedalWalker import pygame only to render). Every fork copies a process's
+# mappings, and pygame's are half of a LunarLander worker's.
+LAZY_PACKAGES = ("stable_baselines3", "stable_baselines3.common.vec_env", "gymnasium.envs.box2d")
 # Module attributes Python's import machinery and introspection probe for; they never load the
 # package (the real ones are set when the module is created).
 _PROBES = frozenset({"__path__", "__file__", "__spec__", "__loader__", "__package__", "__name__", "__cached__",
