@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Sequence
 import gymnasium as gym
 import numpy as np
 
+from gym_fork.backends import capacity
 from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
@@ -427,7 +428,8 @@ class ForkableEnv(gym.Wrapper):
         return obs, info
 
     def fork(self, snapshot: Snapshot | None = None, n: int = 1, *, rng: Literal["same", "reseed"] = "same",
-             seeds: Sequence[int] | None = None, keep_workspace: bool = False) -> list["ForkableEnv"]:
+             seeds: Sequence[int] | None = None, keep_workspace: bool = False,
+             max_copies: int | None = None) -> list["ForkableEnv"]:
         """``n`` new, independent envs that each start exactly at ``snapshot``.
 
         With ``snapshot=None`` a snapshot of the current state is taken (and released after).
@@ -439,10 +441,20 @@ class ForkableEnv(gym.Wrapper):
         With a ``workspace``, each child works in its own new directory ``DIR.branch-<id>`` holding
         the snapshot's files; it is deleted when the child is closed (or garbage-collected) unless
         ``keep_workspace=True`` (or ``child.close(keep_workspace=True)``).
+
+        ``n`` is checked against what the machine can hold (processes, threads, memory; see
+        :mod:`gym_fork.backends.capacity`) before anything starts; ``max_copies`` (or
+        ``$GYM_FORK_MAX_COPIES``) replaces the memory estimate by "at most that many".
+
+        Raises:
+            TypeError: ``n`` is not an int, or ``snapshot`` not a Snapshot.
+            CapacityError: more copies than fit (the message has the numbers and the override).
         """
         self._check_open()
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        n = capacity.count(n, "n")
+        if snapshot is not None and not isinstance(snapshot, Snapshot):
+            raise TypeError(f"snapshot must be a gym_fork Snapshot (from env.snapshot()) or None, "
+                            f"not {type(snapshot).__name__}")
         if rng not in ("same", "reseed"):
             raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
         if seeds is not None and (rng != "reseed" or len(seeds) != n):
@@ -452,6 +464,7 @@ class ForkableEnv(gym.Wrapper):
         try:
             self._check_snapshot(snap)
             with snap._open_payload() as payload:
+                capacity.check_copies(payload, n, max_copies=max_copies)
                 handles = self._backend.restore_many(payload, n)
         finally:
             if own:

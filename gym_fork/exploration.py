@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
+from gym_fork.backends import capacity
 from gym_fork.env import ForkableEnv
 from gym_fork.snapshots.snapshot import Snapshot
 
@@ -81,7 +82,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             horizon: int = 100, *, rng: Literal["same", "reseed"] = "reseed",
             seeds: Sequence[int] | None = None, return_snapshots: bool = False,
             stop_at_done: bool = True, deterministic: bool = False,
-            progress: bool | None = None, actions: Sequence[Sequence[Any]] | None = None) -> ExploreResult:
+            progress: bool | None = None, actions: Sequence[Sequence[Any]] | None = None,
+            max_copies: int | None = None) -> ExploreResult:
     """Run ``n_branches`` branches of up to ``horizon`` steps from ``snapshot``, in parallel.
 
     Args:
@@ -100,6 +102,13 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             runs ``actions[i][:horizon]``, entirely inside its worker (one round trip per
             branch instead of one per step: the fast path for random or planned action
             sequences).
+        max_copies: ``n_branches`` is checked against what the machine can hold (processes,
+            threads, memory) before anything starts; this replaces the memory estimate by "at
+            most that many" (also ``$GYM_FORK_MAX_COPIES``; see :mod:`gym_fork.backends.capacity`).
+
+    Raises:
+        TypeError: ``n_branches`` or ``horizon`` is not an int.
+        CapacityError: more branches than fit (the message has the numbers and the override).
 
     Example:
         >>> import gym_fork
@@ -110,8 +119,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         (4, True)
         >>> env.close()
     """
-    if n_branches < 1 or horizon < 1:
-        raise ValueError(f"n_branches and horizon must be >= 1 (got {n_branches}, {horizon})")
+    n_branches, horizon = capacity.count(n_branches, "n_branches"), capacity.count(horizon, "horizon")
     if (policy is None) == (actions is None):
         raise ValueError("pass either a policy or open-loop `actions`, not both or neither")
     if actions is not None and len(actions) != n_branches:
@@ -122,7 +130,12 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
     root = env.snapshot() if own_root else snapshot
     if rng == "reseed" and seeds is None:
         seeds = [int(s) for s in np.random.SeedSequence().generate_state(n_branches, np.uint64) % (2**63)]
-    kids = env.fork(root, n_branches, rng=rng, seeds=seeds)
+    try:
+        kids = env.fork(root, n_branches, rng=rng, seeds=seeds, max_copies=max_copies)
+    except BaseException:
+        if own_root:
+            root.release()
+        raise
     branches = [Branch(i, None if seeds is None else int(seeds[i])) for i in range(n_branches)]
     try:
         if actions is not None:

@@ -178,3 +178,51 @@ def test_cli_ls_inspect_rm_gc(tmp_path, capsys):
     assert cli.main(["snapshots", "ls", str(tmp_path)]) == 1  # not a store
     assert cli.main(["snapshots", "--help"]) == 0
     assert "gc" in capsys.readouterr().out
+
+
+PIN_WRITER = textwrap.dedent(
+    """
+    import sys
+    import gym_fork
+    st = gym_fork.SnapshotStore(sys.argv[1])
+    env = gym_fork.ForkableEnv("CartPole-v1", store=st, fork_tier=True)
+    env.reset(seed=3)
+    for i in range(5):
+        env.step(i % 2)
+    s = env.snapshot()
+    assert s.size_bytes == 0  # copy-on-write: nothing written yet
+    s.pin()  # alone: no put() first
+    obs = env.step(1)[0]
+    print(s.id, s.size_bytes, ",".join(repr(float(x)) for x in obs))
+    env.close()
+    """
+)
+
+
+def test_pin_alone_keeps_an_in_memory_snapshot_for_the_next_process(tmp_path):
+    d = str(tmp_path / "store")
+    out = subprocess.run([sys.executable, "-c", PIN_WRITER, d], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sid, size, obs = out.stdout.split()
+    assert int(size) > 0  # persisted by pin(): its size is known now
+    st = SnapshotStore(d)
+    assert st.list()[sid]["pinned"]
+    snap = st.load(sid)
+    assert snap.pinned and snap.size_bytes > 0
+    env = gym_fork.ForkableEnv.from_snapshot(snap)
+    try:
+        assert ",".join(repr(float(x)) for x in env.step(1)[0]) == obs
+    finally:
+        env.close()
+
+
+def test_persist_sets_the_size_of_a_copy_on_write_snapshot():
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        s = env.snapshot()
+        assert s.size_bytes == 0
+        s.persist(keep_in_memory=False)
+        assert s.size_bytes > 1 << 20 and f"{s.size_bytes / 1e6:.2f} MB" in repr(s)
+    finally:
+        env.close()
