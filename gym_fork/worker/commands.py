@@ -1,7 +1,7 @@
 """The env side of the protocol: what a worker does with each command.
 
 :class:`EnvServer` owns one ``gymnasium.Env`` (the whole wrapper stack that ``gymnasium.make``
-built) and answers commands on it.  The worker process (:mod:`gym_fork.worker`) feeds it
+built) and answers commands on it.  The worker process (:mod:`gym_fork.worker.loop`) feeds it
 commands from its channel; the in-process pickle backend calls it directly.  Keeping both on one
 class means every backend steps the env through exactly the same code.
 """

@@ -1,6 +1,6 @@
 """The worker process: one env, one channel, a plain command loop.
 
-Started by a backend as ``python -m gym_fork.worker FD`` (for CRIU, as PID 1 of its own PID
+Started by a backend as ``python -m gym_fork.worker.loop FD`` (for CRIU, as PID 1 of its own PID
 namespace through a small launcher).  It becomes a session leader (CRIU then needs no
 ``--shell-job``), receives ``("init", source)``, builds the env and serves commands until
 ``close`` or until the controller goes away (EOF on the channel), so a worker never outlives
