@@ -14,7 +14,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -29,8 +29,10 @@ from gym_fork.ray.auth import resolve_token
 from gym_fork.ray.errors import cause, cause_type
 from gym_fork.ray.host import pack_dir
 from gym_fork.ray.hosts import alive_nodes, forget_host, host_for
-from gym_fork.ray.node import RayNode
 from gym_fork.snapshots import sessiondir
+
+if TYPE_CHECKING:  # only a type here: RayNode imports this module when an env migrates to one
+    from gym_fork.ray.node import RayNode
 
 
 class RayNetworkHandle(NetworkHandle):
