@@ -76,15 +76,19 @@ class Channel:
         """Send a worker's reply: packed when the request was packed and the reply is a step's
         result ``(OK, (obs, reward, terminated, truncated, info))``, else pickled."""
         if self.packed_in and reply[0] == OK and type(reply[1]) is tuple and len(reply[1]) == 5:
+            obs, reward, terminated, truncated, info = reply[1]
             parts = [b"", b"R"]
-            for x in reply[1]:
-                _pack(x, parts)
+            _pack(obs, parts)
+            _pack(reward, parts)
+            _pack(terminated, parts)
+            _pack(truncated, parts)
+            _pack(info, parts)
             self._send_packed(parts)
         else:
             self.send(reply)
 
     def _send_packed(self, parts: list) -> None:
-        n = sum(len(p) for p in parts)
+        n = sum(map(len, parts))
         parts[0] = _HEADER.pack(n | _PACKED)
         sent = self.sock.sendmsg(parts)  # arrays go out from their own memory, uncopied
         if sent < n + _HEADER.size:  # a partial send (a big observation): the rest in one go
