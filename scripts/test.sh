@@ -10,7 +10,7 @@ VENV=${GYM_FORK_VENV:-.venv}  # as in scripts/setup.sh
 "$VENV"/bin/python -c 'from gym_fork.criu.status import criu_status as s; st=s(); print("[test] CRIU:", st.binary, st.version, "usable" if st.usable else "NOT usable: " + "; ".join(st.reasons))' || true
 failed=()
 echo "[test] import contracts: lint-imports"
-"$VENV"/bin/lint-imports || failed+=("import contracts (lint-imports: a module imports across a layer, see above)")
+"$VENV"/bin/lint-imports || failed+=("import contracts (lint-imports: an import across a layer, into the Ray plugin or in a cycle, see above)")
 echo "[test] docs: mkdocs build --strict"
 site=$(mktemp -d)
 export NO_MKDOCS_2_WARNING=1  # (a notice about MkDocs 2 on every build)
