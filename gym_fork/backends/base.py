@@ -92,61 +92,17 @@ class RemoteHandle(Handle):
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
         self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
         self.packed = False  # the worker reads packed step frames (learned from init/meta/hello)
+        self._cmd = ""  # the request in flight (its reply is read by receive())
+        self._offered = False  # that request is a hello offering packed frames
         self._status: str | None = None
 
     def request(self, cmd: str, *args: Any) -> Any:
-        if self.closed:
-            raise WorkerDiedError(f"worker {self.pid} was already stopped")
-        if cmd == "hello" and not args:
-            return self._hello()
-        try:
-            self._post(cmd, args)
-            reply = self.chan.recv()
-            self._pending = False
-        except (ChannelClosed, OSError) as e:
-            raise WorkerDiedError(
-                f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}"
-            ) from e
-        result = _result(reply)
-        if cmd in ("init", "meta") and type(result) is dict:
-            self.packed = result.get("packed") == PACKED_VERSION
-        return result
-
-    def _post(self, cmd: str, args: tuple) -> None:
-        """Send one request (a step as a packed frame where the worker reads them); an unread
-        reply of an interrupted request is drained first (one request in flight, always)."""
-        chan = self.chan
-        if self._pending:
-            chan.recv()
-            self._pending = False
-        if cmd == "step" and self.packed:
-            chan.send_step(args[0])
-        else:
-            chan.send((cmd, args))
-        self._pending = True
-
-    def _hello(self) -> tuple:
-        """``hello``, offering packed step frames: a worker that reads them says so in a fifth
-        element (stripped here); an older one refuses the argument and is asked again plainly."""
-        for args in ((PACKED_VERSION,), ()):
-            try:
-                self._post("hello", args)
-                reply = self.chan.recv()
-                self._pending = False
-            except (ChannelClosed, OSError) as e:
-                raise WorkerDiedError(
-                    f"the env worker (pid {self.pid}) died during 'hello': {self.exit_status()}") from e
-            if args and reply[0] != OK and reply[1] == "TypeError":
-                continue
-            out = _result(reply)
-            if len(out) == 5:
-                self.packed = out[4] == PACKED_VERSION
-                return out[:4]
-            return out
-        raise AssertionError("unreachable")
+        self.send(cmd, *args)
+        return self.receive()
 
     def send(self, cmd: str, *args: Any) -> None:
-        """First half of a request: send it, so several workers can compute at the same time."""
+        """First half of a request: send it, so several workers can compute at the same time
+        (and a new copy's ``hello`` can wait in its socket while the copy is being made)."""
         if self.closed:
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
         try:
@@ -156,12 +112,44 @@ class RemoteHandle(Handle):
 
     def receive(self) -> Any:
         """Second half of a request sent with :meth:`send`."""
+        cmd = self._cmd
         try:
             reply = self.chan.recv()
             self._pending = False
+            if cmd == "hello" and self._offered:
+                self._offered = False
+                if reply[0] != OK and reply[1] == "TypeError":  # an older worker: hello takes no argument
+                    self.chan.send(("hello", ()))
+                    self._pending = True
+                    reply = self.chan.recv()
+                    self._pending = False
         except (ChannelClosed, OSError) as e:
-            raise WorkerDiedError(f"the env worker (pid {self.pid}) died: {self.exit_status()}") from e
-        return _result(reply)
+            raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
+        result = _result(reply)
+        if cmd == "hello" and len(result) == 5:  # the worker reads packed step frames
+            self.packed = result[4] == PACKED_VERSION
+            return result[:4]
+        if cmd in ("init", "meta") and type(result) is dict:
+            self.packed = result.get("packed") == PACKED_VERSION
+        return result
+
+    def _post(self, cmd: str, args: tuple) -> None:
+        """Send one request: a step as a packed frame where the worker reads them, a plain
+        ``hello`` offering them. An unread reply of an interrupted request is drained first
+        (one request in flight, always)."""
+        chan = self.chan
+        if self._pending:
+            chan.recv()
+            self._pending = False
+        self._cmd, self._offered = cmd, False
+        if cmd == "step" and self.packed:
+            chan.send_step(args[0])
+        elif cmd == "hello" and not args:
+            chan.send(("hello", (PACKED_VERSION,)))  # an older worker refuses the argument
+            self._offered = True
+        else:
+            chan.send((cmd, args))
+        self._pending = True
 
     def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
         """A request that hands the worker one file descriptor (SCM_RIGHTS, right after it)."""

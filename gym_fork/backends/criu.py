@@ -358,6 +358,8 @@ class CriuBackend(Backend):
             for _ in range(n):
                 ours, theirs = socket.socketpair()
                 ino = socket_inode(theirs.fileno())
+                h = RemoteHandle(Channel(ours), 0, ino, fork_tier=True)
+                h.send("hello")  # waits in the socket until the clone serves it: one round trip less
                 try:
                     payload.request_with_fd("clone", theirs.fileno())
                 except (WorkerError, WorkerDiedError) as e:
@@ -365,8 +367,7 @@ class CriuBackend(Backend):
                     raise RestoreError(f"cloning the frozen snapshot (pid {payload.pid}) failed: {e}") from e
                 finally:
                     theirs.close()
-                h = RemoteHandle(Channel(ours), 0, ino, fork_tier=True)
-                h.pid, *h.initial = h.request("hello")
+                h.pid, *h.initial = h.receive()
                 handles.append(h)
         except BaseException:
             for h in handles:
