@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import shutil
 import time
@@ -46,13 +47,19 @@ from gym_fork.snapshots import quarantine, sessiondir
 from gym_fork.snapshots.budgets import MemoryBudget, disk_evictions
 from gym_fork.snapshots.bundle import bundle_meta, check_images, read_bundle_meta, sign_meta
 from gym_fork.snapshots.chunks import ChunkFiles, count_refs, read_recipe
-from gym_fork.snapshots.files import as_no_space, atomic_write_json, fsync_dir, syncfs
+from gym_fork.snapshots.files import as_no_space, fsync_dir, syncfs
 from gym_fork.snapshots.index import PINNED, StoreIndex
 from gym_fork.snapshots.snapshot import Snapshot, backend_named
 from gym_fork.snapshots.workspace import pack as pack_workspace
 
 CHUNK_SIZE = 16 * 1024
 _TMP_PREFIX = ".tmp-"
+
+
+def _write_json(path: str, obj: Any) -> None:
+    """A new file (0600) holding ``obj`` as JSON; not flushed (the caller flushes the file system)."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 class SnapshotStore:
@@ -190,6 +197,10 @@ class SnapshotStore:
             self._recipes[snap_id] = r
         return r
 
+    def _chunk_refs(self, ids: Any) -> dict[str, int]:
+        """How often each chunk is used by the entries ``ids`` (their recipes must be intact)."""
+        return count_refs(self._recipe(sid) for sid in ids)
+
     def _refs(self, idx: dict) -> dict[str, int]:
         """How often each chunk is used by the entries in ``idx`` (an entry whose recipe is
         damaged is quarantined and dropped from ``idx``) and by quarantined entries (whose
@@ -269,8 +280,8 @@ class SnapshotStore:
                     meta["workspace"] = pack_workspace(snap.workspace, os.path.join(tmp, "workspace"))
                     meta["workspace_path"] = snap.workspace_path
                 sign_meta(meta)
-                atomic_write_json(os.path.join(tmp, "recipe.json"), recipe)
-                atomic_write_json(os.path.join(tmp, "bundle.json"), meta)
+                _write_json(os.path.join(tmp, "recipe.json"), recipe)  # flushed by the syncfs below
+                _write_json(os.path.join(tmp, "bundle.json"), meta)
                 if snap.pinned:
                     os.close(os.open(os.path.join(tmp, PINNED), os.O_WRONLY | os.O_CREAT, 0o600))
                 syncfs(tmp)  # chunks, images, metadata durable before the snapshot is visible
