@@ -14,7 +14,7 @@ import os
 import shutil
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
@@ -31,8 +31,8 @@ from gym_fork.ray.host import pack_dir
 from gym_fork.ray.hosts import alive_nodes, forget_host, host_for
 from gym_fork.snapshots import sessiondir
 
-if TYPE_CHECKING:  # only a type here: RayNode imports this module when an env migrates to one
-    from gym_fork.ray.node import RayNode
+# ``node`` below is a gym_fork.ray.RayNode, which imports this module when an env migrates to one:
+# it is not imported here (no cycle), only its ``node_id`` and ``str()`` are used.
 
 
 class RayNetworkHandle(NetworkHandle):
@@ -72,7 +72,7 @@ class RayMigratedBackend(MigratedBackend):
             "step/reset/render/attributes/close and migrate(RayNode(...)) work")
 
 
-def _check_alive(node: RayNode) -> None:
+def _check_alive(node: Any) -> None:
     """Raises MigrationError (before anything is done) unless ``node`` is an alive node."""
     if node.node_id not in alive_nodes():
         raise MigrationError(f"Ray node {node.node_id} is not an alive node of this cluster")
@@ -100,7 +100,7 @@ def _export_snapshot(snap: Any, tok: bytes, host_timings: dict) -> tuple[Any, in
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _receive_and_attach(target: Any, node: RayNode, ref: Any, steps: int, tok: bytes, timeout: float,
+def _receive_and_attach(target: Any, node: Any, ref: Any, steps: int, tok: bytes, timeout: float,
                         timings: dict, host_timings: dict) -> tuple[socket.socket, dict]:
     """The target host pulls, verifies and restores the bundle ``ref``; then the driver attaches to
     the restored worker through the host's bridge. Returns ``(sock, rep)``; on failure the
@@ -140,7 +140,7 @@ def _receive_and_attach(target: Any, node: RayNode, ref: Any, steps: int, tok: b
     return sock, rep
 
 
-def migrate_env_to_node_live(env: Any, node: RayNode, *, token: str | bytes | None = None,
+def migrate_env_to_node_live(env: Any, node: Any, *, token: str | bytes | None = None,
                              timeout: float = 60.0) -> Any:
     """``env.migrate(RayNode(id), live=True)``: pre-copy (:mod:`gym_fork.migration.live`) to a Ray
     node's host: the learner keeps stepping its local worker while the copy-on-write snapshot is
@@ -178,7 +178,7 @@ def migrate_env_to_node_live(env: Any, node: RayNode, *, token: str | bytes | No
     return start_live(env, str(node), ship, switch)
 
 
-def migrate_env_to_node(env: Any, node: RayNode, *, token: str | bytes | None = None,
+def migrate_env_to_node(env: Any, node: Any, *, token: str | bytes | None = None,
                         timeout: float = 60.0) -> dict:
     """Move ``env``'s worker to ``node``'s migration host (see the module doc).
 
