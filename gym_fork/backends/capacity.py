@@ -144,7 +144,8 @@ def limits() -> dict[str, tuple[int, str]]:
             mem = int(line.split()[1]) * 1024
     if mem is not None:
         out["memory"] = (mem, "MemAvailable")
-    mem_cg = _cgroup_free("memory", ("memory.max", "memory.limit_in_bytes"), ("memory.current", "memory.usage_in_bytes"))
+    mem_cg = _cgroup_free("memory", ("memory.max", "memory.limit_in_bytes"),
+                          ("memory.current", "memory.usage_in_bytes"))
     if mem_cg is not None and ("memory" not in out or mem_cg < out["memory"][0]):
         out["memory"] = (mem_cg, "the memory cgroup's limit")
     return out

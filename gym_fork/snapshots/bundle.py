@@ -163,7 +163,8 @@ def check_images(images: Any, path: str, field: str = "images") -> dict:
     if not isinstance(images, dict):
         raise BundleDamagedError(f"{path}: {META} field {field!r} is not an object; nothing was loaded")
     for name, e in images.items():
-        ok = (sessiondir.is_image_file_name(name) and isinstance(e, dict) and isinstance(e.get("size"), int) and not isinstance(e.get("size"), bool)
+        ok = (sessiondir.is_image_file_name(name) and isinstance(e, dict)
+              and isinstance(e.get("size"), int) and not isinstance(e.get("size"), bool)
               and e["size"] >= 0 and any(isinstance(e.get(alg), str) and _HEX64.fullmatch(e[alg])
                                          for alg in ("sha256", "blake3")))
         if not ok:
@@ -216,7 +217,8 @@ def read_bundle_meta(path: str, *, key: bytes | None = None, require_hmac: bool 
     if not isinstance(meta, dict):
         check_meta(meta, path)  # raises: not an object
     if meta.get("format") != FORMAT or isinstance(meta.get("format"), bool):
-        raise BundleError(f"{path}: bundle format {meta.get('format')!r} is not supported (this gym_fork reads {FORMAT})")
+        raise BundleError(f"{path}: bundle format {meta.get('format')!r} is not supported "
+                          f"(this gym_fork reads {FORMAT})")
     if require_hmac:
         mac = meta.get("hmac")
         if not isinstance(mac, str) or not _HEX64.fullmatch(mac):

@@ -1,7 +1,7 @@
 """Session directories outlive a process killed with SIGKILL; the next gym_fork process removes them.
 
-Every session directory holds a lock file (``.owner``) that its process keeps ``flock``-ed for its
-whole lifetime.  The kernel drops a ``flock`` when the last descriptor of its open file goes
+Every session directory holds a lock file (``owner.lock``) that its process keeps ``flock``-ed
+for its whole lifetime.  The kernel drops a ``flock`` when the last descriptor of its open file goes
 away, however the process ends, so "the lock is free" means "the owner is gone" -- with no pid
 check (pids are reused, and differ between PID namespaces).  The descriptor is close-on-exec
 (workers and CRIU are started with ``exec``), and a process forked without ``exec`` closes its
@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 
-OWNER = ".owner"
+OWNER = "owner.lock"
 #: session directories: s<pid>-<random> (named by their creator; the pid is informative only)
 SESSION_RE = re.compile(r"s\d+-[A-Za-z0-9_]+")
 _STALE_NEW_S = 3600.0  # a ".new-*" directory this old was left by a creator that died half-way

@@ -547,7 +547,8 @@ class SnapshotStore:
         sessiondir.check_image_name(name, what)
         h = hashlib.sha256()
         done = 0
-        fd = os.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(os.path.join(dest, name), flags, 0o600)
         with os.fdopen(fd, "wb") as out:
             for c in chunks:
                 data = self._chunks.read(c, verify=full, what=what, size=max(want["size"] - done, 0))

@@ -103,7 +103,8 @@ def test_gc_reclaims_and_leaves_other_directories_alone(tmp_path):
     base = str(tmp_path / "base")
     env = dict(os.environ, GYM_FORK_DIR=base)
     # two killed owners, a live one, a legacy directory without a lock, and a non-session dir
-    sleeper = "from gym_fork.snapshots import sessiondir; import time; print(sessiondir.session_dir(), flush=True); time.sleep(600)"
+    sleeper = ("from gym_fork.snapshots import sessiondir; import time; "
+               "print(sessiondir.session_dir(), flush=True); time.sleep(600)")
     procs = [subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(3)]
     try:

@@ -12,7 +12,7 @@ import pytest
 
 import gym_fork
 from gym_fork import SnapshotStore, cli, keys
-from gym_fork.errors import BundleDamagedError, BundleError, StoreError
+from gym_fork.errors import BundleError, StoreError
 from gym_fork.snapshots.bundle import canonical_meta
 
 pytestmark = pytest.mark.criu
