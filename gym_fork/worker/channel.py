@@ -146,14 +146,18 @@ class Channel:
 # A frame is b"S" + one value (a step request's action) or b"R" + five values (a step's result).
 # A value is a tag byte and its bytes:
 #   N None | T, F a bool | i a Python int (<q) | f a Python float (<d)
-#   s a NumPy scalar: dtype length, dtype.str, its bytes
+#   g an np.float64 (<d) | j an np.int64 (<q) | b an np.bool_ (one byte)
+#   s any other NumPy scalar: dtype length, dtype.str, its bytes
 #   a an ndarray: dtype length, dtype.str, ndim, shape (<q each), its C-order bytes
-#   d an empty dict | p anything else: length (<I), its pickle
+#   d an empty dict | D a dict of str keys holding NumPy values (np.float64 pickles slowly):
+#     count (<H), then per item its key (<H length, UTF-8) and its value
+#   p anything else: length (<I), its pickle
 # Encoders are picked by the value's exact type and decoders by the tag (one dict lookup each);
 # an array's header is built once per dtype and shape.
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
 _NUMERIC = frozenset("biufc")  # dtype kinds whose bytes are the whole value
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -191,10 +195,17 @@ def _pack_int(x: int, parts: list) -> None:
 
 
 def _pack_dict(x: dict, parts: list) -> None:
-    if x:
-        _pack_pickle(x, parts)
-    else:
+    if not x:
         parts.append(b"d")
+    elif (len(x) < 1 << 16 and all(type(k) is str and len(k) < 1 << 14 for k in x)
+          and any(isinstance(v, (np.generic, np.ndarray)) for v in x.values())):
+        parts.append(b"D" + _U16.pack(len(x)))
+        for k, v in x.items():
+            kb = k.encode()
+            parts.append(_U16.pack(len(kb)) + kb)
+            _pack(v, parts)
+    else:  # plain Python values: pickle is as fast
+        _pack_pickle(x, parts)
 
 
 def _pack_scalar(x: np.generic, parts: list) -> None:
@@ -209,6 +220,11 @@ _PACKERS: dict[type, Any] = {
     int: _pack_int,
     type(None): lambda x, parts: parts.append(b"N"),
     dict: _pack_dict,
+    # the NumPy scalars envs return most (rewards, MuJoCo's info), without NumPy's slow paths;
+    # struct copies a double's bits as they are (NaN payloads too)
+    np.float64: lambda x, parts: parts.append(b"g" + _F64.pack(x)),
+    np.int64: lambda x, parts: parts.append(b"j" + _I64.pack(x)),
+    np.bool_: lambda x, parts: parts.append(b"b\x01" if x else b"b\x00"),
 }
 
 
@@ -261,6 +277,17 @@ def _unpack_scalar(view: memoryview, pos: int) -> tuple[Any, int]:
     return np.frombuffer(view, dt, 1, pos)[0], pos + dt.itemsize
 
 
+def _unpack_dict(view: memoryview, pos: int) -> tuple[Any, int]:
+    (n,) = _U16.unpack_from(view, pos)
+    pos += 2
+    out = {}
+    for _ in range(n):
+        (k,) = _U16.unpack_from(view, pos)
+        key = str(view[pos + 2:pos + 2 + k], "utf-8")
+        out[key], pos = _unpack(view, pos + 2 + k)
+    return out, pos
+
+
 def _unpack_pickle(view: memoryview, pos: int) -> tuple[Any, int]:
     (n,) = _U32.unpack_from(view, pos)
     pos += 4
@@ -275,7 +302,11 @@ _UNPACKERS: dict[int, Any] = {
     ord("F"): lambda view, pos: (False, pos),
     ord("N"): lambda view, pos: (None, pos),
     ord("d"): lambda view, pos: ({}, pos),
+    ord("D"): _unpack_dict,
     ord("s"): _unpack_scalar,
+    ord("g"): lambda view, pos: (np.float64(_F64.unpack_from(view, pos)[0]), pos + 8),
+    ord("j"): lambda view, pos: (np.int64(_I64.unpack_from(view, pos)[0]), pos + 8),
+    ord("b"): lambda view, pos: (np.bool_(view[pos]), pos + 1),
     ord("p"): _unpack_pickle,
 }
 

@@ -47,7 +47,8 @@ def same(x, y) -> bool:
 
 ACTIONS = [
     0, 1, -(1 << 63), (1 << 63) - 1, 1 << 70,  # the last one does not fit int64: pickled
-    np.int64(3), np.int32(-2), np.uint8(255), np.bool_(True), np.float32(0.5), np.float64(-0.0),
+    np.int64(3), np.int64(-(1 << 63)), np.int32(-2), np.uint8(255), np.bool_(True), np.bool_(False),
+    np.float32(0.5), np.float64(-0.0), np.frombuffer(bytes.fromhex("0100000000f8ff7f"), np.float64)[0],
     np.array([0.1, -0.2, 0.3], dtype=np.float32), np.array(7), np.zeros((0, 3)), np.arange(6).reshape(2, 3),
     np.array([1, 2], dtype=">i4"), np.array([1 + 2j]), np.array([True, False]),
     np.arange(6.0).reshape(2, 3)[:, 1],  # not contiguous: pickled, still exact
@@ -72,6 +73,10 @@ RESULTS = [
     ({"pos": np.ones(2), "id": 3}, 0, True, False, {"terminal_observation": np.ones(3)}),
     (3, 0.0, False, False, {}),
     (np.array(float("nan")), float("-inf"), False, False, {}),
+    (np.zeros(17), np.float64(0.5), False, False,  # MuJoCo's info: NumPy scalars under str keys
+     {"x_position": np.float64(1.0), "reward_ctrl": np.float64(-0.1), "é": np.zeros((2, 2), np.float32),
+      "nested": {"a": np.int64(1), "b": [1, 2]}, "plain": 3, "none": None}),
+    (np.zeros(1), 0.0, False, False, {1: np.float64(1.0), "k": np.float64(2.0)}),  # a non-str key: pickled
 ]
 
 
