@@ -103,8 +103,8 @@ class Agent:
         conns, unauth = default_limits()
         self.max_connections = max_connections or conns
         self.max_unauthenticated = min(max_unauthenticated or unauth, self.max_connections)
-        if self.max_connections < 1 or self.max_unauthenticated < 1:
-            raise ValueError("connection limits must be at least 1")
+        if self.max_connections < 1 or self.max_unauthenticated < 1 or not handshake_timeout > 0:
+            raise ValueError("connection limits must be at least 1 and the handshake timeout positive")
         self.handshake_timeout = handshake_timeout
         self.sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address = self.sock.getsockname()[:2]
