@@ -703,6 +703,22 @@ def start_envs(sources: Sequence[Any], **kwargs: Any) -> list[ForkableEnv]:
     return envs
 
 
+def close_envs(envs: Sequence[ForkableEnv]) -> None:
+    """Close every env in ``envs``, also when one fails to close.
+
+    Raises:
+        The first ``close()`` error, after trying all of them.
+    """
+    error = None
+    for env in envs:
+        try:
+            env.close()
+        except Exception as e:  # noqa: BLE001 - close the others anyway
+            error = error or e
+    if error is not None:
+        raise error
+
+
 def _own_attr(env: ForkableEnv, name: str) -> bool:
     """Whether ``name`` is the ForkableEnv's own (its class's or set on it), not the worker env's:
     Gymnasium's ``hasattr(self, name)`` check, which a Wrapper without ``__getattr__`` passes

@@ -18,7 +18,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, start_envs
+from gym_fork.env import ForkableEnv, close_envs, start_envs
 from gym_fork.errors import EnvClosedError, WorkerError
 from gym_fork.snapshots.snapshot import Snapshot
 
@@ -306,14 +306,7 @@ class ForkableVecEnv(VecEnv):
         if self.waiting:  # read the step replies first: the workers are still answering them
             _collect(self._calls)
             self._calls, self.waiting = [], False
-        error = None
-        for env in self.envs:
-            try:
-                env.close()
-            except Exception as e:  # noqa: BLE001 - close the others anyway
-                error = error or e
-        if error is not None:
-            raise error
+        close_envs(self.envs)
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         if self.render_mode != "rgb_array":

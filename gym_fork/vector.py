@@ -26,7 +26,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, start_envs
+from gym_fork.env import ForkableEnv, close_envs, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source, reseed_env
 
@@ -440,14 +440,7 @@ class ForkableVectorEnv(VectorEnv):
 
     def close_extras(self, **kwargs: Any) -> None:
         """Stop every worker; snapshots taken from this env are released."""
-        error = None
-        for env in self._closing_envs:
-            try:
-                env.close()
-            except Exception as e:  # noqa: BLE001 - close the others anyway
-                error = error or e
-        if error is not None:
-            raise error
+        close_envs(self._closing_envs)
 
     # --- snapshots -------------------------------------------------------------------------------
     @property
