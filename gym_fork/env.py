@@ -455,10 +455,7 @@ class ForkableEnv(gym.Wrapper):
         if snapshot is not None and not isinstance(snapshot, Snapshot):
             raise TypeError(f"snapshot must be a gym_fork Snapshot (from env.snapshot()) or None, "
                             f"not {type(snapshot).__name__}")
-        if rng not in ("same", "reseed"):
-            raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
-        if seeds is not None and (rng != "reseed" or len(seeds) != n):
-            raise ValueError("seeds needs rng='reseed' and exactly n entries")
+        check_rng(rng, seeds, n, "n")
         own = snapshot is None
         snap = self.snapshot() if own else snapshot
         try:
@@ -701,6 +698,19 @@ def start_envs(sources: Sequence[Any], **kwargs: Any) -> list[ForkableEnv]:
             env.close()
         raise error
     return envs
+
+
+def check_rng(rng: str, seeds: Sequence[int] | None, n: int, what: str) -> None:
+    """Check ``fork()``'s randomness arguments for ``n`` copies (``what`` names ``n`` in the message).
+
+    Raises:
+        ValueError: ``rng`` is not ``"same"`` or ``"reseed"``, or ``seeds`` is given without
+            ``rng="reseed"`` or not with exactly ``n`` entries.
+    """
+    if rng not in ("same", "reseed"):
+        raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
+    if seeds is not None and (rng != "reseed" or len(seeds) != n):
+        raise ValueError(f"seeds needs rng='reseed' and exactly {what} entries")
 
 
 def close_envs(envs: Sequence[ForkableEnv]) -> None:

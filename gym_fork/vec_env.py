@@ -18,7 +18,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, close_envs, start_envs
+from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
 from gym_fork.errors import EnvClosedError, WorkerError
 from gym_fork.snapshots.snapshot import Snapshot
 
@@ -400,10 +400,7 @@ class ForkableVecEnv(VecEnv):
             raise ValueError("indices is empty")
         if len(set(idx)) != len(idx) or not all(0 <= i < self.num_envs for i in idx):
             raise ValueError(f"indices must be distinct slots in 0..{self.num_envs - 1}, got {idx}")
-        if rng not in ("same", "reseed"):
-            raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
-        if seeds is not None and (rng != "reseed" or len(seeds) != len(idx)):
-            raise ValueError("seeds needs rng='reseed' and one entry per index")
+        check_rng(rng, seeds, len(idx), "len(indices)")
         targets = self._idle_envs(idx, "fork_into")
         payload = None
         for env in targets:  # every target slot must accept it (lineage, backend, not released)

@@ -26,7 +26,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, close_envs, start_envs
+from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source, reseed_env
 
@@ -517,10 +517,7 @@ class ForkableVectorEnv(VectorEnv):
             raise ValueError("indices is empty")
         if len(set(idx)) != len(idx) or not all(0 <= i < self.num_envs for i in idx):
             raise ValueError(f"indices must be distinct slots in 0..{self.num_envs - 1}, got {idx}")
-        if rng not in ("same", "reseed"):
-            raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
-        if seeds is not None and (rng != "reseed" or len(seeds) != len(idx)):
-            raise ValueError("seeds needs rng='reseed' and one entry per index")
+        check_rng(rng, seeds, len(idx), "len(indices)")
         if not isinstance(snapshot, Snapshot):
             raise TypeError(f"expected a gym_fork.Snapshot, got {type(snapshot).__name__}")
         snapshot.payload()  # a released snapshot is refused before any slot changes

@@ -28,6 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gym_fork.exploration import ExploreResult
+from gym_fork.env import check_rng
 from gym_fork.errors import BranchesFailedError
 from gym_fork.ray.errors import cause, first_line
 from gym_fork.ray.host import BranchHost, pack_dir, pid_alive, reap_dead_dirs
@@ -196,10 +197,7 @@ class RayBranchPool:
             raise RuntimeError("this RayBranchPool was closed")
         if n_branches < 1 or horizon < 1:
             raise ValueError(f"n_branches and horizon must be >= 1 (got {n_branches}, {horizon})")
-        if rng not in ("same", "reseed"):
-            raise ValueError(f"rng must be 'same' or 'reseed', not {rng!r}")
-        if seeds is not None and (rng != "reseed" or len(seeds) != n_branches):
-            raise ValueError("seeds needs rng='reseed' and exactly n_branches entries")
+        check_rng(rng, seeds, n_branches, "n_branches")
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
         nodes = self.nodes
