@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gym_fork.snapshots import sessiondir
+from gym_fork.snapshots import reclaim, sessiondir
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -50,16 +50,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def reap_dead_dirs(base: str | None = None) -> list[str]:
-    """Delete host session directories (``s<pid>-*``) whose process is gone. Returns them."""
+    """Delete the host session directories under ``base`` whose process is gone. Returns their names.
+
+    Directories with an owner lock go by the lock (:func:`gym_fork.snapshots.reclaim.reclaim_orphans`,
+    the rule of every session directory); older ones without a lock by their pid."""
     base = base or hosts_base()
-    gone = []
-    try:
-        names = os.listdir(base)
-    except FileNotFoundError:
-        return gone
-    for name in names:
-        if not name.startswith("s") or "-" not in name:
-            continue
+    out = reclaim.reclaim_orphans(base)
+    gone = list(out["reclaimed"])
+    for name in out["legacy"]:
         try:
             pid = int(name[1:name.index("-")])
         except ValueError:
