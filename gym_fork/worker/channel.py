@@ -68,6 +68,10 @@ class Channel:
 
     def send_step(self, action: Any) -> None:
         """Send ``("step", (action,))`` as a packed frame (the peer must read them)."""
+        head = _INT_STEP.get(type(action))
+        if head is not None and _INT64_MIN <= action <= _INT64_MAX:  # a discrete action
+            self.sock.sendall(head + _I64.pack(action))
+            return
         parts = [b"", b"S"]
         _pack(action, parts)
         self._send_packed(parts)
@@ -160,6 +164,8 @@ _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _NUMERIC = frozenset("biufc")  # dtype kinds whose bytes are the whole value
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# a whole step request for an int or np.int64 action, but its 8 bytes (what _pack would write)
+_INT_STEP = {int: _HEADER.pack(10 | _PACKED) + b"Si", np.int64: _HEADER.pack(10 | _PACKED) + b"Sj"}
 
 
 def _pack_pickle(x: Any, parts: list) -> None:
@@ -184,7 +190,7 @@ def _pack_array(x: np.ndarray, parts: list) -> None:
         if len(_ARRAY_HEADERS) < 256:
             _ARRAY_HEADERS[key] = head
     parts.append(head)
-    parts.append(memoryview(x.reshape(-1)).cast("B"))  # the array's own memory, not a copy
+    parts.append(memoryview(x).cast("B") if x.size else b"")  # the array's own memory, not a copy
 
 
 def _pack_int(x: int, parts: list) -> None:
