@@ -327,21 +327,24 @@ def _vec_loop(venv, batched) -> None:
 
 _ECHO = (
     "import socket, sys\n"
-    "from gym_fork.worker.channel import Channel, ChannelClosed\n"
-    "c = Channel(socket.socket(fileno=int(sys.argv[1])))\n"
+    "import numpy as np\n"
+    "from gym_fork.worker import channel as ch\n"
+    "c = ch.Channel(socket.socket(fileno=int(sys.argv[1])))\n"
+    "result = (np.zeros(4, dtype=np.float32), 1.0, False, False, {})\n"
     "while True:\n"
     "    try:\n"
     "        m = c.recv()\n"
-    "    except ChannelClosed:\n"
+    "    except ch.ChannelClosed:\n"
     "        break\n"
-    "    c.send((0, m))\n"
+    "    (c.reply if hasattr(c, 'reply') else c.send)((0, result))\n"
 )
 
 
 class _IpcFloor:
-    """A bare echo process on gym_fork's Channel: one pickled request/reply per "step", no env.
+    """A bare echo process on gym_fork's Channel: one step request and a CartPole-sized result
+    per "step", no env; packed step frames where this gym_fork has them, else pickles.
 
-    The floor under any one-process-per-env design on this machine (wake-up + syscalls + pickle).
+    The floor under any one-process-per-env design on this machine (wake-up + syscalls + codec).
     """
 
     def __init__(self):
@@ -358,9 +361,14 @@ class _IpcFloor:
         self.chan = Channel(ours)
 
     def loop(self, actions) -> None:
-        send, recv = self.chan.send, self.chan.recv
+        recv = self.chan.recv
+        if hasattr(self.chan, "send_step"):
+            send = self.chan.send_step
+        else:
+            def send(a):
+                self.chan.send(("step", (a,)))
         for a in actions:
-            send(("step", (a,)))
+            send(a)
             recv()
 
     def close(self) -> None:
@@ -662,8 +670,9 @@ def report(results: dict, reps: int, steps: int) -> None:
     print_table(["env"] + [STEP_LABELS[m] + " µs" for m in modes], rows,
                 title=f"per-step cost (median µs/step over {steps} pre-sampled steps, {reps} runs; ratio vs in-process)",
                 note="Episodes reset on termination inside the timed loop (SubprocVecEnv resets itself). "
-                     "bare IPC echo = one pickled request/reply with an echo process over gym_fork's "
-                     "Channel and no env: the floor for any env-in-another-process design here. "
+                     "bare IPC echo = one step request and a CartPole-sized reply (packed step frames) with an "
+                     "echo process over gym_fork's Channel and no env: the floor for any env-in-another-process "
+                     "design here. "
                      "All modes of an env are timed interleaved, run by run.")
 
 
