@@ -22,9 +22,12 @@ def _ip(*args: str) -> None:
 
 
 class AgentProcess:
+    stop_timeout = 10.0  # seconds a SIGTERMed agent gets before SIGKILL
+
     def __init__(self, name: str, state_dir: str, token_file: str, *, host: str = "127.0.0.1",
                  netns: str | None = None, cert: str | None = None, key: str | None = None,
-                 log_path: str | None = None, args: tuple[str, ...] = ()):
+                 log_path: str | None = None, args: tuple[str, ...] = (), launcher: tuple[str, ...] = ()):
+        """``launcher``: a command that execs the agent (e.g. ``("prlimit", "--nofile=128:128", "--")``)."""
         self.name, self.state_dir, self.netns = name, state_dir, netns
         self.log_path = log_path or os.path.join(os.path.dirname(state_dir), f"agent-{name}.log")
         cmd = [sys.executable, "-m", "gym_fork.cli", "agent", "--host", host, "--port", "0",
@@ -34,6 +37,7 @@ class AgentProcess:
         cmd += list(args)
         if netns:
             cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
+        cmd = [*launcher, *cmd]
         self._log = open(self.log_path, "ab")
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")]))
@@ -54,6 +58,19 @@ class AgentProcess:
     def pid(self) -> int:
         """pid of the agent's python (nsenter execs it, so it is the same process)."""
         return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def status(self) -> dict[str, int]:
+        """``Threads`` and ``VmRSS`` (KiB) of the agent, from /proc."""
+        out = {}
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("Threads", "VmRSS"):
+                    out[key] = int(value.split()[0])
+        return out
 
     def children(self) -> list[int]:
         out: list[int] = []
@@ -76,7 +93,7 @@ class AgentProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

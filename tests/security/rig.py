@@ -6,31 +6,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import select
-import signal
 import socket
 import ssl
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 
-import gym_fork
+from gym_fork.testing.nodes import AgentProcess
 
-PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gym_fork.__file__)))
-_LISTEN = re.compile(r"listening on (\S+):(\d+)")
 LEN = struct.Struct("!I")
 
 
-class AgentProc:
-    """``gym-fork agent`` on loopback in its own process.
+class AgentProc(AgentProcess):
+    """``gym-fork agent`` on loopback in its own process, with a token and directories of its own.
 
     Args:
         args: extra command-line arguments.
         nofile: RLIMIT_NOFILE (soft and hard) of the agent, set before it starts.
     """
+
+    stop_timeout = 20.0  # an agent under attack may take longer to wind down
 
     def __init__(self, *args: str, nofile: int | None = None):
         self.dir = tempfile.mkdtemp(prefix="gfsec-")
@@ -38,69 +35,15 @@ class AgentProc:
         self.token_file = os.path.join(self.dir, "token")
         with open(os.open(self.token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(self.token)
-        self.state_dir = os.path.join(self.dir, "state")
-        self.log_path = os.path.join(self.dir, "agent.log")
-        cmd = [sys.executable, "-m", "gym_fork.cli", "agent", "--host", "127.0.0.1", "--port", "0",
-               "--state-dir", self.state_dir, "--token-file", self.token_file, "--node", "B", *args]
-        if nofile is not None:  # prlimit(1) sets it and execs the agent: the limit holds from its start
-            cmd = ["prlimit", f"--nofile={nofile}:{nofile}", "--", *cmd]
-
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([PKG_ROOT, os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not (m := _LISTEN.search(self.log())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"agent did not start:\n{self.log()[-3000:]}")
-            time.sleep(0.05)
-        self.host, self.port = m.group(1), int(m.group(2))
-        self.target = f"{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def status(self) -> dict[str, int]:
-        """``Threads`` and ``VmRSS`` (KiB) of the agent, from /proc."""
-        out = {}
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("Threads", "VmRSS"):
-                    out[key] = int(value.split()[0])
-        return out
-
-    def children(self) -> list[int]:
-        out: list[int] = []
-        try:
-            for t in os.listdir(f"/proc/{self.pid}/task"):
-                with open(f"/proc/{self.pid}/task/{t}/children") as f:
-                    out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-        return out
+        # prlimit(1) sets the limit and execs the agent: it holds from the agent's start
+        launcher = ("prlimit", f"--nofile={nofile}:{nofile}", "--") if nofile is not None else ()
+        super().__init__("B", os.path.join(self.dir, "state"), self.token_file,
+                         log_path=os.path.join(self.dir, "agent.log"), args=args, launcher=launcher)
+        host, _, port = self.target.rpartition(":")
+        self.host, self.port = host, int(port)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        super().stop()
         subprocess.run(["rm", "-rf", self.dir], check=False)
 
 
