@@ -16,8 +16,8 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
-from gym_fork.worker.channel import PACKED_VERSION
 from gym_fork.worker import checker, refs, registry
+from gym_fork.worker.channel import PACKED_VERSION
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
 # | ("registered", registry.pack() of the learner, source): the learner's own env registrations first

@@ -49,7 +49,7 @@ os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
-from gym_fork.worker import resources  # noqa: E402
+from gym_fork.worker import lean, output, resources  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 REAPER = (
@@ -141,6 +141,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
             try:
                 server.cmd_close()
             finally:
+                output.flush(chan)
                 chan.send((OK, None))
             _retire_or_exit()
             return
@@ -194,6 +195,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
             reply = _error_reply(exc)
+        output.flush(chan)  # what the env printed, warned or logged: ahead of the reply
         try:
             chan.reply(reply)  # packed when the request was a packed step
         except ChannelClosed:
@@ -332,6 +334,7 @@ def main(argv: list[str]) -> int:
         os.setsid()
     except OSError:
         pass  # already a session leader
+    lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
     chan = Channel.from_fd(int(argv[1]))
     try:
         cmd, args = chan.recv()
@@ -341,9 +344,13 @@ def main(argv: list[str]) -> int:
         chan.send((ERR, "ProtocolError", f"expected init, got {cmd!r}", ""))
         return 2
     try:
+        output.install(args[0])  # the env's warnings, logs and prints reach the user
         server = EnvServer(build_env(args[0]))
+        output.identify(server.env)
+        output.flush(chan)
         chan.send((OK, server.cmd_meta()))
     except Exception as exc:  # noqa: BLE001
+        output.flush(chan)
         chan.send(_error_reply(exc))
         return 1
     serve(chan, server)
