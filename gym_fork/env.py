@@ -21,10 +21,12 @@ from gym_fork.backends import capacity
 from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
-from gym_fork.errors import EnvClosedError, EnvNotShippableError, ForeignSnapshotError, WorkerError
+from gym_fork.errors import (EnvClosedError, EnvNotShippableError, ForeignSnapshotError, UncapturedFilesError,
+                             WorkerError)
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import Snapshot, new_id
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
+from gym_fork.worker import files
 from gym_fork.worker.commands import make_source
 
 log = logging.getLogger("gym_fork")
@@ -87,6 +89,13 @@ class ForkableEnv(gym.Wrapper):
             (``lambda e: FrameStackObservation(e, 4)``).  Wrappers in the worker are part of every
             snapshot; wrappers you put *around* a ForkableEnv are not (their counters and buffers
             stay as they are on restore -- see :func:`gym_fork.snapshot_of`).
+        untracked_paths: files outside the workspace whose content may stay as it is when a
+            snapshot is restored or forked (logs, caches): absolute paths or ``fnmatch`` patterns
+            (``"/tmp/run/*.log"``; ``*`` also matches ``/``; a directory covers everything in it).
+            gym_fork records every file the env writes outside its workspace (:mod:`gym_fork.worker.files`)
+            and refuses a ``snapshot()`` of an env that wrote one, and a ``restore()``/``fork()``
+            after it wrote one (``UncapturedFilesError``, naming the paths), unless the path
+            matches one of these; their content is then *not* restored.
 
     Raises:
         ValueError: an unknown backend name or option value.
@@ -99,13 +108,16 @@ class ForkableEnv(gym.Wrapper):
     _store: Any = None  # a gym_fork.SnapshotStore: budgets, persistence
     _workspace: Any = None  # a Workspace whose files every snapshot captures
     _origin: Any = None  # (env, env_kwargs, wrappers) it was built from: gym_fork.check_env builds more
+    _untracked: tuple[str, ...] = ()  # untracked_paths: patterns of files whose content is not restored
 
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
                  record_actions: bool = True, worker_log: str | None = None,
                  fork_tier: bool | Literal["auto"] = "auto", store: Any = None,
                  workspace: str | None = None, private_network: bool = False,
-                 wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None):
+                 wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None,
+                 untracked_paths: Sequence[str] | None = None):
+        untracked = files.untracked_patterns(untracked_paths)
         source = make_source(env, env_kwargs, wrappers)
         self._origin = (env, env_kwargs, wrappers)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier,
@@ -123,6 +135,7 @@ class ForkableEnv(gym.Wrapper):
                 "your script or a module.") from None
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store
+        self._untracked = untracked
         if workspace is not None:
             self._workspace = Workspace(workspace)
             self._request("setattr", "workspace", self._workspace.path, "unwrapped")
@@ -174,7 +187,8 @@ class ForkableEnv(gym.Wrapper):
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, *, record_actions: bool = True, store: Any = None,
-                      workspace: str | None = None) -> "ForkableEnv":
+                      workspace: str | None = None,
+                      untracked_paths: Sequence[str] | None = None) -> "ForkableEnv":
         """A new env that starts exactly at ``snapshot`` (e.g. one from :func:`gym_fork.load_snapshot`),
         without first starting a fresh env.
 
@@ -185,6 +199,7 @@ class ForkableEnv(gym.Wrapper):
             workspace: the directory the new env works in; required when the snapshot captured a
                 workspace (its content is replaced by the snapshot's files, and the env's
                 ``workspace`` attribute set to it).
+            untracked_paths: as for :class:`ForkableEnv`.
 
         Raises:
             ValueError: the snapshot captured a workspace and ``workspace`` is None.
@@ -193,11 +208,13 @@ class ForkableEnv(gym.Wrapper):
         if getattr(snapshot, "workspace", None) and workspace is None:
             raise ValueError(f"snapshot {snapshot.id} captured a workspace: pass workspace=DIR, the "
                              "directory its files are put back into")
+        untracked = files.untracked_patterns(untracked_paths)
         be = snapshot.payload_backend
         with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
             handle = be.restore(payload)
         env = cls._from_handle(be, handle, steps=snapshot.steps, parent_id=snapshot.id,
                                lineage=snapshot.lineage, record_actions=record_actions, store=store)
+        env._untracked = untracked
         if workspace is not None:
             try:
                 env._workspace = Workspace(workspace)
@@ -388,8 +405,10 @@ class ForkableEnv(gym.Wrapper):
         Raises:
             SnapshotError: the backend failed; the env is unchanged and usable.
             UnsupportedEnvError: the backend cannot capture this env exactly.
+            UncapturedFilesError: the env wrote files outside its workspace (``untracked_paths``).
         """
         self._check_open()
+        self._refuse_outside_writes()
         sid = new_id()
         payload, size = self._backend.snapshot(self._handle, sid)
         snap = Snapshot(backend=self._backend, payload=payload, size_bytes=size, steps=self._steps,
@@ -410,6 +429,10 @@ class ForkableEnv(gym.Wrapper):
         """Bring the env back to ``snapshot``; returns the ``(obs, info)`` of that moment.
 
         On any failure the env keeps running exactly as before the call.
+
+        Raises:
+            UncapturedFilesError: this env wrote files outside its workspace, which the restore
+                would not bring back (``untracked_paths``).
         """
         self._check_open()
         self._check_snapshot(snapshot)
@@ -472,6 +495,7 @@ class ForkableEnv(gym.Wrapper):
                                              parent_id=None if own else snap.id, lineage=self._lineage,
                                              record_actions=self._record_actions, store=self._store)
             child._origin = self._origin
+            child._untracked = self._untracked
             children.append(child)
             if self._workspace is not None and getattr(snap, "workspace", None):
                 child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8],
@@ -564,7 +588,43 @@ class ForkableEnv(gym.Wrapper):
         if getattr(snapshot, "workspace", None) and self._workspace is None:
             raise ValueError(f"snapshot {snapshot.id} captured a workspace but this env has none; use "
                              "ForkableEnv.from_snapshot(snapshot, workspace=DIR)")
+        self._refuse_outside_writes(snapshot)
         return snapshot.payload()  # raises SnapshotReleasedError
+
+    def _outside_writes(self) -> list[str]:
+        """The files this env's worker wrote outside its workspace and ``untracked_paths``, as the
+        worker last reported them (ahead of its latest reply: no round trip)."""
+        handle = self._handle
+        chan = getattr(handle, "chan", None)
+        if chan is not None:
+            record = getattr(chan, "files", None)
+        else:  # in-process (pickle backend): the handle's own record
+            written = getattr(handle, "written", None)
+            record = written.current() if written is not None else None
+        ws = self._workspace.path if self._workspace is not None else None
+        return files.outside(record, ws, self._untracked)
+
+    def _refuse_outside_writes(self, snapshot: Snapshot | None = None) -> None:
+        """Raise UncapturedFilesError when this env wrote files no snapshot holds: for a new
+        snapshot (``snapshot`` None), or before going back to ``snapshot``."""
+        paths = self._outside_writes()
+        if not paths:
+            return
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        fix = ("To fix: keep such files in the env's workspace (ForkableEnv(..., workspace=DIR): captured "
+               "with every snapshot, put back by restore(), copied for each fork), or, for files whose "
+               "content need not come back (logs, caches), declare them with "
+               "ForkableEnv(..., untracked_paths=[PATH or PATTERN, ...]).")
+        if snapshot is None:
+            raise UncapturedFilesError(
+                f"gym_fork cannot snapshot this env exactly: it wrote {shown} outside its workspace, and no "
+                "snapshot holds the content of such files (a restore would find them as they are then, and "
+                f"forked copies would all write the same files). {fix} Nothing was copied; the env keeps "
+                "running.", paths)
+        raise UncapturedFilesError(
+            f"gym_fork cannot go back to snapshot {snapshot.id} exactly: this env wrote {shown} outside "
+            "its workspace, and a restore or fork would bring back the env's memory of that moment but "
+            f"leave these files as they are now. {fix} Nothing was changed; the env keeps running.", paths)
 
     def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
         """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
@@ -652,10 +712,11 @@ def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "s
          record_actions: bool = True, worker_log: str | None = None,
          fork_tier: bool | Literal["auto"] = "auto", store: Any = None, workspace: str | None = None,
          private_network: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None,
-         **kwargs: Any) -> ForkableEnv:
+         untracked_paths: Sequence[str] | None = None, **kwargs: Any) -> ForkableEnv:
     """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
 
-    ``store``, ``workspace``, ``private_network`` and ``wrappers`` are :class:`ForkableEnv`'s.
+    ``store``, ``workspace``, ``private_network``, ``wrappers`` and ``untracked_paths`` are
+    :class:`ForkableEnv`'s.
     Keyword arguments other than gym_fork's own go to ``gymnasium.make`` in the worker.
 
     Example:
@@ -671,7 +732,8 @@ def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "s
     """
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
                        record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
-                       store=store, workspace=workspace, private_network=private_network, wrappers=wrappers)
+                       store=store, workspace=workspace, private_network=private_network, wrappers=wrappers,
+                       untracked_paths=untracked_paths)
 
 
 def start_envs(sources: Sequence[Any], **kwargs: Any) -> list[ForkableEnv]:

@@ -45,6 +45,19 @@ class RestoreError(GymForkError):
     """Restoring a snapshot failed. The running env is unchanged."""
 
 
+class UncapturedFilesError(UncapturableStateError, RestoreError):
+    """The env wrote files outside its ``workspace=`` (``paths``), whose content no snapshot
+    holds: a snapshot of it now, or a restore or fork of an earlier snapshot, would continue
+    with the files as they are now, not as they were.  Raised by ``snapshot()`` (and what takes
+    one: ``fork()``, ``explore``, migration) and by ``restore()``/``fork(snapshot)`` before
+    anything changed; the env keeps running.  Keep such files in the workspace, or declare
+    them ``untracked_paths=[...]`` when their content need not come back (logs, caches)."""
+
+    def __init__(self, message: str, paths: list[str] | None = None):
+        super().__init__(message, [])
+        self.paths = list(paths or [])
+
+
 class SnapshotReleasedError(RestoreError):
     """The snapshot was released (explicitly, or because its env was closed)."""
 

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
+from gym_fork.worker import files
 from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, send_fds
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
@@ -50,6 +51,9 @@ class LocalHandle(Handle):
         self.server = server
         self._result: Any = None
         self._error: BaseException | None = None
+        # the files the env writes outside its workspace, recorded during its calls only
+        self.written = files.Record()
+        files.install(in_process=True)
 
     def send(self, cmd: str, *args: Any) -> None:
         # In-process: do the work now, hand it over in receive() (keeps one code path for callers).
@@ -67,7 +71,11 @@ class LocalHandle(Handle):
     def request(self, cmd: str, *args: Any) -> Any:
         if self.closed:
             raise WorkerDiedError("the in-process env was closed")
-        return self.server.dispatch(cmd, args)
+        previous = files.track(self.written)
+        try:
+            return self.server.dispatch(cmd, args)
+        finally:
+            files.untrack(previous)
 
     def kill(self) -> None:
         self.closed = True

@@ -46,13 +46,14 @@ class Channel:
     """A framed request/reply channel over a connected stream socket: pickles, and packed step
     frames (:meth:`send_step`, :meth:`reply`)."""
 
-    __slots__ = ("sock", "_hdr", "_buf", "packed_in")
+    __slots__ = ("sock", "_hdr", "_buf", "packed_in", "files")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._hdr = bytearray(_HEADER.size)
         self._buf = bytearray(4096)  # reused: a step's frame needs no allocation
         self.packed_in = False  # whether the last message received was a packed frame
+        self.files: dict | None = None  # the worker's record of files it wrote (gym_fork.worker.files)
 
     @classmethod
     def from_fd(cls, fd: int) -> "Channel":
@@ -119,7 +120,7 @@ class Channel:
         if type(msg) is tuple and len(msg) == 4 and msg[0] == 2:  # (OUTPUT, ...): the env's prints, warnings
             from gym_fork.worker import output  # and logs, sent just ahead of the reply
 
-            output.emit(msg)
+            output.emit(msg, self)
             return self.recv()
         return msg
 

@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
-from gym_fork.worker import checker, refs, registry
+from gym_fork.worker import checker, files, refs, registry
 from gym_fork.worker.channel import PACKED_VERSION
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
@@ -207,6 +207,8 @@ class EnvServer:
             self.env.set_wrapper_attr(name, value)
         else:
             setattr(self.env.unwrapped, name, value)
+            if name == "workspace":  # the declared workspace: captured by snapshots, not recorded
+                files.set_workspace(value)
 
     def cmd_call(self, name: str, args: tuple, kwargs: dict, where: str) -> Any:
         target = self.env if where == "wrapper" else self.env.unwrapped
@@ -246,6 +248,7 @@ class EnvServer:
         """First words with a new copy: (host pid, obs, info, steps) in one round trip; a
         controller that offers ``packed`` step frames also learns the version this worker reads
         (a fifth element; an older worker refuses the argument)."""
+        files.resend()  # a new copy: its record of written files goes to its new channel
         if packed:
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps

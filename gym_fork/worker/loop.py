@@ -50,6 +50,7 @@ os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import lean, output, resources  # noqa: E402
+from gym_fork.worker import files  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 REAPER = (
@@ -335,6 +336,7 @@ def main(argv: list[str]) -> int:
     except OSError:
         pass  # already a session leader
     lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
+    files.install()  # files the env writes outside its workspace (see gym_fork.worker.files)
     chan = Channel.from_fd(int(argv[1]))
     try:
         cmd, args = chan.recv()

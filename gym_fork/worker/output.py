@@ -30,6 +30,8 @@ import traceback
 import warnings
 from typing import Any
 
+from gym_fork.worker import files
+
 OUTPUT = 2  # frame tag, next to channel.OK (0) and channel.ERR (1)
 _events: list[tuple] = []
 _label = "env"
@@ -64,11 +66,16 @@ def identify(env: Any) -> None:
 
 
 def flush(chan: Any) -> None:
-    """Send the pending events on ``chan`` (right before a reply); a no-op when there are none."""
-    if not _events:
+    """Send the pending events on ``chan`` (right before a reply); a no-op when there are none.
+    A changed record of files written outside the workspace rides along as a ``("files",
+    record)`` event (:mod:`gym_fork.worker.files`)."""
+    written = files.pending()
+    if not _events and written is None:
         return
     events = _events[:]
     del _events[:len(events)]
+    if written is not None:
+        events.append(("files", written))
     try:
         chan.send((OUTPUT, _pid(), _label, events))
     except Exception:  # noqa: BLE001 - output must never break the reply that follows
@@ -155,11 +162,16 @@ class _Lines(io.TextIOBase):
 _registry: dict = {}  # warn_explicit's once-per-place memory for forwarded warnings
 
 
-def emit(frame: tuple) -> None:
-    """Re-issue a worker's events here (module docstring)."""
+def emit(frame: tuple, chan: Any = None) -> None:
+    """Re-issue a worker's events here (module docstring); a ``files`` event is kept as
+    ``chan.files`` (the worker's latest record of files it wrote, for the controller's checks)."""
     _, pid, label, events = frame
     prefix = f"(worker {label}, pid {pid}) "
     for event in events:
+        if event[0] == "files":
+            if chan is not None:
+                chan.files = event[1]
+            continue
         try:
             _emit_one(prefix, label, pid, event)
         except Exception:  # noqa: BLE001 - e.g. a warnings filter set to "error": say it, go on

@@ -1,0 +1,366 @@
+"""The files an env writes outside its workspace: recorded where the env runs, checked by the controller.
+
+A snapshot holds the worker's process, not the files on disk.  What the env keeps in its
+declared ``workspace=`` is captured separately (:mod:`gym_fork.snapshots.workspace`); a file it
+writes anywhere else and closes again before the step ends is in no snapshot, and the
+:mod:`~gym_fork.worker.resources` scan cannot see it (it looks only at files *open* between steps).
+Restoring a snapshot taken before such a write would give the env its memory of that moment
+back but leave the file as it is now; branches would all write the one file.  So gym_fork
+records those writes and refuses the snapshot, restore or fork that would diverge.
+
+Recording (worker side, :func:`install`): a Python audit hook (:func:`sys.addaudithook`) sees
+every ``open()`` for writing (``O_WRONLY``, ``O_RDWR``, ``O_CREAT``, ``O_TRUNC``, ``O_APPEND``),
+``os.remove``/``unlink``, ``os.rename``/``replace`` (both paths), ``os.truncate``, ``os.mkdir``,
+``os.rmdir``, ``shutil.rmtree``, ``os.chmod``/``chown``/``utime``, links, fifos, extended
+attributes, and ``sqlite3.connect`` of a database file (SQLite writes below Python: its connect
+event is the only trace).  The first change to a path decides whether the env *created* it
+(it did not exist) or *modified* it.  A path the env created and removed again left no trace and
+is forgotten; an ``os.mkdir`` of a directory that exists, or a removal of a path that does not,
+changes nothing and is not recorded.  Ignored: the declared workspace (:func:`set_workspace`,
+from the same ``workspace`` attribute the env reads), ``__pycache__`` (the import system),
+``/dev``, ``/proc``, ``/sys``, unnamed ``O_TMPFILE`` files, and paths given as a descriptor
+(``open(fd, "w")``, ``os.ftruncate``: the file was recorded when it was opened by name) or
+relative to a directory descriptor (the standard library's only such writer, ``shutil.rmtree``,
+names its tree in its own event).  The record is sticky for the process's life and, being
+plain memory, is copied into every fork and CRIU image: a copy of a snapshot inherits the
+record as of that snapshot.
+
+The hook itself only classifies the event and, for a write, normalises the path and looks it up
+in a dict; it reads no ``/proc`` file and logs nothing.  (A path's first write costs one
+``lstat``.)
+
+Reporting (:func:`pending`, called by :func:`gym_fork.worker.output.flush`): when the record
+changed since it was last sent, the whole record ``{path: "created" | "modified"}`` rides in the
+output frame that precedes the next reply; no extra round trip.  A new copy's ``hello``
+(:func:`resend`) sends it again on its new channel.  The controller keeps the latest one per
+channel and filters it (:func:`outside`) by the env's workspace and ``untracked_paths``.
+
+In-process envs (the pickle backend): :class:`Record` per env and :func:`tracking` around each
+call into the env, in the calling thread only: what the learner itself writes is not the env's.
+
+Not seen: writes that bypass Python's audit events (a C library's own ``fopen``/``write``;
+``mmap`` writes) and writes by other processes (the env's child processes, servers, another
+interpreter).  Keep such files in the workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import stat
+import sys
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+CREATED = "created"  # the path did not exist before the env's first change to it
+MODIFIED = "modified"  # it existed: written, truncated, renamed, removed, chmod-ed, ...
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_TMPFILE = getattr(os, "O_TMPFILE", 0)
+_WRITE_MODE = frozenset("wax+")
+_SYSTEM = ("/dev/", "/proc/", "/sys/")
+
+
+class Record:
+    """The paths one env changed: ``paths`` maps each to :data:`CREATED` or :data:`MODIFIED`.
+
+    ``version`` counts changes; ``sent``/``sent_version`` remember what :func:`pending` last
+    reported.  ``workspace``: the env's declared workspace (ignored), absolute, or None."""
+
+    __slots__ = ("paths", "version", "sent", "sent_version", "workspace")
+
+    def __init__(self) -> None:
+        self.paths: dict[str, str] = {}
+        self.version = 0
+        self.sent: dict[str, str] | None = {}
+        self.sent_version = 0
+        self.workspace: str | None = None
+
+    def current(self) -> dict[str, str]:
+        """The record now: paths the env created and removed again are dropped (no trace left)."""
+        gone = [p for p, kind in self.paths.items() if kind is CREATED and not os.path.lexists(p)]
+        for p in gone:
+            del self.paths[p]
+        return dict(self.paths)
+
+
+_worker = Record()  # the worker process's record (the env owns the whole process)
+_active: Record | None = None  # where the hook records now
+_thread: int | None = None  # only this thread's events count (in-process envs); None: all
+_installed = False
+
+
+# --- installing and switching ---------------------------------------------------------------------
+def install(*, in_process: bool = False) -> None:
+    """Add the audit hook (once per process; Python cannot remove one).
+
+    Args:
+        in_process: False in a worker (every event of the process is the env's, recorded in the
+            worker's record from now on); True where the env runs inside the learner (nothing is
+            recorded except inside :func:`tracking`).
+    """
+    global _installed, _active
+    if not in_process:
+        _active = _worker
+    if not _installed:
+        _installed = True
+        sys.addaudithook(_hook)
+
+
+@contextlib.contextmanager
+def tracking(record: Record) -> Iterator[None]:
+    """Record into ``record`` what this thread changes inside the block (an in-process env's call).
+
+    Example:
+        >>> import os, tempfile
+        >>> from gym_fork.worker import files
+        >>> files.install(in_process=True)
+        >>> rec, d = files.Record(), tempfile.mkdtemp()
+        >>> with files.tracking(rec):
+        ...     with open(os.path.join(d, "log.txt"), "a") as f:
+        ...         _ = f.write("step\\n")
+        >>> list(rec.current().values())
+        ['created']
+    """
+    previous = track(record)
+    try:
+        yield
+    finally:
+        untrack(previous)
+
+
+def track(record: Record) -> tuple:
+    """Start recording this thread's changes into ``record``; returns what :func:`untrack`
+    puts back (the context manager :func:`tracking`, without its cost, for every env call)."""
+    global _active, _thread
+    previous = _active, _thread
+    _active, _thread = record, threading.get_ident()
+    return previous
+
+
+def untrack(previous: tuple) -> None:
+    global _active, _thread
+    _active, _thread = previous
+
+
+def set_workspace(path: str | None) -> None:
+    """The env's declared workspace is ``path``: changes inside it are captured with each
+    snapshot, not recorded here (entries already under it are dropped)."""
+    rec = _active
+    if rec is None:
+        return
+    rec.workspace = os.path.normpath(os.path.abspath(path)) if path else None
+    if rec.workspace:
+        inside = [p for p in rec.paths if _under(p, rec.workspace)]
+        for p in inside:
+            del rec.paths[p]
+        if inside:
+            rec.version += 1
+
+
+def pending() -> dict[str, str] | None:
+    """The worker's whole record when it changed since it was last sent, else None (the usual
+    case: one integer comparison)."""
+    rec = _worker
+    if rec.version == rec.sent_version:
+        return None
+    rec.sent_version = rec.version
+    now = rec.current()
+    if now == rec.sent or (not now and rec.sent is None):
+        rec.sent = now
+        return None
+    rec.sent = now
+    return now
+
+
+def resend() -> None:
+    """Send the whole record again with the next reply (a new copy talks on a new channel)."""
+    _worker.sent = None
+    _worker.sent_version = -1
+
+
+# --- the controller's view --------------------------------------------------------------------------
+def outside(record: dict[str, str] | None, workspace: str | None = None,
+            untracked: Iterable[str] = ()) -> list[str]:
+    """The paths in ``record`` that no snapshot holds: outside ``workspace`` and matching none of
+    the ``untracked`` patterns (:func:`untracked_patterns`), sorted.
+
+    Example:
+        >>> outside({"/tmp/x/log.txt": "created", "/work/ws/db.sqlite": "modified"},
+        ...         "/work/ws", ["/var/cache"])
+        ['/tmp/x/log.txt']
+    """
+    if not record:
+        return []
+    pats = list(untracked)
+    return sorted(p for p in record
+                  if not (workspace and _under(p, workspace)) and not any(_matches(p, pat) for pat in pats))
+
+
+def untracked_patterns(patterns: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Normalise ``untracked_paths``: absolute (``~`` expanded, relative to the current
+    directory), ``fnmatch`` patterns.
+
+    Raises:
+        TypeError: not a string or an iterable of strings.
+    """
+    if patterns is None:
+        return ()
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [patterns]  # type: ignore[list-item]
+    out = []
+    for pat in patterns:
+        pat = os.fspath(pat)
+        if not isinstance(pat, str) or not pat:
+            raise TypeError(f"untracked_paths must be non-empty path patterns (str), not {pat!r}")
+        out.append(os.path.normpath(os.path.abspath(os.path.expanduser(pat))))
+    return tuple(out)
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """``pattern`` matches ``path`` or a directory above it (``/tmp/cache`` covers its files)."""
+    if fnmatch.fnmatchcase(path, pattern):
+        return True
+    parent = os.path.dirname(path)
+    while parent != path:
+        if fnmatch.fnmatchcase(parent, pattern):
+            return True
+        path, parent = parent, os.path.dirname(parent)
+    return False
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+# --- the hook -----------------------------------------------------------------------------------------
+def _hook(event: str, args: tuple) -> None:
+    handler = _HANDLERS.get(event)
+    if handler is None:
+        return
+    rec = _active
+    if rec is None or (_thread is not None and threading.get_ident() != _thread):
+        return
+    try:
+        handler(rec, args)
+    except Exception:  # noqa: BLE001 - an exception here would abort the env's own operation
+        pass
+
+
+def _path(raw: Any, dir_fd: Any, rec: Record) -> str | None:
+    """``raw`` as a normalised absolute path, or None when it is not recorded."""
+    if raw.__class__ is int:
+        return None  # a descriptor: recorded when it was opened by name
+    p = os.fspath(raw)
+    if p.__class__ is bytes:
+        p = os.fsdecode(p)
+    if not p:
+        return None
+    if p[0] != "/":
+        if dir_fd is not None and dir_fd != -1:
+            return None  # relative to a directory descriptor (shutil.rmtree's walk: its event names the tree)
+        p = os.path.join(os.getcwd(), p)
+    p = os.path.normpath(p)
+    if p.startswith(_SYSTEM) or "/__pycache__" in p or p in ("/dev", "/proc", "/sys"):
+        return None
+    if rec.workspace and _under(p, rec.workspace):
+        return None
+    return p
+
+
+def _lstat(p: str) -> os.stat_result | None:
+    try:
+        return os.lstat(p)
+    except (OSError, ValueError):
+        return None
+
+
+def _changed(rec: Record, raw: Any, dir_fd: Any = None) -> None:
+    """A write to ``raw`` (it is created when it did not exist)."""
+    p = _path(raw, dir_fd, rec)
+    if p is None or p in rec.paths:
+        return
+    rec.paths[p] = MODIFIED if _lstat(p) is not None else CREATED
+    rec.version += 1
+
+
+def _created(rec: Record, raw: Any, dir_fd: Any = None) -> None:
+    """``raw`` is made (mkdir, link, fifo): nothing changes when it exists already (the call fails)."""
+    p = _path(raw, dir_fd, rec)
+    if p is None or p in rec.paths or _lstat(p) is not None:
+        return
+    rec.paths[p] = CREATED
+    rec.version += 1
+
+
+def _removed(rec: Record, raw: Any, dir_fd: Any = None) -> None:
+    """``raw`` is removed: nothing changes when it does not exist."""
+    p = _path(raw, dir_fd, rec)
+    if p is None or p in rec.paths or _lstat(p) is None:
+        return
+    rec.paths[p] = MODIFIED
+    rec.version += 1
+
+
+def _on_open(rec: Record, args: tuple) -> None:
+    path, mode, flags = args
+    if flags:
+        if not flags & _WRITE_FLAGS or (_TMPFILE and flags & _TMPFILE == _TMPFILE):
+            return
+    elif mode is None or mode.__class__ is not str or _WRITE_MODE.isdisjoint(mode):
+        return
+    p = _path(path, None, rec)
+    if p is None or p in rec.paths:
+        return
+    st = _lstat(p)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return  # a directory opened for writing: an unnamed O_TMPFILE file (tempfile.TemporaryFile)
+    rec.paths[p] = MODIFIED if st is not None else CREATED
+    rec.version += 1
+
+
+def _on_sqlite(rec: Record, args: tuple) -> None:
+    db = args[0]
+    if db.__class__ is not str:
+        db = os.fsdecode(os.fspath(db))
+    if not db or db == ":memory:":
+        return
+    if db.startswith("file:"):  # a URI (uri=True): read-only and in-memory databases write nothing
+        db, _, query = db[5:].partition("?")
+        if db.startswith("//"):
+            db = db[2:]
+        if not db or db == ":memory:" or "mode=ro" in query or "mode=memory" in query:
+            return
+    _changed(rec, db)
+
+
+def _on_rename(rec: Record, args: tuple) -> None:
+    src, dst, src_dir_fd, dst_dir_fd = args[:4]
+    _removed(rec, src, src_dir_fd)
+    _changed(rec, dst, dst_dir_fd)
+
+
+def _last_fd(args: tuple) -> Any:
+    return args[-1] if len(args) > 1 else None
+
+
+_HANDLERS: dict[str, Callable[[Record, tuple], None]] = {
+    "open": _on_open,
+    "sqlite3.connect": _on_sqlite,
+    "os.rename": _on_rename,  # also os.replace
+    "os.remove": lambda rec, a: _removed(rec, a[0], a[1]),  # also os.unlink
+    "os.rmdir": lambda rec, a: _removed(rec, a[0], a[1]),
+    "shutil.rmtree": lambda rec, a: _removed(rec, a[0], a[1]),
+    "os.truncate": lambda rec, a: _changed(rec, a[0]),
+    "os.mkdir": lambda rec, a: _created(rec, a[0], a[2]),
+    "os.mkfifo": lambda rec, a: _created(rec, a[0], _last_fd(a)),
+    "os.mknod": lambda rec, a: _created(rec, a[0], _last_fd(a)),
+    "os.link": lambda rec, a: _created(rec, a[1], a[3]),
+    "os.symlink": lambda rec, a: _created(rec, a[1], a[2]),
+    "os.chmod": lambda rec, a: _changed(rec, a[0], a[2]),
+    "os.chown": lambda rec, a: _changed(rec, a[0], a[3]),
+    "os.utime": lambda rec, a: _changed(rec, a[0], a[3]),
+    "os.setxattr": lambda rec, a: _changed(rec, a[0]),
+    "os.removexattr": lambda rec, a: _changed(rec, a[0]),
+}
