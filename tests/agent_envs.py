@@ -304,3 +304,78 @@ def global_rng():
 
 def global_rng_torch():
     return GlobalRNGEnv(use_torch=True)
+
+
+class RedisNoRetryEnv(RedisEnv):
+    """:class:`RedisEnv` whose client does not reconnect and retry: a connection the server
+    closed or reset shows up as ``redis.ConnectionError`` from the next ``step()``."""
+
+    def reset(self, *, seed=None, options=None):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        first = self.proc is None
+        out = super().reset(seed=seed, options=options)
+        if first:
+            self.db.close()
+            self.db = redis.Redis(host="127.0.0.1", port=self.port, retry=Retry(NoBackoff(), 0))
+            self.db.ping()
+        return out
+
+
+class ExternalRedisEnv(_Base):
+    """Keeps its state in a Redis server it did *not* start (another process's server), through a
+    client connection it keeps open between steps: over TCP (``port``) or a unix socket path."""
+
+    def __init__(self, port: int = 0, unix_socket: str | None = None) -> None:
+        super().__init__()
+        self.port, self.unix_socket = port, unix_socket
+        self.db = None
+
+    def reset(self, *, seed=None, options=None):
+        import redis
+
+        super().reset(seed=seed)
+        if self.db is None:
+            self.db = (redis.Redis(unix_socket_path=self.unix_socket) if self.unix_socket
+                       else redis.Redis(host="127.0.0.1", port=self.port))
+        self.db.delete("total", "moves")
+        self.t = 0
+        return self._obs(0.0), {}
+
+    step = RedisEnv.step
+
+    def close(self) -> None:
+        if self.db is not None:
+            self.db.close()
+
+
+def redis_tcp_no_retry():
+    return RedisNoRetryEnv("tcp")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_named(root: int, name: str) -> int:
+    """Host pid of the first process called ``name`` below ``root`` (e.g. a copy's redis-server)."""
+    todo = [root]
+    while todo:
+        pid = todo.pop(0)
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name and pid != root:
+                    return pid
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    raise LookupError(f"no process {name!r} below {root}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -39,11 +40,12 @@ from gym_fork.errors import (
     SnapshotError,
     WorkerDiedError,
     WorkerError,
+    remote_exception,
 )
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import check_field, check_images
 from gym_fork.snapshots.files import is_no_space, no_space
-from gym_fork.worker.channel import Channel, socket_inode
+from gym_fork.worker.channel import OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
 from gym_fork.worker.commands import EnvSource
 from gym_fork.worker.resources import Scan
 from gym_fork.backends import netns, treecapture
@@ -66,28 +68,89 @@ class CriuPayload:
 
 
 class ForkPayload:
-    """A copy-on-write snapshot: a frozen process holding the state, and optionally its image."""
+    """A copy-on-write snapshot: a frozen process holding the state, and optionally its image.
 
-    __slots__ = ("chan", "_pid", "image", "lock", "__weakref__")
+    The frozen process offers a *ready* copy of itself unasked, between requests (see
+    :func:`gym_fork.worker.loop.frozen_loop`): its channel arrives on ``chan`` as a ``READY``
+    message with the fd, and is kept in ``ready`` until a restore takes it.
+    """
+
+    __slots__ = ("chan", "_pid", "image", "lock", "ready", "__weakref__")
 
     def __init__(self, chan: Channel, pid: int | None = None):
-        self.chan = chan
+        self.chan: Channel | None = chan
         self._pid = pid
         self.image: CriuPayload | None = None  # set once persisted
         self.lock = threading.RLock()  # one request at a time on the frozen process's channel
+        self.ready: list[Channel] = []  # channels of ready copies offered by the frozen process
 
     @property
     def pid(self) -> int:
         """Host pid of the frozen process (asked for lazily: snapshot() need not wait for it)."""
         if self._pid is None:
             with self.lock:
-                self._pid = RemoteHandle(self.chan, 0, 0).request("ping")
+                self._pid = self._request("ping")
         return self._pid
 
     def request_with_fd(self, cmd: str, fd: int) -> Any:
         with self.lock:
-            h = RemoteHandle(self.chan, self._pid or 0, 0)
-            return h.request_with_fd(cmd, fd)
+            return self._request(cmd, fd)
+
+    def _request(self, cmd: str, fd: int | None = None) -> Any:
+        if self.chan is None:
+            raise WorkerDiedError("the snapshot's frozen process is gone")
+        try:
+            self.chan.send((cmd, ()))
+            if fd is not None:
+                send_fds(self.chan.sock, b"F", [fd])
+            while True:
+                reply = self.chan.recv()
+                if reply[0] != READY:
+                    break
+                self._keep_offer()
+        except (ChannelClosed, OSError) as e:
+            raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
+                                  f"during {cmd!r}") from e
+        if reply[0] == OK:
+            return reply[1]
+        _, type_name, message, tb = reply
+        raise remote_exception(type_name, message, tb)
+
+    def _keep_offer(self) -> None:
+        _msg, fds = recv_fds(self.chan.sock, 1)
+        for fd in fds[1:]:
+            os.close(fd)
+        if fds:
+            self.ready.append(Channel.from_fd(fds[0]))
+
+    def take_ready(self) -> Channel | None:
+        """The channel of a ready copy, if the frozen process has offered one (never waits);
+        the frozen process is told, so it forks the next."""
+        with self.lock:
+            if self.chan is None:
+                return None
+            try:
+                while select.select([self.chan.sock], [], [], 0)[0]:
+                    if self.chan.recv()[0] != READY:
+                        raise ChannelClosed("a frozen snapshot answered a request nobody made")
+                    self._keep_offer()
+                if not self.ready:
+                    return None
+                taken = self.ready.pop()
+                self.chan.send(("taken", ()))
+            except (ChannelClosed, OSError):
+                return None  # the caller's clone request reports the frozen process's end
+            return taken
+
+    def close(self) -> None:
+        """End the frozen process and its ready copies (each exits on EOF)."""
+        with self.lock:
+            if self.chan is not None:
+                self.chan.close()
+                self.chan = None
+            for ch in self.ready:
+                ch.close()
+            self.ready.clear()
 
 
 # What losing the fork tier costs, for the warnings that say so.
@@ -217,6 +280,12 @@ class CriuBackend(Backend):
                         getattr(spec, "id", None) or meta.get("unwrapped_type"), meta.get("threads"), DUMP_COST)
         return not unsafe
 
+    def _private_net(self, pid: int) -> bool:
+        """Whether worker ``pid`` runs in a network namespace of its own: started with
+        ``private_network=True``, or restored from images of such a worker (a bundle loaded with
+        ``load_snapshot``, a migrated env), whatever this backend object was created with."""
+        return self.private_network or (self.mode == "root" and not netns.same_netns_as_us(pid))
+
     # --- snapshot --------------------------------------------------------------------------
     def snapshot(self, handle: Handle, snap_id: str) -> tuple[CriuPayload | ForkPayload, int]:
         """A fork-tier snapshot when ``fork()`` copies the worker exactly; else a CRIU dump of its
@@ -231,13 +300,13 @@ class CriuBackend(Backend):
             moved = 0
             if found.ns_init and found.fork_processes and self.mode != "fork" and self.fork_tier is not True:
                 found, moved = self._move_out_frozen(handle, found)
-            treecapture.check_tree(found, criu_ok=self.mode != "fork", private_network=self.private_network,
+            treecapture.check_tree(found, criu_ok=self.mode != "fork", private_network=self._private_net(handle.pid),
                                    unavailable=self.unavailable, fork_tier_required=self.fork_tier is True)
             log.warning(treecapture.describe_switch(found, moved) + DUMP_COST)
             handle.fork_tier = False  # its tree holds no fork-tier process: the dumps from now on stay exact
             return self._dump(handle, snap_id, leave_running=True, scan=found)
         scan = Scan.from_wire(handle.request("resources"))
-        treecapture.check_tree(scan, criu_ok=self.mode != "fork", private_network=self.private_network,
+        treecapture.check_tree(scan, criu_ok=self.mode != "fork", private_network=self._private_net(handle.pid),
                                unavailable=self.unavailable)
         return self._dump(handle, snap_id, leave_running=True, scan=scan)
 
@@ -248,7 +317,7 @@ class CriuBackend(Backend):
         way (the check passes without them); live clones (branches) in the tree stay and are
         refused by the check.  Returns the new scan and how many snapshots were moved."""
         treecapture.check_tree(Scan(scan.pid, scan.ns_init, scan.resources, [], scan.tree), criu_ok=True,
-                               private_network=self.private_network)
+                               private_network=self._private_net(handle.pid))
         frozen = treecapture.frozen_of(handle)
         pids = {payload.pid for payload in frozen}
         for payload in frozen:
@@ -296,12 +365,13 @@ class CriuBackend(Backend):
         root = sessiondir.session_dir()
         tmp = sessiondir.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
         final = os.path.join(root, f"snap-{snap_id}")
+        private_net = self._private_net(handle.pid)
         try:
             external = [f"unix[{handle.ino}]"]
-            if self.private_network:
+            if private_net:
                 external.append(f"net[{netns.netns_inode(handle.pid)}]:{treecapture.NETNS_KEY}")
             client.dump(handle.pid, tmp, leave_running=leave_running, external=external, mode=self.mode,
-                        binary=self.binary, options=treecapture.dump_options(scan, self.private_network))
+                        binary=self.binary, options=treecapture.dump_options(scan, private_net))
             treecapture.mark_images(tmp, scan)
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
@@ -311,7 +381,7 @@ class CriuBackend(Backend):
                                f"the CRIU images of worker {handle.pid}") from e
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
         if into is not None:
-            return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier, netns=self.private_network), 0
+            return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier, netns=private_net), 0
         try:
             size = sessiondir.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id})
             sessiondir.commit(tmp, final)
@@ -320,7 +390,7 @@ class CriuBackend(Backend):
             if is_no_space(e):
                 raise no_space(e, root, f"the CRIU images of worker {handle.pid}") from e
             raise SnapshotError(f"could not store the snapshot images: {e}") from e
-        return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=self.private_network), size
+        return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=private_net), size
 
     # --- restore ---------------------------------------------------------------------------
     def restore(self, payload: CriuPayload | ForkPayload) -> Handle:
@@ -356,6 +426,10 @@ class CriuBackend(Backend):
         handles: list[Handle] = []
         try:
             for _ in range(n):
+                ready = self._take_ready(payload)
+                if ready is not None:
+                    handles.append(ready)
+                    continue
                 ours, theirs = socket.socketpair()
                 ino = socket_inode(theirs.fileno())
                 h = RemoteHandle(Channel(ours), 0, ino, fork_tier=True)
@@ -374,6 +448,26 @@ class CriuBackend(Backend):
                 h.kill()
             raise
         return handles
+
+    @staticmethod
+    def _take_ready(payload: ForkPayload) -> RemoteHandle | None:
+        """A handle on a ready copy of the frozen snapshot (its ``hello`` already answered), or
+        None when none was offered yet or it does not answer."""
+        chan = payload.take_ready()
+        if chan is None:
+            return None
+        try:
+            reply = chan.recv()
+        except (ChannelClosed, OSError):
+            reply = None
+        if reply is None or reply[0] != OK:  # the copy died or failed: clone on request instead
+            chan.close()
+            return None
+        hello, ino = reply[1]
+        h = RemoteHandle(chan, hello[0], ino, fork_tier=True)
+        h.initial = list(hello[1:4])
+        h.packed = hello[4] == PACKED_VERSION
+        return h
 
     def persist(self, payload: CriuPayload | ForkPayload) -> CriuPayload | ForkPayload:
         """Write CRIU images of a copy-on-write snapshot (nothing else stops meanwhile)."""
@@ -394,14 +488,14 @@ class CriuBackend(Backend):
             for name in os.listdir(image.path):  # with MANIFEST.json: the sender checks against it
                 if os.path.isfile(os.path.join(image.path, name)):
                     os.link(os.path.join(image.path, name), os.path.join(into, name))
-            return CriuPayload(into, image.ino, fork_tier=image.fork_tier)
+            return CriuPayload(into, image.ino, fork_tier=image.fork_tier, netns=image.netns)
         return self._dump_copy(payload, into)
 
     def _dump_copy(self, payload: ForkPayload, into: str | None) -> CriuPayload:
         self._require_criu("persist()")
         if payload.chan is None:
             raise SnapshotCorruptedError("the snapshot's frozen process is gone")
-        ours, theirs = netns.socketpair_in(payload.pid) if self.private_network else socket.socketpair()
+        ours, theirs = netns.socketpair_in(payload.pid) if self._private_net(payload.pid) else socket.socketpair()
         ino = socket_inode(theirs.fileno())
         try:
             pid = payload.request_with_fd("promote", theirs.fileno())
@@ -423,9 +517,7 @@ class CriuBackend(Backend):
 
     def evict(self, payload: CriuPayload | ForkPayload) -> None:
         if isinstance(payload, ForkPayload) and payload.image is not None and payload.chan is not None:
-            with payload.lock:
-                payload.chan.close()  # the frozen process exits on EOF
-                payload.chan = None
+            payload.close()  # the frozen process and its ready copy exit on EOF
 
     def memory_bytes(self, payload: CriuPayload | ForkPayload) -> int | None:
         if isinstance(payload, ForkPayload) and payload.chan is not None:
@@ -480,9 +572,7 @@ class CriuBackend(Backend):
 
     def release(self, payload: CriuPayload | ForkPayload) -> None:
         if isinstance(payload, ForkPayload):
-            if payload.chan is not None:
-                payload.chan.close()  # the frozen process exits on EOF
-                payload.chan = None
+            payload.close()  # the frozen process and its ready copy exit on EOF
             if payload.image is not None:
                 shutil.rmtree(payload.image.path, ignore_errors=True)
             return
