@@ -207,6 +207,7 @@ class RemoteHandle(Handle):
         if self.closed:
             return
         self.closed = True
+        _deprioritize(self.pid)
         if self.ns_root and self.fork_tier:
             # Its namespace may hold clones and frozen snapshots that must live on: ask it to
             # retire (exec a reaper that exits with the last of them) instead of killing it.
@@ -233,6 +234,18 @@ class RemoteHandle(Handle):
                 os.waitpid(self.pid, 0)
         except (ChildProcessError, subprocess.TimeoutExpired):
             pass
+
+
+def _deprioritize(pid: int) -> None:
+    """Let a worker that is being stopped run only when a CPU is idle (``SCHED_IDLE``): its
+    exit -- tearing down tens of MB of memory, or a last Python loop -- would otherwise preempt
+    the learner and the worker that replaces it (a restore stops the old worker on the
+    critical path)."""
+    if pid > 0:
+        try:
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass  # gone already, or not ours to change
 
 
 def _result(reply: tuple) -> Any:

@@ -19,7 +19,9 @@ process-level commands of the copy-on-write tier:
 ``resources``
     the same scan, answered as is (before a CRIU dump: what the dump would not capture).
 ``clone`` (frozen loop, + an fd)
-    ``fork()`` an active worker from the frozen state, serving env commands on the fd.
+    ``fork()`` an active worker from the frozen state, serving env commands on the fd.  Usually
+    not needed: the frozen loop offers the controller a *ready* copy unasked (see
+    :func:`frozen_loop`), so a restore needs no round trip.
 ``promote`` (frozen loop, + an fd)
     ``fork()`` (via a short-lived intermediate) a copy that is PID 1 of a *new* PID namespace and
     waits, blocked in ``recv`` on the fd, to be dumped by CRIU: a persistent image of the frozen
@@ -47,9 +49,10 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
-from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds  # noqa: E402
+from gym_fork.worker.channel import (  # noqa: E402
+    ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, send_fds)
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
-from gym_fork.worker import lean, output, resources  # noqa: E402
+from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
@@ -209,43 +212,49 @@ def serve(chan: Channel, server: EnvServer) -> None:
 def frozen_loop(chan: Channel, server: EnvServer) -> None:
     """A frozen snapshot: holds the state and makes copies of it on request, never steps.
 
-    It keeps one *spare* clone forked ahead of time, waiting for a channel: a restore then only
-    hands it the channel (no fork on the critical path), and the next spare is forked after the
-    reply.  Spares exit with their frozen parent (EOF on their socket to it).
+    It keeps one *ready* copy forked ahead of time and hands that copy's channel to the
+    controller unasked: a ``(READY, None)`` message with the fd after it (``SCM_RIGHTS``), sent
+    only between requests.  The copy has already written the answer to a ``hello`` into its
+    channel, so a restore that finds a ready copy costs the controller no round trip at all.
+    The controller says ``taken`` (no reply) when it uses one, and the next is forked once this
+    channel has been quiet for :data:`READY_DELAY_S`.  ``clone`` forks a copy on demand (none
+    was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
     """
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # clones are not ours to wait for
-    spare: Channel | None = None
-    want_spare = True
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
+    offered = False  # a ready copy's channel was handed out and not taken yet
+    failed = 0
     while True:
-        if want_spare and spare is None and not _readable(chan, SPARE_DELAY_S):
-            # Fork the spare only once things are quiet: forking right away would compete for
-            # the CPU with the process that just started (the worker, or the new clone).
+        if not offered and failed < 3 and not _readable(chan, READY_DELAY_S):
+            # Fork only once things are quiet: forking right away would compete for the CPU
+            # with the process that just started (the worker, or the copy just taken).
             try:
-                spare = _fork_spare(chan, server)
-            except Exception:  # noqa: BLE001 - the next clone request forks on demand
-                spare = None
-            want_spare = False
+                prefault.populate_file_mappings()  # this process serves the next request
+                _offer_ready_copy(chan, server)
+                offered = True
+            except ChannelClosed:
+                os._exit(0)
+            except Exception:  # noqa: BLE001 - e.g. ENOMEM: clone requests fork on demand
+                failed += 1
         try:
             cmd, args = chan.recv()
         except ChannelClosed:
             os._exit(0)
         if cmd == "exit":
             os._exit(0)
-        after = None
+        if cmd == "taken":  # a notice, not a request: no reply
+            offered = False
+            continue
         try:
             if cmd == "clone":
-                if spare is None:  # forked before the fd is received: it must not inherit a copy of it
-                    spare = _fork_spare(chan, server)
                 fd = _recv_one_fd(chan)
-                send_fds(spare.sock, b"C", [fd])
-                os.close(fd)
-                spare.close()
-                spare = None
+                try:
+                    _fork_copy(fd, chan, server)
+                finally:
+                    os.close(fd)
                 reply = (OK, None)
-                after = "spare"
             elif cmd == "promote":
                 fd = _recv_one_fd(chan)
-                reply = (OK, _spawn_pidns_init(fd, server, chan, spare))
+                reply = (OK, _spawn_pidns_init(fd, server, chan))
                 os.close(fd)
             elif cmd == "ping":
                 reply = (OK, host_pid())
@@ -257,11 +266,10 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
             chan.send(reply)
         except ChannelClosed:
             os._exit(0)
-        if after == "spare":
-            want_spare = True
 
 
-SPARE_DELAY_S = 0.02
+#: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
+READY_DELAY_S = 0.02
 
 
 def _readable(chan: Channel, timeout: float) -> bool:
@@ -271,23 +279,36 @@ def _readable(chan: Channel, timeout: float) -> bool:
     return bool(select.select([chan.sock], [], [], timeout)[0])
 
 
-def _fork_spare(frozen_chan: Channel, server: EnvServer) -> Channel | None:
-    """Fork a clone that waits (blocked in recvmsg) for the fd of its future channel."""
-    ours, theirs = socket.socketpair()
-    pid = _fork_child(theirs.fileno(), frozen_chan)
-    if pid == 0:
-        ours.close()
-        try:
-            _msg, fds = recv_fds(theirs, 1)
-        except OSError:
-            os._exit(0)
-        theirs.close()
-        if len(fds) != 1:
-            os._exit(0)  # the frozen snapshot went away
-        serve(Channel.from_fd(fds[0]), server)
+def _fork_copy(fd: int, frozen_chan: Channel, server: EnvServer) -> None:
+    """Fork a copy of this frozen state that serves env commands on ``fd`` (the frozen process
+    keeps ``fd`` open: the caller closes it)."""
+    if _fork_child(fd, frozen_chan) == 0:
+        serve(Channel.from_fd(fd), server)
         os._exit(0)
-    theirs.close()
-    return Channel(ours)
+
+
+def _offer_ready_copy(frozen_chan: Channel, server: EnvServer) -> None:
+    """Fork a copy that has already answered ``hello`` on a new channel, and send the
+    controller's end of that channel over ``frozen_chan``."""
+    ours, theirs = socket.socketpair()
+    try:
+        pid = _fork_child(theirs.fileno(), frozen_chan)
+        if pid == 0:
+            ours.close()
+            chan = Channel(theirs)
+            try:
+                hello = server.cmd_hello(PACKED_VERSION)
+                chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
+            except OSError:
+                os._exit(0)  # the controller went away
+            prefault.populate_file_mappings()  # its first step must not fault on every code page
+            serve(chan, server)
+            os._exit(0)
+        frozen_chan.send((READY, None))
+        send_fds(frozen_chan.sock, b"R", [ours.fileno()])
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
