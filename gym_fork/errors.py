@@ -94,16 +94,49 @@ class CriuError(GymForkError):
 _remote_classes: dict[str, type] = {}
 
 
+def _qualified_name(type_name: str, message: str, traceback_text: str) -> str | None:
+    """The module-qualified name of the exception a worker's traceback ends with
+    (``redis.exceptions.ConnectionError``): :func:`traceback.format_exc` writes it, with the
+    message, as the traceback's last exception line; None for builtins (written bare)."""
+    import re
+
+    tail = f": {re.escape(message)}" if message else ""
+    found = re.findall(rf"(?m)^((?:[A-Za-z_]\w*\.)+){re.escape(type_name)}{tail}$", traceback_text)
+    return found[-1] + type_name if found else None
+
+
+def _imported_class(qualified: str) -> type | None:
+    """The class ``qualified`` names, looked up only in modules this process has imported already
+    (a worker's reply never makes us import anything)."""
+    import sys
+
+    parts = qualified.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        obj: Any = sys.modules.get(".".join(parts[:i]))
+        if obj is not None:
+            for name in parts[i:]:
+                obj = getattr(obj, name, None)
+            return obj if isinstance(obj, type) else None
+    return None
+
+
 def remote_exception(type_name: str, message: str, traceback_text: str) -> WorkerError:
     """A WorkerError that is *also* an instance of the env's own exception type when that type
-    is a builtin or a ``gymnasium.error`` class, so ``except AssertionError`` keeps working."""
-    cls = _remote_classes.get(type_name)
+    is a builtin, a ``gymnasium.error`` class, or a class of a module imported here too (such as
+    ``redis.ConnectionError``), so ``except AssertionError`` or ``except redis.ConnectionError``
+    keeps working.  ``OSError`` and its subclasses stay plain WorkerErrors: gym_fork reads an
+    ``OSError`` as a failure of its own channel."""
+    qualified = _qualified_name(type_name, message, traceback_text)
+    base = _imported_class(qualified) if qualified else None
+    key = qualified if base is not None else type_name
+    cls = _remote_classes.get(key)
     if cls is None:
         import builtins
 
         import gymnasium.error
 
-        base = getattr(builtins, type_name, None) or getattr(gymnasium.error, type_name, None)
+        if base is None:
+            base = getattr(builtins, type_name, None) or getattr(gymnasium.error, type_name, None)
         if isinstance(base, type) and issubclass(base, Exception) and not issubclass(base, OSError):
             try:
                 cls = type(f"WorkerError[{type_name}]", (WorkerError, base), {})
@@ -111,9 +144,13 @@ def remote_exception(type_name: str, message: str, traceback_text: str) -> Worke
                 cls = WorkerError
         else:
             cls = WorkerError
-        _remote_classes[type_name] = cls
+        _remote_classes[key] = cls
     err = cls.__new__(cls)
-    WorkerError.__init__(err, f"{type_name} in the env worker: {message}", type_name, traceback_text)
+    try:
+        WorkerError.__init__(err, f"{type_name} in the env worker: {message}", type_name, traceback_text)
+    except TypeError:  # the env's class wants other constructor arguments: the plain class
+        _remote_classes[key] = WorkerError
+        return WorkerError(f"{type_name} in the env worker: {message}", type_name, traceback_text)
     return err
 
 

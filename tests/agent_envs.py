@@ -114,7 +114,8 @@ class RedisEnv(_Base):
     def __init__(self, transport: str = "unix", port: int = 6391, keep_socket_path: bool = False) -> None:
         super().__init__()
         self.transport, self.port, self.keep = transport, port, keep_socket_path
-        self.dir = tempfile.mkdtemp(prefix="gf-redis-")
+        # a directory only for the unix socket: over TCP the env writes no file at all
+        self.dir = tempfile.mkdtemp(prefix="gf-redis-") if transport == "unix" else None
         self.proc: subprocess.Popen | None = None
         self.db = None
 
@@ -123,8 +124,8 @@ class RedisEnv(_Base):
 
         super().reset(seed=seed)
         if self.proc is None:
-            sock = os.path.join(self.dir, "redis.sock")
             if self.transport == "unix":
+                sock = os.path.join(self.dir, "redis.sock")
                 self.proc = start_redis(unix_socket=sock)
                 wait_until(lambda: os.path.exists(sock))
                 self.db = redis.Redis(unix_socket_path=sock)
@@ -152,7 +153,8 @@ class RedisEnv(_Base):
             self.proc.kill()
             self.proc.wait()
             self.proc = None
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class SqliteEnv(_Base):
