@@ -408,9 +408,14 @@ class ForkableEnv(gym.Wrapper):
             UncapturedFilesError: the env wrote files outside its workspace (``untracked_paths``).
         """
         self._check_open()
-        self._refuse_outside_writes()
         sid = new_id()
         payload, size = self._backend.snapshot(self._handle, sid)
+        try:
+            # after the backend: its scan's refusal (e.g. a file still open) names more precisely
+            self._refuse_outside_writes()
+        except UncapturedFilesError:
+            self._backend.release(payload)
+            raise
         snap = Snapshot(backend=self._backend, payload=payload, size_bytes=size, steps=self._steps,
                         parent_id=self._parent_id, lineage=self._lineage,
                         env_id=self.spec.id if self.spec else None,
@@ -619,7 +624,7 @@ class ForkableEnv(gym.Wrapper):
             raise UncapturedFilesError(
                 f"gym_fork cannot snapshot this env exactly: it wrote {shown} outside its workspace, and no "
                 "snapshot holds the content of such files (a restore would find them as they are then, and "
-                f"forked copies would all write the same files). {fix} Nothing was copied; the env keeps "
+                f"forked copies would all write the same files). {fix} No snapshot was kept; the env keeps "
                 "running.", paths)
         raise UncapturedFilesError(
             f"gym_fork cannot go back to snapshot {snapshot.id} exactly: this env wrote {shown} outside "

@@ -11,12 +11,13 @@ records those writes and refuses the snapshot, restore or fork that would diverg
 Recording (worker side, :func:`install`): a Python audit hook (:func:`sys.addaudithook`) sees
 every ``open()`` for writing (``O_WRONLY``, ``O_RDWR``, ``O_CREAT``, ``O_TRUNC``, ``O_APPEND``),
 ``os.remove``/``unlink``, ``os.rename``/``replace`` (both paths), ``os.truncate``, ``os.mkdir``,
-``os.rmdir``, ``shutil.rmtree``, ``os.chmod``/``chown``/``utime``, links, fifos, extended
-attributes, and ``sqlite3.connect`` of a database file (SQLite writes below Python: its connect
-event is the only trace).  The first change to a path decides whether the env *created* it
-(it did not exist) or *modified* it.  A path the env created and removed again left no trace and
-is forgotten; an ``os.mkdir`` of a directory that exists, or a removal of a path that does not,
-changes nothing and is not recorded.  Ignored: the declared workspace (:func:`set_workspace`,
+``os.rmdir``, ``shutil.rmtree``, ``os.chmod``/``chown``/``utime``, links, extended attributes,
+and ``sqlite3.connect`` of a database file (SQLite writes below Python: its connect event is the
+only trace).  The first change to a path decides whether the env *created* it (it did not exist)
+or *modified* it.  A path the env created and removed again left no trace and is forgotten; a
+removal of a path that does not exist changes nothing and is not recorded.  A directory the env
+makes is not reported by itself (what it writes into it is; removing a directory it did not make
+is), and unix socket names (no content; a listening socket is the resources scan's) are ignored.  Ignored: the declared workspace (:func:`set_workspace`,
 from the same ``workspace`` attribute the env reads), ``__pycache__`` (the import system),
 ``/dev``, ``/proc``, ``/sys``, unnamed ``O_TMPFILE`` files, and paths given as a descriptor
 (``open(fd, "w")``, ``os.ftruncate``: the file was recorded when it was opened by name) or
@@ -55,6 +56,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 CREATED = "created"  # the path did not exist before the env's first change to it
 MODIFIED = "modified"  # it existed: written, truncated, renamed, removed, chmod-ed, ...
+MADE_DIR = "made-dir"  # a directory the env made: not reported (its files are), but its removal is the env's own
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _TMPFILE = getattr(os, "O_TMPFILE", 0)
@@ -78,11 +80,12 @@ class Record:
         self.workspace: str | None = None
 
     def current(self) -> dict[str, str]:
-        """The record now: paths the env created and removed again are dropped (no trace left)."""
-        gone = [p for p, kind in self.paths.items() if kind is CREATED and not os.path.lexists(p)]
+        """The record now: paths the env created and removed again are dropped (no trace left),
+        directories it made are left out (what it writes in them is recorded)."""
+        gone = [p for p, kind in self.paths.items() if kind is not MODIFIED and not os.path.lexists(p)]
         for p in gone:
             del self.paths[p]
-        return dict(self.paths)
+        return {p: kind for p, kind in self.paths.items() if kind is not MADE_DIR}
 
 
 _worker = Record()  # the worker process's record (the env owns the whole process)
@@ -281,23 +284,29 @@ def _changed(rec: Record, raw: Any, dir_fd: Any = None) -> None:
     p = _path(raw, dir_fd, rec)
     if p is None or p in rec.paths:
         return
-    rec.paths[p] = MODIFIED if _lstat(p) is not None else CREATED
+    st = _lstat(p)
+    if st is not None and stat.S_ISSOCK(st.st_mode):
+        return  # a unix socket's name holds no content (listening sockets: the resources scan)
+    rec.paths[p] = MODIFIED if st is not None else CREATED
     rec.version += 1
 
 
-def _created(rec: Record, raw: Any, dir_fd: Any = None) -> None:
-    """``raw`` is made (mkdir, link, fifo): nothing changes when it exists already (the call fails)."""
+def _created(rec: Record, raw: Any, dir_fd: Any = None, kind: str = CREATED) -> None:
+    """``raw`` is made (a directory, a link): nothing changes when it exists already (the call fails)."""
     p = _path(raw, dir_fd, rec)
     if p is None or p in rec.paths or _lstat(p) is not None:
         return
-    rec.paths[p] = CREATED
+    rec.paths[p] = kind
     rec.version += 1
 
 
 def _removed(rec: Record, raw: Any, dir_fd: Any = None) -> None:
     """``raw`` is removed: nothing changes when it does not exist."""
     p = _path(raw, dir_fd, rec)
-    if p is None or p in rec.paths or _lstat(p) is None:
+    if p is None or p in rec.paths:
+        return
+    st = _lstat(p)
+    if st is None or stat.S_ISSOCK(st.st_mode):
         return
     rec.paths[p] = MODIFIED
     rec.version += 1
@@ -341,10 +350,6 @@ def _on_rename(rec: Record, args: tuple) -> None:
     _changed(rec, dst, dst_dir_fd)
 
 
-def _last_fd(args: tuple) -> Any:
-    return args[-1] if len(args) > 1 else None
-
-
 _HANDLERS: dict[str, Callable[[Record, tuple], None]] = {
     "open": _on_open,
     "sqlite3.connect": _on_sqlite,
@@ -353,9 +358,7 @@ _HANDLERS: dict[str, Callable[[Record, tuple], None]] = {
     "os.rmdir": lambda rec, a: _removed(rec, a[0], a[1]),
     "shutil.rmtree": lambda rec, a: _removed(rec, a[0], a[1]),
     "os.truncate": lambda rec, a: _changed(rec, a[0]),
-    "os.mkdir": lambda rec, a: _created(rec, a[0], a[2]),
-    "os.mkfifo": lambda rec, a: _created(rec, a[0], _last_fd(a)),
-    "os.mknod": lambda rec, a: _created(rec, a[0], _last_fd(a)),
+    "os.mkdir": lambda rec, a: _created(rec, a[0], a[2], MADE_DIR),
     "os.link": lambda rec, a: _created(rec, a[1], a[3]),
     "os.symlink": lambda rec, a: _created(rec, a[1], a[2]),
     "os.chmod": lambda rec, a: _changed(rec, a[0], a[2]),

@@ -60,9 +60,10 @@ def test_removals_renames_and_metadata(tmp_path):
     assert _record(lambda: os.utime(a)) == {a: files.MODIFIED}
     assert _record(lambda: os.truncate(a, 0)) == {a: files.MODIFIED}
     d = str(tmp_path / "d")
-    assert _record(lambda: os.makedirs(os.path.join(d, "e"))) == {d: files.CREATED, os.path.join(d, "e"): files.CREATED}
-    _write(os.path.join(d, "e", "f"))
-    assert _record(lambda: shutil.rmtree(d)) == {d: files.MODIFIED}
+    f = os.path.join(d, "e", "f")
+    # a directory the env makes is not reported by itself; what it writes there is
+    assert _record(lambda: (os.makedirs(os.path.join(d, "e")), _write(f))) == {f: files.CREATED}
+    assert _record(lambda: shutil.rmtree(d)) == {d: files.MODIFIED}  # one it did not make
 
 
 def test_what_changes_nothing_is_not_recorded(tmp_path):
@@ -91,6 +92,9 @@ def test_created_and_removed_again_leaves_no_trace(tmp_path):
             f.write(b"x")
         os.mkdir(tmp_path / "d")
         os.rmdir(tmp_path / "d")
+        made = tempfile.mkdtemp(dir=tmp_path)  # a server's socket directory, say
+        _write(os.path.join(made, "f"))
+        shutil.rmtree(made)
 
     assert _record(scratch) == {}
     kept = str(tmp_path / "kept")
@@ -121,7 +125,19 @@ def test_ignored_places(tmp_path):
         fd = os.open(tmp_path / "viafd", os.O_WRONLY | os.O_CREAT)
         with open(fd, "w") as f:  # a descriptor: recorded when it was opened by name
             f.write("x")
-    assert rec.current() == {str(tmp_path / "pkg"): files.CREATED, str(tmp_path / "viafd"): files.CREATED}
+    assert rec.current() == {str(tmp_path / "viafd"): files.CREATED}
+
+
+def test_unix_socket_names_are_ignored(tmp_path):
+    import socket
+
+    path = str(tmp_path / "s.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)  # made outside the record (by a server process, say)
+    try:
+        assert _record(lambda: (os.chmod(path, 0o600), os.remove(path))) == {}
+    finally:
+        srv.close()
 
 
 def test_only_the_tracking_thread_counts(tmp_path):
