@@ -148,3 +148,42 @@ def test_migration_to_a_local_agent_continues_exactly(agent):
         env.close()
     assert_gone(moved_tree)
     assert ag.children() == []
+
+
+def test_fork_tier_env_with_private_network_migrates_live_exactly(agent):
+    """No child processes: copy-on-write snapshots, and the copy CRIU dumps for the move keeps the
+    worker's own namespace; pre-copy (live=True) switches mid-stream and stays exact."""
+    env = gym_fork.ForkableEnv("CartPole-v1", private_network=True)
+    ag = agent.agents["B"]
+    try:
+        env.action_space.seed(1)
+        env.reset(seed=2)
+        for _ in range(4):
+            env.step(env.action_space.sample())
+        xs = [int(env.action_space.sample()) for _ in range(30)]
+        ref = env.fork()[0]
+        mig = env.migrate(agent.target["B"], token=agent.token, live=True)
+        theirs = [step(env, x) for x in xs]  # the switch happens inside one of these steps
+        rep = mig.result(timeout=60)
+        assert rep["node"] == "B" and rep["pid"] in ag.children()
+        assert _netns(rep["pid"]) not in (_netns(ag.pid), _netns(os.getpid()))
+        assert_same_traj([step(ref, x) for x in xs], theirs)
+        ref.close()
+    finally:
+        env.close()
+    assert_gone({rep["pid"]})
+
+
+def test_live_migration_of_a_process_tree_is_refused_with_the_reason(agent):
+    """A tree (worker + Redis) has no copy-on-write snapshot to pre-copy: refused, typed, before
+    anything moves; the env keeps running here, exactly."""
+    env, xs = _started()
+    try:
+        ref = env.fork()[0]
+        with pytest.raises(gym_fork.migration.MigrationError, match="live=True needs a copy-on-write"):
+            env.migrate(agent.target["B"], token=agent.token, live=True)
+        assert agent.agents["B"].children() == []
+        assert_same_traj([step(ref, x) for x in xs], [step(env, x) for x in xs])
+        ref.close()
+    finally:
+        env.close()
