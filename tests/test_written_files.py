@@ -311,3 +311,45 @@ def test_pickle_backend_records_the_envs_writes_only(tmp_path):
         assert env.step(1)[0].tolist() == [2.0, 0.0]
     finally:
         env.close()
+
+
+@pytest.fixture(scope="module")
+def agent():
+    from gym_fork.testing.nodes import Nodes
+
+    with Nodes(["B"], use_netns=False) as n:
+        yield n
+
+
+def test_migration_of_an_env_that_wrote_outside_is_refused(tmp_path, agent):
+    log = str(tmp_path / "log.txt")
+    env = gym_fork.ForkableEnv(lambda: LogEnv(log))
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturedFilesError):
+            env.migrate(agent.target["B"], token=agent.token)
+        assert env.step(2)[0].tolist() == [2.0, 2.0]  # still here, unchanged
+    finally:
+        env.close()
+
+
+def test_live_migration_is_cancelled_when_the_env_writes_outside_meanwhile(tmp_path, agent):
+    """The target replays what the source did while the snapshot travelled: an outside write
+    would happen twice (here: the same file, one machine).  The migration is cancelled first."""
+    from gym_fork.migration import MigrationError
+
+    log = str(tmp_path / "log.txt")
+    env = gym_fork.ForkableEnv(lambda: LogEnv(log))
+    try:
+        env.reset(seed=0)
+        mig = env.migrate(agent.target["B"], token=agent.token, live=True)
+        env.step(1)  # the first outside write: the migration is cancelled, the step answered here
+        with pytest.raises(MigrationError, match="outside its workspace"):
+            mig.result(timeout=60)
+        assert mig.state == "cancelled" and env._live is None
+        for n in range(2, 5):
+            assert env.step(0)[0].tolist() == [float(n), float(n)]  # written once per step
+        assert len(_lines(log)) == 4
+    finally:
+        env.close()

@@ -162,6 +162,11 @@ class LiveMigration:
         self._cancel_from_learner(why)
 
     def _record(self, cmd: str, args: tuple, answer: Any) -> None:
+        written = self.env._outside_writes() if self._state in ("shipping", "ready") else None
+        if written:  # the target would replay this request and write those files a second time
+            self._cancel_from_learner(f"the env wrote files outside its workspace ({', '.join(written[:3])}), "
+                                      "which a replay on the target would write again")
+            return
         with self._lock:
             state = self._state
             if state in ("shipping", "ready"):
