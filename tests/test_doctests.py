@@ -27,6 +27,8 @@ MODULES = [
     "gym_fork.migration.targets",
     "gym_fork.vector",
     "gym_fork.worker.resources",
+    "gym_fork.worker.prefault",
+    "gym_fork.worker.files",
     "gym_fork.backends.treecapture",
     "gym_fork.backends.exactness",
     "gym_fork.wrapped",

@@ -124,8 +124,8 @@ class ForkPayload:
             self.ready.append(Channel.from_fd(fds[0]))
 
     def take_ready(self) -> Channel | None:
-        """The channel of a ready copy, if the frozen process has offered one (never waits);
-        the frozen process is told, so it forks the next."""
+        """The channel of a ready copy, if the frozen process has offered one (never waits).
+        Tell the frozen process with :meth:`taken`, so it forks the next."""
         with self.lock:
             if self.chan is None:
                 return None
@@ -136,11 +136,19 @@ class ForkPayload:
                     self._keep_offer()
                 if not self.ready:
                     return None
-                taken = self.ready.pop()
-                self.chan.send(("taken", ()))
+                return self.ready.pop()
             except (ChannelClosed, OSError):
                 return None  # the caller's clone request reports the frozen process's end
-            return taken
+
+    def taken(self, pid: int | None) -> None:
+        """Tell the frozen process its ready copy is in use (host ``pid``: the next ready copy
+        faults in what that one touches), so it forks the next. A notice: no reply."""
+        with self.lock:
+            if self.chan is not None:
+                try:
+                    self.chan.send(("taken", (pid,) if pid else ()))
+                except OSError:
+                    pass  # gone: the next clone request says so
 
     def close(self) -> None:
         """End the frozen process and its ready copies (each exits on EOF)."""
@@ -462,8 +470,10 @@ class CriuBackend(Backend):
             reply = None
         if reply is None or reply[0] != OK:  # the copy died or failed: clone on request instead
             chan.close()
+            payload.taken(None)
             return None
         hello, ino = reply[1]
+        payload.taken(hello[0])
         h = RemoteHandle(chan, hello[0], ino, fork_tier=True)
         h.initial = list(hello[1:4])
         h.packed = hello[4] == PACKED_VERSION

@@ -223,13 +223,17 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
     offered = False  # a ready copy's channel was handed out and not taken yet
     failed = 0
+    # whose touched pages a ready copy faults in ahead (gym_fork.worker.prefault): the copy
+    # used last (the controller names it). Not before the first restore: most snapshots are
+    # never restored, and learning and faulting cost tens of ms of CPU.
+    learn_from: int | None = None
     while True:
         if not offered and failed < 3 and not _readable(chan, READY_DELAY_S):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
             try:
-                prefault.populate_file_mappings()  # this process serves the next request
-                _offer_ready_copy(chan, server)
+                plan = prefault.learn(learn_from) if learn_from else prefault.Plan()
+                _offer_ready_copy(chan, server, plan)
                 offered = True
             except ChannelClosed:
                 os._exit(0)
@@ -241,8 +245,9 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
             os._exit(0)
         if cmd == "exit":
             os._exit(0)
-        if cmd == "taken":  # a notice, not a request: no reply
+        if cmd == "taken":  # a notice, not a request: no reply; args: the copy's host pid
             offered = False
+            learn_from = args[0] if args else learn_from
             continue
         try:
             if cmd == "clone":
@@ -287,9 +292,10 @@ def _fork_copy(fd: int, frozen_chan: Channel, server: EnvServer) -> None:
         os._exit(0)
 
 
-def _offer_ready_copy(frozen_chan: Channel, server: EnvServer) -> None:
+def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Plan) -> None:
     """Fork a copy that has already answered ``hello`` on a new channel, and send the
-    controller's end of that channel over ``frozen_chan``."""
+    controller's end of that channel over ``frozen_chan``. The copy then faults in the pages
+    ``plan`` names, while it waits for its first request."""
     ours, theirs = socket.socketpair()
     try:
         pid = _fork_child(theirs.fileno(), frozen_chan)
@@ -301,7 +307,7 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer) -> None:
                 chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
             except OSError:
                 os._exit(0)  # the controller went away
-            prefault.populate_file_mappings()  # its first step must not fault on every code page
+            prefault.apply(plan)  # its first step must not fault on every page it touches
             serve(chan, server)
             os._exit(0)
         frozen_chan.send((READY, None))

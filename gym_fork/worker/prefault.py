@@ -1,24 +1,27 @@
-"""Give a fresh fork-tier copy its page tables before it is needed, off the critical path.
+"""Give a fresh fork-tier copy the page tables it is about to need, before it is needed.
 
-``fork()`` copies the page-table entries of anonymous memory (write-protected, copy-on-write) but
-*not* those of file mappings: the kernel leaves them out because a fault can fill them again from
-the page cache.  A new copy therefore takes a minor fault on every page of code and read-only data
-it runs for the first time -- libpython, NumPy, the simulator's shared library -- and the first
-request a restored copy serves (and the step after it) pays for hundreds of them.  On a virtual
-machine each fault costs several microseconds, so this was most of what a fork-tier ``restore()``
-cost beyond the hand-over itself.
+A copy made by ``fork()`` starts with none of the page-table entries of file mappings (the kernel
+leaves them out: a fault can fill them from the page cache) and with every page of its private
+memory shared, write-protected, with the process it was forked from.  Its first request --
+usually the first step after a ``restore()`` -- then takes a minor fault on each page of code it
+runs (libpython, NumPy, the simulator's library) and a copy-on-write fault on each page it writes:
+hundreds of faults, a millisecond or more on a virtual machine, on the learner's critical path.
 
-:func:`populate_file_mappings` fills those entries in one ``madvise(MADV_POPULATE_READ)`` call per
-mapping (Linux 5.14 or later).  It costs no memory (the pages are the page cache's, shared with the
-original), never changes what a copy computes (only page tables are filled, no byte is written), and
-runs where nobody waits: in a spare copy that is not serving yet, and in a frozen snapshot before
-it forks its spare.  On older kernels it does nothing.
-
-Writable private memory is left alone: populating it for writing would break copy-on-write, giving
-every spare a private copy of the whole heap (tens of MB per snapshot).
+A ready copy (see :func:`gym_fork.worker.loop.frozen_loop`) has time before it is used, and a
+good guess of what it will touch: what a *sibling* touched -- the worker the snapshot was taken
+from, or the copy that was used before it; they run the same code on nearly the same data.
+:func:`learn` reads that process's page map (``/proc/PID/pagemap``): its file pages that are
+mapped, and its private pages that are its own (written since the fork).  :func:`apply` then
+faults exactly those in, in this process, with ``madvise(MADV_POPULATE_READ / _WRITE)``
+(Linux 5.14 or later): reading maps code pages (no memory: they are the page cache's), writing
+breaks copy-on-write of the heap pages the sibling wrote (memory: those pages only, typically a
+few MB).  No byte changes value, so a copy computes exactly what it would have.  Where the kernel
+lacks the advice or the page map cannot be read, nothing happens.
 
 Example:
-    >>> populate_file_mappings() >= 0
+    >>> import os
+    >>> plan = learn(os.getpid())
+    >>> apply(plan) >= 0
     True
 """
 
@@ -26,53 +29,155 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault in page tables, readable, like a read of every page
+MADV_POPULATE_WRITE = 23  # ... writable: breaks copy-on-write, like a write of every page
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_PRESENT = 1 << 63
+_EXCLUSIVE = 1 << 56  # the page is mapped by this process only (written since the fork, or new)
+#: private writable areas larger than this are not learned (reserved arenas: reading their page
+#: map would cost more than it saves)
+MAX_AREA = 256 << 20
+#: at most this much private memory is faulted in for writing per copy
+MAX_WRITE_BYTES = 64 << 20
+
 _ok = True
 _libc: ctypes.CDLL | None = None
 
 
-def _file_ranges() -> list[tuple[int, int]]:
-    """(start, end) of this process's readable, not writable mappings of files (code, read-only
-    data). The kernel's own areas ([vdso], [vvar], ...) are left out: they cannot be populated."""
+@dataclass
+class Plan:
+    """Address ranges ``(start, end)`` to fault in: ``read`` for code, ``write`` for heap."""
+
+    read: list[tuple[int, int]] = field(default_factory=list)
+    write: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _areas(pid: int | str) -> list[tuple[int, int, bytes, bytes]]:
+    """(start, end, perms, name) of a process's mappings."""
     out = []
-    with open("/proc/self/maps", "rb") as f:
+    with open(f"/proc/{pid}/maps", "rb") as f:
         for line in f:
             parts = line.split(None, 5)
-            perms = parts[1]
-            if perms[0:1] != b"r" or perms[1:2] == b"w":
-                continue
-            if len(parts) < 6 or not parts[5].startswith(b"/"):
-                continue  # anonymous or a kernel area: nothing to gain
             start, end = parts[0].split(b"-")
-            out.append((int(start, 16), int(end, 16)))
+            out.append((int(start, 16), int(end, 16), parts[1], parts[5].strip() if len(parts) > 5 else b""))
     return out
 
 
-def populate_file_mappings() -> int:
-    """Fill this process's page tables for its read-only file mappings.
+def _kind(perms: bytes, name: bytes) -> str | None:
+    """"read" for a readable, not writable file mapping (code, read-only data); "write" for
+    private writable memory; None for what is left alone (the kernel's own areas, shared or
+    inaccessible mappings)."""
+    if perms[0:1] != b"r" or perms[3:4] != b"p" or name.startswith(b"[v"):
+        return None
+    if perms[1:2] == b"w":
+        return "write"
+    return "read" if name.startswith(b"/") else None
+
+
+def learn(pid: int) -> Plan:
+    """What process ``pid`` has touched: its mapped file pages and the private pages it wrote.
 
     Returns:
-        How many mappings were populated (0 where the kernel lacks ``MADV_POPULATE_READ``).
+        A :class:`Plan` (empty when the process is gone or its page map cannot be read).
+    """
+    plan = Plan()
+    try:
+        areas = [(a, b, k) for a, b, p, n in _areas(pid)
+                 if (k := _kind(p, n)) is not None and not (k == "write" and b - a > MAX_AREA)]
+        fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return plan
+    chunks, addrs, wants = [], [], []
+    try:
+        i = 0
+        while i < len(areas):  # one read per run of adjacent areas (a library's segments)
+            j = i + 1
+            while j < len(areas) and areas[j][0] == areas[j - 1][1]:
+                j += 1
+            lo, hi = areas[i][0], areas[j - 1][1]
+            try:
+                data = os.pread(fd, (hi - lo) // PAGE * 8, lo // PAGE * 8)
+            except OSError:
+                i = j
+                continue
+            chunks.append(data)
+            n = len(data) // 8
+            addrs.append(lo + PAGE * np.arange(n, dtype=np.uint64))
+            want = np.empty(n, dtype=np.uint64)
+            for a, b, kind in areas[i:j]:
+                want[(a - lo) // PAGE:(b - lo) // PAGE] = _PRESENT if kind == "read" else _PRESENT | _EXCLUSIVE
+            wants.append(want)
+            i = j
+    finally:
+        os.close(fd)
+    if not chunks:
+        return plan
+    entries = np.frombuffer(b"".join(chunks), dtype=np.uint64)[: sum(len(a) for a in addrs)]
+    addr, want = np.concatenate(addrs), np.concatenate(wants)
+    hit = (entries & want) == want
+    # a run of touched pages: consecutive addresses of one kind
+    cont = np.zeros(len(hit), dtype=bool)
+    cont[1:] = hit[1:] & hit[:-1] & (addr[1:] == addr[:-1] + np.uint64(PAGE)) & (want[1:] == want[:-1])
+    firsts = np.flatnonzero(hit & ~cont)
+    lasts = np.flatnonzero(hit & ~np.append(cont[1:], False))
+    budget = MAX_WRITE_BYTES  # a copy must not become a private copy of a huge heap
+    for f, l in zip(firsts.tolist(), lasts.tolist()):
+        run = (int(addr[f]), int(addr[l]) + PAGE)
+        if want[f] == _PRESENT:
+            plan.read.append(run)
+        elif budget > 0:
+            run = (run[0], min(run[1], run[0] + budget))
+            plan.write.append(run)
+            budget -= run[1] - run[0]
+    return plan
+
+
+def apply(plan: Plan) -> int:
+    """Fault in ``plan``'s ranges in this process, where they are still mapped the same way.
+
+    Returns:
+        The number of pages faulted in (0 where the kernel lacks ``MADV_POPULATE_*``).
     """
     global _ok, _libc
-    if not _ok:
+    if not _ok or not (plan.read or plan.write):
         return 0
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.madvise.restype = ctypes.c_int
-    done = invalid = 0
     try:
-        ranges = _file_ranges()
+        mine = sorted((s, e, _kind(p, n)) for s, e, p, n in _areas("self"))
     except OSError:
         return 0
-    for start, end in ranges:
-        if _libc.madvise(start, end - start, MADV_POPULATE_READ) == 0:
-            done += 1
-        elif ctypes.get_errno() == errno.EINVAL:
-            invalid += 1  # a device mapping, or (all of them) a kernel without the advice
-        # EFAULT/ENOMEM: a mapping that went away, or a file truncated under it: skip it
-    if done == 0 and invalid == len(ranges) and ranges:
+    pages = tried = invalid = 0
+    for ranges, kind, advice in ((plan.read, "read", MADV_POPULATE_READ), (plan.write, "write", MADV_POPULATE_WRITE)):
+        for start, end in _clip(ranges, [(s, e) for s, e, k in mine if k == kind]):
+            tried += 1
+            if _libc.madvise(start, end - start, advice) == 0:
+                pages += (end - start) // PAGE
+            elif ctypes.get_errno() == errno.EINVAL:
+                invalid += 1  # a special mapping, or (all of them) a kernel without the advice
+            # EFAULT/ENOMEM: unmapped meanwhile, or a file truncated under it: skip it
+    if tried and invalid == tried:
         _ok = False  # an older kernel: do not try again
-    return done
+    return pages
+
+
+def _clip(ranges: list[tuple[int, int]], areas: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` inside ``areas`` (both sorted by start, non-overlapping)."""
+    out, j = [], 0
+    for start, end in sorted(ranges):
+        while j < len(areas) and areas[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(areas) and areas[k][0] < end:
+            s, e = max(start, areas[k][0]), min(end, areas[k][1])
+            if s < e:
+                out.append((s, e))
+            k += 1
+    return out

@@ -1,0 +1,96 @@
+"""gym_fork.worker.prefault: a copy learns what a sibling touched and faults exactly that in,
+without changing a byte."""
+
+import os
+import mmap
+
+import numpy as np
+
+from gym_fork.worker import prefault
+
+
+def _pagemap_entry(pid: int, addr: int) -> int:
+    with open(f"/proc/{pid}/pagemap", "rb") as f:
+        f.seek(addr // prefault.PAGE * 8)
+        return int.from_bytes(f.read(8), "little")
+
+
+def _run_in_child(fn) -> bytes:
+    """Run ``fn()`` in a forked child; returns what it wrote to a pipe."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.write(w, fn())
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_learns_what_a_sibling_wrote_and_a_copy_faults_it_in_unchanged():
+    pages = 64
+    buf = mmap.mmap(-1, pages * prefault.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:] = np.arange(arr.size) % 251  # every page present (and, before any fork, ours alone)
+    base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    written = [3, 4, 5, 40]
+
+    # a sibling (forked from this state) writes a few pages and waits to be learned from
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    sib = os.fork()
+    if sib == 0:
+        for p in written:
+            arr[p * prefault.PAGE] ^= 0  # a write of the same value: copy-on-write breaks
+        os.write(w, b"x")
+        os.read(go_r, 1)
+        os._exit(0)
+    os.read(r, 1)
+    try:
+        plan = prefault.learn(sib)
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(sib, 0)
+    inside = [(a, b) for a, b in plan.write if a < base + pages * prefault.PAGE and b > base]
+    learned = sorted({(a - base) // prefault.PAGE + i for a, b in inside for i in range((b - a) // prefault.PAGE)
+                      if base <= a + i * prefault.PAGE < base + pages * prefault.PAGE})
+    assert learned == written
+
+    def copy() -> bytes:  # a new copy: shares every page until it applies the plan
+        before = [bool(_pagemap_entry(os.getpid(), base + p * prefault.PAGE) & prefault._EXCLUSIVE) for p in written]
+        n = prefault.apply(plan)
+        after = [bool(_pagemap_entry(os.getpid(), base + p * prefault.PAGE) & prefault._EXCLUSIVE) for p in written]
+        other = bool(_pagemap_entry(os.getpid(), base + 20 * prefault.PAGE) & prefault._EXCLUSIVE)
+        same = bool((arr == np.arange(arr.size) % 251).all())
+        return repr((before, after, other, same, n > 0)).encode()
+
+    before, after, other, same, did = eval(_run_in_child(copy))  # noqa: S307 - our own child's repr
+    assert before == [False] * len(written)  # shared with this process after the fork
+    assert after == [True] * len(written)  # faulted in for writing: its own now
+    assert other is False  # a page the sibling did not write stays shared
+    assert same and did  # not a byte changed
+
+
+def test_code_pages_a_sibling_ran_are_mapped_in_a_copy():
+    plan = prefault.learn(os.getpid())
+    assert plan.read  # this interpreter's code pages
+    runs = sorted(plan.read + plan.write)
+    assert all(a < b for a, b in runs)
+    assert all(runs[i][1] <= runs[i + 1][0] for i in range(len(runs) - 1))  # no overlaps
+
+
+def test_a_gone_process_teaches_nothing():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    plan = prefault.learn(pid)
+    assert plan.read == [] and plan.write == []
+    assert prefault.apply(plan) == 0
