@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 
 import pytest
@@ -44,7 +45,7 @@ def outside_redis(tmp_path):
     port, sock = agent_envs.free_port(), str(tmp_path / "outside.sock")
     proc = agent_envs.start_redis(port=port, unix_socket=sock)
     try:
-        agent_envs.wait_until(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
+        agent_envs.wait_until(lambda: _ping(port))
         yield proc, port, sock
     finally:
         proc.kill()
@@ -57,9 +58,14 @@ def agent():
         yield n
 
 
-def _steps_and_total(env, port: int, actions) -> tuple[list, int]:
-    out = [step(env, a) for a in actions]
-    return out, int(redis.Redis(host="127.0.0.1", port=port).get("total"))
+def _ping(port: int) -> bool:
+    with redis.Redis(host="127.0.0.1", port=port) as db:
+        return db.ping()
+
+
+def _total(port: int) -> int:
+    with redis.Redis(host="127.0.0.1", port=port) as db:
+        return int(db.get("total"))
 
 
 @pytest.mark.parametrize("opts", [{}, {"backend": "criu", "fork_tier": False}], ids=["auto", "criu-dumps"])
@@ -69,7 +75,7 @@ def test_outside_server_over_tcp_is_refused_naming_the_peer(outside_redis, opts)
     try:
         env.reset(seed=0)
         env.step(1)
-        total = int(redis.Redis(host="127.0.0.1", port=port).get("total"))
+        total = _total(port)
         with pytest.raises(UncapturableStateError, match=rf"-> 127\.0\.0\.1:{port} .*outside the env's process tree") as ei:
             env.snapshot()
         peers = [r for r in ei.value.resources if r.detail.get("peer") == f"127.0.0.1:{port}"]
@@ -77,8 +83,9 @@ def test_outside_server_over_tcp_is_refused_naming_the_peer(outside_redis, opts)
         with pytest.raises(UncapturableStateError, match=f"127.0.0.1:{port}"):
             env.fork()
         # nothing was copied: the env's next step is the very next write to the one server
-        [(obs, *_)], after = _steps_and_total(env, port, [2])
-        assert after > total and obs[1] == after * 100 + 1 + 2
+        obs, *_ = env.step(2)
+        after = _total(port)
+        assert after >= total + 2 and obs[1] == after * 100 + 1 + 2
         assert proc.poll() is None  # the outside server was not touched
     finally:
         env.close()
@@ -198,7 +205,7 @@ def test_restored_copy_whose_server_refuses_raises_the_env_error(fault):
             assert isinstance(ei.value, redis.exceptions.AuthenticationError)
             assert "NOAUTH" in str(ei.value) or "Authentication" in str(ei.value)
         else:
-            assert "Connection refused" in str(ei.value)
+            assert re.search(r"Connection (refused|reset by peer|closed by server)", str(ei.value))
         assert "redis" in ei.value.remote_traceback
         orig += [step(env, x) for x in xs[half:]]
         sib += [step(kids[1], x) for x in xs[half:]]
