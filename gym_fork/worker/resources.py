@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import socket
 import stat
@@ -280,15 +281,23 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
     Returns:
         A :class:`Scan`; ``scan.resources`` is empty when a ``fork()`` copy is exact.
     """
+    global _last_clean
     me = host_pid()
+    tids = os.listdir("/proc/self/task")
+    env_kids, fork_kids = classify_children(_children("self", tids), own_children)
+    fork_procs = [p for p, _local, _z in fork_kids]
+    quick = None
+    if len(tids) == 1 and not env_kids and log_files is None:
+        # What the rest of the scan reads has not changed since a scan that found nothing: then
+        # it would find nothing again (every descriptor it would report shows in the fingerprint).
+        quick = _quick_state(own_fds)
+        if quick is not None and quick == _last_clean:
+            return Scan(pid=me, ns_init=os.getpid() == 1, resources=[], fork_processes=fork_procs, tree=[me])
     logs = set(log_files) if log_files is not None else _stdio_files()
     found: list[Resource] = []
-    tids = os.listdir("/proc/self/task")
     if len(tids) > 1:
         names = _thread_names("self")
         found.append(Resource("thread", me, f"{len(tids) - 1} other thread(s) ({', '.join(names)})", "criu"))
-    env_kids, fork_kids = classify_children(_children("self", tids), own_children)
-    fork_procs = [p for p, _local, _z in fork_kids]
     own_links = {_link("self", str(fd)) for fd in own_fds}
     fds = _scan_fds("self", me, set(own_fds), logs, own_links)
     shared = _scan_maps("self", me)
@@ -306,7 +315,34 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
                 found.extend(_scan_fds(str(pid), pid, set(), logs, own_links))
                 found.extend(_scan_maps(str(pid), pid))
         _resolve_peers(found, tree)
+    _last_clean = quick if not found else None
     return Scan(pid=me, ns_init=os.getpid() == 1, resources=found, fork_processes=fork_procs, tree=tree)
+
+
+#: the fingerprint (:func:`_quick_state`) taken by the last scan of this process that found nothing
+_last_clean: tuple | None = None
+
+
+def _quick_state(own_fds: set[int] | frozenset[int]) -> tuple | None:
+    """A cheap fingerprint of what :func:`fork_blockers` reads beyond threads and children: each
+    descriptor's number, file identity, type, link count (an unlink) and open flags, by
+    ``fstat``/``fcntl`` (no ``/proc`` link or fdinfo reads), and the shared mappings.  None where
+    the mappings cannot be listed quickly (no ``PROCMAP_QUERY``)."""
+    maps = _shared_maps_fast()
+    if maps is None:
+        return None
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in own_fds:
+            continue
+        try:
+            st = os.fstat(fd)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        fds.append((fd, st.st_dev, st.st_ino, st.st_mode, st.st_nlink, flags))
+    return tuple(fds), tuple(maps)
 
 
 def _stdio_files() -> set[tuple[int, int]]:

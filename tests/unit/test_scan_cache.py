@@ -1,0 +1,74 @@
+"""The worker's scan for what fork() cannot copy skips its /proc reads when nothing changed since
+a scan that found nothing -- and never misses a change (gym_fork.worker.resources)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent(r'''
+    import json, mmap, os, subprocess, sys, threading, time
+    from gym_fork.worker import resources as R
+
+    def kinds():
+        return sorted(r.kind for r in R.fork_blockers({0}).resources)
+
+    nul = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(nul, 5)
+    os.close(nul)
+    out = {}
+    out["clean"] = kinds()
+    out["clean_again"] = kinds()  # from the fingerprint
+    out["cached"] = R._last_clean is not None
+    d = sys.argv[1]
+    f = open(os.path.join(d, "w.txt"), "w")
+    out["file_open"] = kinds()
+    f.close()
+    out["file_closed"] = kinds()
+    r = open(os.path.join(d, "w.txt"))
+    out["read_only"] = kinds()
+    r.close()
+    # the same descriptor number, now another file opened for writing
+    w = os.open(os.path.join(d, "x.txt"), os.O_WRONLY | os.O_CREAT)
+    os.dup2(w, 5)
+    os.close(w)
+    out["dup2_same_number"] = kinds()
+    nul = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(nul, 5)
+    os.close(nul)
+    out["null_back"] = kinds()
+    ev = threading.Event()
+    t = threading.Thread(target=ev.wait)
+    t.start()
+    out["thread"] = kinds()
+    ev.set(); t.join()
+    time.sleep(0.05)
+    out["thread_gone"] = kinds()
+    m = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED)
+    out["shared_map"] = kinds()
+    m.close()
+    out["map_gone"] = kinds()
+    p = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, close_fds=True)
+    out["child"] = kinds()
+    p.kill(); p.wait()
+    out["child_gone"] = kinds()
+    with open(os.path.join(d, "out.json"), "w") as f:
+        json.dump(out, f)
+''')
+
+
+def test_the_fingerprint_never_hides_a_change(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], check=True, env=env, timeout=60,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   start_new_session=True)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["clean"] == [] and out["clean_again"] == [] and out["cached"]
+    assert out["file_open"] == ["file"] and out["file_closed"] == []
+    assert out["read_only"] == ["file"]
+    assert out["dup2_same_number"] == ["file"] and out["null_back"] == []
+    assert out["thread"] == ["thread"] and out["thread_gone"] == []
+    assert out["shared_map"] == ["shared-memory"] and out["map_gone"] == []
+    assert "child" in out["child"] and out["child_gone"] == []
