@@ -38,7 +38,7 @@ import gymnasium as gym
 
 from gym_fork.backends.bundles import load_snapshot
 from gym_fork.env import ForkableEnv
-from gym_fork.errors import BackendUnavailableError, GymForkError, UnsupportedEnvError
+from gym_fork.errors import BackendUnavailableError, GymForkError, UncapturableStateError, UnsupportedEnvError
 from gym_fork.worker.channel import canonical_digest
 
 PASS, WARN, FAIL, REFUSES, NA = "PASS", "WARN", "FAIL", "refuses", "n/a"
@@ -179,7 +179,7 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
         _drive(env, [space.sample() for _ in range(steps)])
         try:
             snap = env.snapshot()
-        except UnsupportedEnvError as e:  # includes UncapturableStateError
+        except (UnsupportedEnvError, UncapturableStateError) as e:
             return Row(check, REFUSES, _short(e))
         tail = [space.sample() for _ in range(steps)]
         runs = {"on": _drive(env, tail)}
@@ -196,6 +196,8 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
                 extra.append(f"save/load: {saved}")
             else:
                 runs["save/load"] = saved
+    except (UnsupportedEnvError, UncapturableStateError) as e:  # refused later, before anything
+        return Row(check, REFUSES, _short(e))  # diverged (e.g. files it wrote after the snapshot)
     except Exception as e:  # noqa: BLE001 - gym_fork's errors, and the env's own (pickle: in this process)
         return Row(check, FAIL, f"{type(e).__name__}: {_short(e)}" if not isinstance(e, GymForkError) else _short(e))
     finally:
