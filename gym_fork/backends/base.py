@@ -11,13 +11,15 @@ from __future__ import annotations
 import abc
 import os
 import signal
+import socket
 import subprocess
 import threading
 from typing import Any
 
 from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker import files
-from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, send_fds
+from gym_fork.worker import ring as rings
+from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, send_fds, step_parts
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
 
@@ -103,10 +105,58 @@ class RemoteHandle(Handle):
         self._cmd = ""  # the request in flight (its reply is read by receive())
         self._offered = False  # that request is a hello offering packed frames
         self._status: str | None = None
+        # the shared-memory step ring (gym_fork.worker.ring), opened after RING_AFTER steps made
+        # one request at a time (short-lived copies never pay for one); None: the socket only
+        self.ring: rings.Ring | None = None
+        self._sync_steps = 0
+
+    #: steps made through :meth:`request` before a ring is offered (when rings are wanted)
+    RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "8"))
 
     def request(self, cmd: str, *args: Any) -> Any:
+        if cmd == "step" and self.ring is None and self._sync_steps <= self.RING_AFTER:
+            self._sync_steps += 1
+            if self._sync_steps > self.RING_AFTER and self.packed and rings.wanted():
+                self._open_ring()
         self.send(cmd, *args)
         return self.receive()
+
+    def _open_ring(self) -> None:
+        """Offer the worker a step ring; the socket stays in use when it cannot take one."""
+        if self.chan.sock.family != socket.AF_UNIX or self.closed:
+            return  # a relayed (network) worker: no memory to share
+        try:
+            ring, fd = rings.Ring.create()
+        except OSError:
+            return
+        try:
+            self.request_with_fd("ring", fd, ring.spin_ns)
+        except WorkerDiedError:
+            ring.close()
+            raise
+        except Exception:  # noqa: BLE001 - e.g. an older worker without rings: the socket it is
+            ring.close()
+            return
+        finally:
+            os.close(fd)
+        self.ring = ring
+
+    def _drop_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    def _read(self) -> Any:
+        """The reply to the request in flight (through the ring when it has one)."""
+        if self.ring is not None:
+            return self.ring.wait_reply(self.chan)
+        return self.chan.recv()
+
+    def _send_plain(self, msg: Any) -> None:
+        """Send a pickled request on the socket (announced in the ring first, if any)."""
+        if self.ring is not None:
+            self.ring.announce()
+        self.chan.send(msg)
 
     def send(self, cmd: str, *args: Any) -> None:
         """First half of a request: send it, so several workers can compute at the same time
@@ -122,17 +172,19 @@ class RemoteHandle(Handle):
         """Second half of a request sent with :meth:`send`."""
         cmd = self._cmd
         try:
-            reply = self.chan.recv()
+            reply = self._read()
             self._pending = False
             if cmd == "hello" and self._offered:
                 self._offered = False
                 if reply[0] != OK and reply[1] == "TypeError":  # an older worker: hello takes no argument
-                    self.chan.send(("hello", ()))
+                    self._send_plain(("hello", ()))
                     self._pending = True
-                    reply = self.chan.recv()
+                    reply = self._read()
                     self._pending = False
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
+        if cmd == "resources":  # a CRIU dump may follow: the worker has dropped the ring too
+            self._drop_ring()
         result = _result(reply)
         if cmd == "hello" and len(result) == 5:  # the worker reads packed step frames
             self.packed = result[4] == PACKED_VERSION
@@ -147,16 +199,21 @@ class RemoteHandle(Handle):
         (one request in flight, always)."""
         chan = self.chan
         if self._pending:
-            chan.recv()
+            self._read()
             self._pending = False
         self._cmd, self._offered = cmd, False
+        ring = self.ring
         if cmd == "step" and self.packed:
-            chan.send_step(args[0])
+            if ring is None:
+                chan.send_step(args[0])
+            elif not ring.post(chan, step_parts(args[0])):
+                ring.announce()  # larger than the ring: on the socket
+                chan.send_step(args[0])
         elif cmd == "hello" and not args:
-            chan.send(("hello", (PACKED_VERSION,)))  # an older worker refuses the argument
+            self._send_plain(("hello", (PACKED_VERSION,)))  # an older worker refuses the argument
             self._offered = True
         else:
-            chan.send((cmd, args))
+            self._send_plain((cmd, args))
         self._pending = True
 
     def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
@@ -165,14 +222,16 @@ class RemoteHandle(Handle):
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
         try:
             if self._pending:  # drain the reply of an interrupted request first
-                self.chan.recv()
+                self._read()
                 self._pending = False
-            self.chan.send((cmd, args))
+            self._send_plain((cmd, args))
             send_fds(self.chan.sock, b"F", [fd])
-            reply = self.chan.recv()
+            reply = self._read()
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the process {self.pid} died during {cmd!r}: {self.exit_status()}") from e
         if reply[0] == OK:
+            if cmd == "fork_snapshot" and reply[1] is not None:
+                self._drop_ring()  # the worker found what fork() cannot copy: a dump may follow
             return reply[1]
         _, type_name, message, tb = reply
         raise remote_exception(type_name, message, tb)
@@ -212,15 +271,17 @@ class RemoteHandle(Handle):
             # Its namespace may hold clones and frozen snapshots that must live on: ask it to
             # retire (exec a reaper that exits with the last of them) instead of killing it.
             try:
-                self.chan.send(("retire", ()))
+                self._send_plain(("retire", ()))
             except OSError:
                 pass
+            self._drop_ring()
             self.chan.close()
             _reap_in_background(self._popen, self.pid if self._child else None)
             return
         if not self.ns_root and self.pid:
             # not its namespace's init: its env's children would outlive it (orphaned to that init)
             kill_env_descendants(self.pid)
+        self._drop_ring()
         self.chan.close()
         try:
             # SIGKILL: a PID-namespace init ignores SIGTERM, and killing it ends its namespace.

@@ -14,6 +14,10 @@ gives back objects of the same types and bit-identical values.  A controller sen
 only to a worker that said it reads them (``PACKED_VERSION`` in its ``init`` or ``hello`` reply),
 and a worker answers packed only to a packed request, so either side may be older.
 
+With a shared-memory step ring (:mod:`gym_fork.worker.ring`) the socket also carries *wake*
+frames: a header with the packed flag and length 0, which a side sends to wake a peer that went to
+sleep on the socket waiting for the ring.  They carry nothing; :meth:`Channel.recv` skips them.
+
 File descriptors travel with ``SCM_RIGHTS`` (:func:`send_fds` / :func:`recv_fds`).
 """
 
@@ -38,6 +42,7 @@ _HEADER = struct.Struct("!Q")
 _PACKED = 1 << 63  # header flag: the payload is a packed step frame, not a pickle
 _MAX_MESSAGE = 1 << 34  # 16 GiB: a sanity bound against a corrupted length header
 _KEEP_BUFFER = 1 << 20  # receive buffers up to this size are kept for the next message
+WAKE = _HEADER.pack(_PACKED)  # a wake frame: packed, length 0 (a real packed frame is never empty)
 
 
 class ChannelClosed(EOFError):
@@ -75,24 +80,20 @@ class Channel:
         if head is not None and _INT64_MIN <= action <= _INT64_MAX:  # a discrete action
             self.sock.sendall(head + _I64.pack(action))
             return
-        parts = [b"", b"S"]
-        _pack(action, parts)
-        self._send_packed(parts)
+        self._send_packed(step_parts(action))
 
     def reply(self, reply: tuple) -> None:
         """Send a worker's reply: packed when the request was packed and the reply is a step's
         result ``(OK, (obs, reward, terminated, truncated, info))``, else pickled."""
-        if self.packed_in and reply[0] == OK and type(reply[1]) is tuple and len(reply[1]) == 5:
-            obs, reward, terminated, truncated, info = reply[1]
-            parts = [b"", b"R"]
-            _pack(obs, parts)
-            _pack(reward, parts)
-            _pack(terminated, parts)
-            _pack(truncated, parts)
-            _pack(info, parts)
+        parts = reply_parts(reply) if self.packed_in else None
+        if parts is not None:
             self._send_packed(parts)
         else:
             self.send(reply)
+
+    def send_wake(self) -> None:
+        """Wake a peer asleep on this socket while it waits for the step ring."""
+        self.sock.sendall(WAKE)
 
     def _send_packed(self, parts: list) -> None:
         n = sum(map(len, parts))
@@ -102,8 +103,18 @@ class Channel:
             self.sock.sendall(memoryview(b"".join(parts))[sent:])
 
     def recv(self) -> Any:
+        """The next message (wake frames are skipped)."""
+        msg = self.recv_or_wake()
+        while msg is WAKE:
+            msg = self.recv_or_wake()
+        return msg
+
+    def recv_or_wake(self) -> Any:
+        """The next message, or :data:`WAKE` when the next frame is a wake frame."""
         self._recv_exact_into(self._hdr)
         (n,) = _HEADER.unpack(self._hdr)
+        if n == _PACKED:
+            return WAKE
         packed = bool(n & _PACKED)
         n &= ~_PACKED
         if n > _MAX_MESSAGE:
@@ -169,6 +180,35 @@ _NUMERIC = frozenset("biufc")  # dtype kinds whose bytes are the whole value
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # a whole step request for an int or np.int64 action, but its 8 bytes (what _pack would write)
 _INT_STEP = {int: _HEADER.pack(10 | _PACKED) + b"Si", np.int64: _HEADER.pack(10 | _PACKED) + b"Sj"}
+
+
+def step_parts(action: Any) -> list:
+    """The packed frame of a step request, as a list of byte chunks; the first is an empty
+    placeholder for the socket's length header."""
+    parts = [b"", b"S"]
+    _pack(action, parts)
+    return parts
+
+
+def reply_parts(reply: tuple) -> list | None:
+    """The packed frame of a step's result ``(OK, (obs, reward, terminated, truncated, info))``
+    like :func:`step_parts`, or None for any other reply (it travels as a pickle)."""
+    if reply[0] != OK or type(reply[1]) is not tuple or len(reply[1]) != 5:
+        return None
+    obs, reward, terminated, truncated, info = reply[1]
+    parts = [b"", b"R"]
+    _pack(obs, parts)
+    _pack(reward, parts)
+    _pack(terminated, parts)
+    _pack(truncated, parts)
+    _pack(info, parts)
+    return parts
+
+
+def unpack_frame(view: memoryview) -> tuple:
+    """Decode one packed frame (without its length header) into the message it carries; arrays
+    and values are copied out of ``view``."""
+    return _unpack_frame(view)
 
 
 def _pack_pickle(x: Any, parts: list) -> None:

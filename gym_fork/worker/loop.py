@@ -50,10 +50,11 @@ os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import (  # noqa: E402
-    ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, send_fds)
+    ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, reply_parts, send_fds)
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files  # noqa: E402
+from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 REAPER = (
@@ -134,10 +135,18 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
 
 
 def serve(chan: Channel, server: EnvServer) -> None:
-    """The active worker's loop."""
+    """The active worker's loop. Once the controller hands it a step ring (``ring`` + an fd),
+    requests are announced there and steps travel through it (:mod:`gym_fork.worker.ring`)."""
+    ring: Ring | None = None
     while True:
         try:
-            cmd, args = chan.recv()
+            if ring is None:
+                cmd, args = chan.recv()
+                in_ring = False
+            else:
+                (cmd, args), in_ring = ring.wait_request(chan)
+                if in_ring:
+                    chan.packed_in = True  # answer in kind: a packed frame
         except ChannelClosed:
             _retire_or_exit()
             return
@@ -145,13 +154,15 @@ def serve(chan: Channel, server: EnvServer) -> None:
             try:
                 server.cmd_close()
             finally:
-                output.flush(chan)
-                chan.send((OK, None))
+                sink = _Replies(chan, ring)
+                output.flush(sink)
+                sink.send((OK, None))
             _retire_or_exit()
             return
         if cmd == "retire":
             _retire_or_exit()
             return
+        drop_ring = False  # a CRIU dump may follow this reply: no image may hold the ring
         try:
             if cmd == "fork_snapshot":
                 fd = _recv_one_fd(chan)
@@ -166,16 +177,19 @@ def serve(chan: Channel, server: EnvServer) -> None:
                     raise
                 if scan.resources:
                     os.close(fd)
-                    chan.send((OK, scan.to_wire()))
+                    _Replies(chan, ring).send((OK, scan.to_wire()))
+                    if ring is not None:
+                        ring.close()
+                        ring = None
                     continue
                 # Answer first, then fork: nothing is read from the channel before the fork, so
                 # the child holds exactly the state this request saw, while the controller goes
                 # on (its next request waits in the socket; work it does meanwhile -- the
                 # policy's next action -- overlaps the fork). A request on the new snapshot's
                 # own channel waits likewise until the child serves it.
-                chan.send((OK, None))
+                _Replies(chan, ring).send((OK, None))
                 try:
-                    pid = _fork_child(fd, chan)
+                    pid = _fork_child(fd, chan)  # the child drops the ring (gym_fork.worker.ring)
                 except OSError as exc:  # e.g. ENOMEM: the snapshot's channel closes; using it
                     os.close(fd)  # raises "the snapshot's frozen process is gone"
                     print(f"gym_fork worker: fork for a snapshot failed: {exc}", file=sys.stderr, flush=True)
@@ -187,6 +201,15 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 os.close(fd)
                 _reap_zombies()
                 continue
+            elif cmd == "ring":  # the controller's step ring: requests are announced there from now on
+                fd = _recv_one_fd(chan)
+                new = Ring.attach(fd)
+                new.spin_ns = int(args[0])
+                _Replies(chan, ring).send((OK, None))
+                if ring is not None:
+                    ring.close()
+                ring = new
+                continue
             elif cmd == "hello" and os.getpid() == 1:  # a CRIU-restored copy's first words
                 # dumped as a promoted copy of a snapshot (named gym_fork-fork), it is a worker
                 # again: its env's forked children must not look like gym_fork's processes
@@ -194,19 +217,47 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 reply = (OK, server.dispatch(cmd, args))
             elif cmd == "resources":  # before a CRIU dump: what it would (not) capture
                 _reap_zombies()
+                drop_ring = True
                 reply = (OK, resources.fork_blockers({chan.fileno()}, _FORKED).to_wire())
             else:
                 reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
             reply = _error_reply(exc)
-        output.flush(chan)  # what the env printed, warned or logged: ahead of the reply
+        sink = _Replies(chan, ring)
+        output.flush(sink)  # what the env printed, warned or logged: ahead of the reply
         try:
+            if in_ring and not sink.announced:
+                parts = reply_parts(reply)
+                if parts is not None and ring.reply(chan, parts):
+                    continue
+            sink.announce()
             chan.reply(reply)  # packed when the request was a packed step
         except ChannelClosed:
             _retire_or_exit()
             return
         except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
-            chan.send(_error_reply(exc))
+            sink.send(_error_reply(exc))
+        if drop_ring and ring is not None:
+            ring.close()
+            ring = None
+
+
+class _Replies:
+    """Sends a worker's answer on the socket; with a ring, announces it there first (once)."""
+
+    __slots__ = ("chan", "ring", "announced")
+
+    def __init__(self, chan: Channel, ring: Ring | None):
+        self.chan, self.ring, self.announced = chan, ring, ring is None
+
+    def announce(self) -> None:
+        if not self.announced:
+            self.announced = True
+            self.ring.announce_reply()
+
+    def send(self, msg: object) -> None:
+        self.announce()
+        self.chan.send(msg)
 
 
 def frozen_loop(chan: Channel, server: EnvServer) -> None:

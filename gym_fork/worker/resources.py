@@ -533,13 +533,18 @@ def _shared_maps_text(proc: str) -> list[tuple[bytes, bool]]:
     return out
 
 
+#: gym_fork's own shared mappings in this process, by name (the step ring, whose memfd name
+#: is random): like the channel, never the env's state, and dropped before any fork or dump
+OWN_MAPPINGS: set[bytes] = set()
+
+
 def _scan_maps(proc: str, pid: int) -> list[Resource]:
     """Shared memory mappings: ``fork()`` shares them between the copies."""
     out: list[Resource] = []
     maps = _shared_maps_fast() if proc == "self" else None
     if maps is None:
         maps = _shared_maps_text(proc)
-    seen: set[bytes] = set()
+    seen: set[bytes] = set(OWN_MAPPINGS) if proc == "self" else set()
     for path, writable in maps:
         if path in seen:
             continue

@@ -1,0 +1,150 @@
+"""The shared-memory step ring (gym_fork.worker.ring): frames through it, wake-ups after a
+sleep, the socket for big frames and other commands, fork children without the parent's ring,
+and the fork-tier scan not refusing it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from gym_fork.worker import resources
+from gym_fork.worker import ring as rings
+from gym_fork.worker.channel import OK, Channel, reply_parts, step_parts
+
+pytestmark = pytest.mark.skipif(not rings.supported(), reason="step rings need x86-64 Linux")
+
+
+@pytest.fixture
+def pair():
+    """A controller ring + channel and a worker ring + channel over one socketpair, in-process."""
+    a, b = socket.socketpair()
+    ctl, fd = rings.Ring.create()
+    wrk = rings.Ring.attach(fd)
+    yield ctl, Channel(a), wrk, Channel(b)
+    ctl.close()
+    wrk.close()
+    a.close()
+    b.close()
+
+
+def _step_result(obs):
+    return (OK, (obs, np.float64(1.5), False, True, {"x": np.int64(3)}))
+
+
+def test_step_frames_through_the_ring(pair):
+    ctl, cc, wrk, wc = pair
+    action = np.array([0.25, -1.0], np.float32)
+    assert ctl.post(cc, step_parts(action))
+    (cmd, args), in_ring = wrk.wait_request(wc)
+    assert in_ring and cmd == "step"
+    assert args[0].dtype == action.dtype and args[0].tobytes() == action.tobytes()
+    obs = np.arange(12, dtype=np.float64).reshape(3, 4)
+    assert wrk.reply(wc, reply_parts(_step_result(obs)))
+    status, (o, r, te, tr, info) = ctl.wait_reply(cc)
+    assert status == OK and o.tobytes() == obs.tobytes() and o.shape == (3, 4)
+    assert type(r) is np.float64 and r == 1.5 and te is False and tr is True
+    assert type(info["x"]) is np.int64 and info["x"] == 3
+    # nothing went through the socket
+    cc.sock.setblocking(False)
+    wc.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        cc.sock.recv(1)
+    with pytest.raises(BlockingIOError):
+        wc.sock.recv(1)
+
+
+def test_big_frames_and_other_commands_go_on_the_socket(pair):
+    ctl, cc, wrk, wc = pair
+    big = np.ones(rings.AREA // 8 + 16, np.float64)  # a little more than the area
+    assert not ctl.post(cc, step_parts(big))
+    ctl.announce()
+    cc.send_step(big)
+    (cmd, args), in_ring = wrk.wait_request(wc)
+    assert not in_ring and cmd == "step" and np.array_equal(args[0], big)
+    assert not wrk.reply(wc, reply_parts(_step_result(big)))
+    wrk.announce_reply()
+    wc.packed_in = True
+    wc.reply(_step_result(big))
+    assert np.array_equal(ctl.wait_reply(cc)[1][0], big)
+    ctl.announce()
+    cc.send(("ping", ()))
+    assert wrk.wait_request(wc) == (("ping", ()), False)
+    wrk.announce_reply()
+    wc.send((OK, 7))
+    assert ctl.wait_reply(cc) == (OK, 7)
+
+
+def test_wake_up_after_a_sleep():
+    """A worker that spun out and sleeps on its socket is woken by the next step; the reply
+    wakes a controller asleep likewise (no spinning at all: every wait sleeps)."""
+    a, b = socket.socketpair()
+    ctl, fd = rings.Ring.create()
+    os.set_inheritable(fd, True)
+    pid = os.fork()
+    if pid == 0:  # the worker: answers each step with its action + 1
+        try:
+            a.close()
+            wrk = rings.Ring.attach(fd)
+            wrk.spin_ns = 0
+            wc = Channel(b)
+            while True:
+                (cmd, args), in_ring = wrk.wait_request(wc)
+                if cmd == "exit":
+                    os._exit(0)
+                time.sleep(0.002)  # the controller goes to sleep meanwhile
+                wrk.reply(wc, reply_parts((OK, (np.int64(args[0] + 1), 0.0, False, False, {}))))
+        finally:
+            os._exit(1)
+    os.close(fd)
+    b.close()
+    cc = Channel(a)
+    ctl.spin_ns = 0
+    try:
+        for i in range(20):
+            time.sleep(0.002)  # the worker sleeps on its socket by now
+            assert ctl.post(cc, step_parts(i))
+            assert ctl.wait_reply(cc)[1][0] == i + 1
+        ctl.announce()
+        cc.send(("exit", ()))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        ctl.close()
+        a.close()
+
+
+def test_fork_child_drops_the_parents_ring(pair):
+    ctl, cc, wrk, wc = pair
+    name = wrk.mapping
+    assert any(path == name for path, _w in resources._shared_maps_text("self"))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        maps = [path for path, _w in resources._shared_maps_text("self")]
+        ok = wrk.closed and ctl.closed and name not in maps and ctl.mapping not in maps
+        os.write(w, b"1" if ok else repr(maps).encode())
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 65536)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"1", got
+    # the parent's ring is untouched
+    assert ctl.post(cc, step_parts(5))
+    assert wrk.wait_request(wc) == (("step", (5,)), True)
+
+
+def test_scan_exempts_the_ring_but_not_other_shared_memory(pair):
+    assert not [x for x in resources._scan_maps("self", os.getpid()) if "gym_fork-ring" in x.what]
+    import mmap
+
+    m = mmap.mmap(-1, 4096)  # anonymous shared memory of the env's own is still found
+    try:
+        assert [x for x in resources._scan_maps("self", os.getpid()) if x.kind == "shared-memory"]
+    finally:
+        m.close()
