@@ -145,6 +145,7 @@ class RemoteHandle(Handle):
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+            self._sync_steps = 0  # offered again after RING_AFTER more steps
 
     def _read(self) -> Any:
         """The reply to the request in flight (through the ring when it has one)."""
