@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
+    if module != "gym_fork.errors":
+        # the backends register themselves with the data layer (which never imports them): a
+        # SnapshotStore or a loaded bundle must find the backend its snapshots name
+        importlib.import_module("gym_fork.backends")
     mod = importlib.import_module(module)
     value = mod if name == "errors" else getattr(mod, name)
     globals()[name] = value  # later lookups skip this function
