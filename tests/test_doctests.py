@@ -29,6 +29,7 @@ MODULES = [
     "gym_fork.worker.resources",
     "gym_fork.worker.prefault",
     "gym_fork.worker.files",
+    "gym_fork.worker.ring",
     "gym_fork.backends.treecapture",
     "gym_fork.backends.exactness",
     "gym_fork.wrapped",
