@@ -16,7 +16,8 @@ faults exactly those in, in this process, with ``madvise(MADV_POPULATE_READ / _W
 (Linux 5.14 or later): reading maps code pages (no memory: they are the page cache's), writing
 breaks copy-on-write of the heap pages the sibling wrote (memory: those pages only, typically a
 few MB).  No byte changes value, so a copy computes exactly what it would have.  Where the kernel
-lacks the advice or the page map cannot be read, nothing happens.
+lacks the advice or the page map cannot be read, nothing happens; ``GYM_FORK_PREFAULT=0`` (in
+the controller's environment) turns it off, to measure what it buys.
 
 Example:
     >>> import os
@@ -144,7 +145,7 @@ def apply(plan: Plan) -> int:
         The number of pages faulted in (0 where the kernel lacks ``MADV_POPULATE_*``).
     """
     global _ok, _libc
-    if not _ok or not (plan.read or plan.write):
+    if not _ok or not (plan.read or plan.write) or os.environ.get("GYM_FORK_PREFAULT") == "0":
         return 0
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
