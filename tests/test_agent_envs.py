@@ -424,3 +424,38 @@ def test_restore_away_from_a_clone_with_children_leaves_none():
         assert_gone(pids)
     finally:
         env.close()
+
+
+_KILLED_CONTROLLER = r'''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import agent_envs, gym_fork
+env = gym_fork.ForkableEnv(getattr(agent_envs, sys.argv[2]), backend="criu", private_network=sys.argv[2] == "redis_tcp")
+env.reset(seed=0)
+env.step(1)
+if sys.argv[3] == "snapshot":
+    snap = env.snapshot()  # a tree dump (the env has a child), or a frozen copy of a plain worker
+    env.step(0)
+print(env.worker_pid, flush=True)
+sys.stdin.read()  # until killed
+'''
+
+
+@pytest.mark.parametrize("kind,after", [("pipe_child", "start"), ("pipe_child", "snapshot"), ("redis_tcp", "snapshot")])
+def test_a_killed_controller_leaves_no_env_process(kind, after):
+    """kill -9 of the learner: its worker gets EOF and stops, killing its env's children too (the
+    worker is PID 1 of its own namespace: it must kill them by their numbers there)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_CONTROLLER, here, kind, after], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(p.stdout.readline())
+        pids = _tree(worker)
+        assert len(pids) >= 2, pids  # the worker and the env's child
+    finally:
+        p.kill()
+        p.wait()
+    assert_gone(pids)

@@ -803,9 +803,12 @@ def kill_env_processes(forked: set[int] | frozenset[int] = frozenset()) -> list[
     stops, or retires into a reaper, must not leave behind."""
     start = classify_children(_children("self"), set(forked))[0]
     victims = _descendants(start) if start else []
+    level = _own_level() if victims else 0
     for pid in reversed(victims):
+        # /proc names them by host pid; kill() takes this PID namespace's numbers
+        st = _status(pid, level) if level else None
         try:
-            os.kill(pid, 9)
+            os.kill(st[2] if st is not None else pid, 9)
         except OSError:
             pass
     return victims
