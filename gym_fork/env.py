@@ -421,6 +421,7 @@ class ForkableEnv(gym.Wrapper):
                         env_id=self.spec.id if self.spec else None,
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
+        snap._mirror = self._meta  # replaced, never changed in place (_note_meta): no copy needed
         if self._workspace is not None:
             attach_workspace(snap, self._workspace)
         if self._store is not None:
@@ -496,7 +497,7 @@ class ForkableEnv(gym.Wrapper):
                 snap.release()
         children = []
         for i, h in enumerate(handles):
-            child = ForkableEnv._from_handle(self._backend, h, self._meta, steps=snap.steps,
+            child = ForkableEnv._from_handle(self._backend, h, snap._mirror, steps=snap.steps,
                                              parent_id=None if own else snap.id, lineage=self._lineage,
                                              record_actions=self._record_actions, store=self._store)
             child._origin = self._origin
@@ -638,6 +639,18 @@ class ForkableEnv(gym.Wrapper):
         self._parent_id = snapshot.id
         if self._actions is not None:
             self._actions = []
+        self._adopt_meta(snapshot._mirror)
+
+    def _adopt_meta(self, meta: dict | None) -> None:
+        """Mirror the worker's spaces, metadata, render_mode and spec as they were at the snapshot
+        it now runs from (set through ``env.unwrapped`` after it, they went back with the restore);
+        a loaded snapshot's are asked of the worker."""
+        if meta is None:
+            meta = self._handle.request("meta")
+        if meta is self._meta:
+            return
+        self._meta = meta
+        self.env._adopt(meta)
 
     # --- internal API for migration, vector envs and plugins --------------------------------------
     def _swap_worker(self, new: Handle) -> Handle:

@@ -64,6 +64,11 @@ class WorkerEnv(gym.Env):
         for name in _MIRRORED:
             object.__setattr__(self, name, meta[name])
 
+    def _adopt(self, meta: dict) -> None:
+        """Take the mirrored attributes from ``meta`` (the worker's, e.g. after a restore)."""
+        for name in _MIRRORED:
+            object.__setattr__(self, name, meta[name])
+
     def step(self, action: Any) -> tuple:
         return self._owner.step(action)
 

@@ -85,6 +85,10 @@ class Snapshot:
     workspace: str | None = None  # private copy of the env's workspace at this moment (workspace.py)
     workspace_path: str | None = None  # the live workspace directory it was captured from
     _store: Any = None  # the SnapshotStore tracking this snapshot, if any
+    # what the taking env's controller mirrored of its worker at this moment (spaces, metadata,
+    # render_mode, spec: gym_fork.proxy), so a restore brings the mirror back too; None when
+    # loaded (the restored worker is then asked)
+    _mirror: dict | None = None
 
     def __init__(self, *, backend: PayloadBackend, payload: Any, size_bytes: int, steps: int,
                  parent_id: str | None, lineage: str | None, actions: list | None,

@@ -289,3 +289,50 @@ def test_passive_checker_speaks_through_gym_fork_make_as_through_gymnasium_make(
         assert got == [(c, prefix + m) for c, m in ref]
     finally:
         del gym.registry["BrokenCompat-v0"]
+
+
+@pytest.mark.parametrize("fork_tier", [True, False])
+def test_spaces_set_through_unwrapped_go_back_with_a_restore(fork_tier):
+    """The learner's mirror of the worker's spaces, metadata and render_mode follows restores and
+    forks: a space set after a snapshot is gone again after restoring it, as in the worker."""
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=fork_tier)
+    try:
+        env.reset(seed=0)
+        original = env.observation_space
+        snap = env.snapshot()
+        narrow = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+        env.unwrapped.observation_space = narrow
+        env.unwrapped.metadata = {"render_modes": [], "render_fps": 1}
+        assert env.observation_space == narrow
+        after = env.snapshot()
+
+        env.restore(snap)
+        worker_side = env.unwrapped.__getattr__("observation_space")  # asked of the worker itself
+        assert worker_side == original
+        assert env.observation_space == original and env.unwrapped.observation_space == original
+        assert env.metadata == env.unwrapped.__getattr__("metadata") != {"render_modes": [], "render_fps": 1}
+
+        (kid,) = env.fork(after)
+        try:
+            assert kid.observation_space == narrow == kid.unwrapped.__getattr__("observation_space")
+            assert kid.metadata == {"render_modes": [], "render_fps": 1}
+        finally:
+            kid.close()
+        env.restore(after)
+        assert env.observation_space == narrow == env.unwrapped.__getattr__("observation_space")
+    finally:
+        env.close()
+
+
+def test_a_loaded_snapshot_restored_into_an_env_brings_the_workers_spaces(tmp_path):
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu")
+    try:
+        env.reset(seed=0)
+        narrow = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+        env.unwrapped.observation_space = narrow
+        env.snapshot().save(str(tmp_path / "b"))
+        env.unwrapped.observation_space = gym.spaces.Box(-2.0, 2.0, (4,), np.float32)
+        env.restore(gym_fork.load_snapshot(str(tmp_path / "b")))
+        assert env.observation_space == narrow == env.unwrapped.__getattr__("observation_space")
+    finally:
+        env.close()
