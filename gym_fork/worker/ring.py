@@ -203,14 +203,9 @@ class Ring:
     def post(self, chan: Channel, parts: list) -> bool:
         """Write a packed frame (``parts`` as :func:`~gym_fork.worker.channel.step_parts` makes
         them) into the request area and publish it; False (nothing done) when it does not fit."""
-        n = sum(map(len, parts))
-        if n > AREA:
+        n = _put(self.req, parts)
+        if n is None:
             return False
-        req, pos = self.req, 0
-        for p in parts:
-            k = len(p)
-            req[pos:pos + k] = p
-            pos += k
         w = self.w
         w[REQ_LEN] = n
         w[REQ_KIND] = IN_RING
@@ -246,14 +241,9 @@ class Ring:
     def reply(self, chan: Channel, parts: list) -> bool:
         """Write a packed reply into the reply area and publish it; False when it does not fit
         (then :meth:`announce_reply` and answer on the socket)."""
-        n = sum(map(len, parts))
-        if n > AREA:
+        n = _put(self.rep, parts)
+        if n is None:
             return False
-        rep, pos = self.rep, 0
-        for p in parts:
-            k = len(p)
-            rep[pos:pos + k] = p
-            pos += k
         w = self.w
         w[REP_LEN] = n
         w[REP_KIND] = IN_RING
@@ -341,3 +331,17 @@ def _drop_inherited() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited)
+
+
+def _put(area: Any, parts: list) -> int | None:
+    """Copy a frame's ``parts`` one after another into ``area``; its length, or None (nothing
+    written) when it does not fit."""
+    n = sum(map(len, parts))
+    if n > AREA:
+        return None
+    pos = 0
+    for p in parts:
+        k = len(p)
+        area[pos:pos + k] = p
+        pos += k
+    return n
