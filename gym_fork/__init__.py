@@ -11,7 +11,19 @@ The public names load on first use (PEP 562): an env worker process imports
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, loaded on first use
+    from gym_fork import errors
+    from gym_fork.backends.bundles import load_snapshot
+    from gym_fork.check import check_env
+    from gym_fork.env import ForkableEnv, make
+    from gym_fork.errors import BundleError, GymForkError
+    from gym_fork.exploration import Branch, ExploreResult, explore
+    from gym_fork.snapshots.snapshot import Snapshot
+    from gym_fork.snapshots.store import SnapshotStore
+    from gym_fork.vec_env import ForkableVecEnv
+    from gym_fork.wrapped import find_forkable, restore_of, snapshot_of
 
 # public name -> the module that defines it
 _PUBLIC = {
