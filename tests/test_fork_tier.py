@@ -188,6 +188,50 @@ def test_fork_snapshot_memory_is_copy_on_write():
             snaps.append(env.snapshot())
         private = [s.memory_bytes() for s in snaps]
         assert all(p is not None for p in private)
-        assert sum(private) < rss, f"20 snapshots hold {sum(private)} B privately, worker RSS {rss} B"
+        # each counts its frozen process and its ready copy (a few MB together): 20 snapshots
+        # hold far less than the 20 x RSS that copies would
+        assert sum(private) < 2 * rss, f"20 snapshots hold {sum(private)} B privately, worker RSS {rss} B"
     finally:
         env.close()
+
+
+def test_a_restore_takes_the_ready_copy_and_its_memory_counts_for_the_snapshot():
+    """A frozen snapshot offers a ready copy unasked; restore() runs on exactly that process, the
+    next ready copy appears, and a snapshot's memory_bytes() includes its ready copy's."""
+    from gym_fork.backends.criu import private_dirty_bytes
+
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
+    ref = gym.make("LunarLander-v3")
+    try:
+        env.reset(seed=4)
+        ref.reset(seed=4)
+        acts = [i % 4 for i in range(30)]
+        run_actions(env, acts[:10])
+        run_actions(ref, acts[:10])
+        snap = env.snapshot()
+        payload = snap.payload()
+        deadline = time.monotonic() + 10
+        while not payload.ready_pids and time.monotonic() < deadline:
+            payload.collect()
+            time.sleep(0.01)
+        (ready,) = payload.ready_pids
+        with open(f"/proc/{ready}/status") as f:
+            assert f"PPid:\t{payload.pid}\n" in f.read()  # a child of the frozen snapshot
+        time.sleep(0.2)  # the copy settles (it answered hello and faulted in what it will touch)
+        own = private_dirty_bytes(payload.pid)
+        assert snap.memory_bytes() >= own + private_dirty_bytes(ready) * 0.9 > own  # read apart: a margin
+
+        expected = run_actions(ref, acts[10:])
+        run_actions(env, acts[10:])
+        env.restore(snap)
+        assert env.worker_pid == ready and not payload.ready_pids  # no round trip: that very copy
+        assert_same_traj(run_actions(env, acts[10:]), expected)
+        while not payload.ready_pids and time.monotonic() < deadline + 10:
+            payload.collect()  # the next one, forked once the frozen process was quiet
+            time.sleep(0.01)
+        assert payload.ready_pids and payload.ready_pids[0] != ready
+        env.restore(snap)
+        assert_same_traj(run_actions(env, acts[10:]), expected)
+    finally:
+        env.close()
+        ref.close()

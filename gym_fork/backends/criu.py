@@ -75,7 +75,7 @@ class ForkPayload:
     message with the fd, and is kept in ``ready`` until a restore takes it.
     """
 
-    __slots__ = ("chan", "_pid", "image", "lock", "ready", "__weakref__")
+    __slots__ = ("chan", "_pid", "image", "lock", "ready", "ready_pids", "__weakref__")
 
     def __init__(self, chan: Channel, pid: int | None = None):
         self.chan: Channel | None = chan
@@ -83,6 +83,7 @@ class ForkPayload:
         self.image: CriuPayload | None = None  # set once persisted
         self.lock = threading.RLock()  # one request at a time on the frozen process's channel
         self.ready: list[Channel] = []  # channels of ready copies offered by the frozen process
+        self.ready_pids: list[int | None] = []  # their host pids (their memory is the snapshot's)
 
     @property
     def pid(self) -> int:
@@ -107,7 +108,7 @@ class ForkPayload:
                 reply = self.chan.recv()
                 if reply[0] != READY:
                     break
-                self._keep_offer()
+                self._keep_offer(reply[1])
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
                                   f"during {cmd!r}") from e
@@ -116,12 +117,21 @@ class ForkPayload:
         _, type_name, message, tb = reply
         raise remote_exception(type_name, message, tb)
 
-    def _keep_offer(self) -> None:
+    def _keep_offer(self, pid: int | None) -> None:
         _msg, fds = recv_fds(self.chan.sock, 1)
         for fd in fds[1:]:
             os.close(fd)
         if fds:
             self.ready.append(Channel.from_fd(fds[0]))
+            self.ready_pids.append(pid)
+
+    def collect(self) -> None:
+        """Pick up the ready copies the frozen process has offered (never waits)."""
+        while self.chan is not None and select.select([self.chan.sock], [], [], 0)[0]:
+            reply = self.chan.recv()
+            if reply[0] != READY:
+                raise ChannelClosed("a frozen snapshot answered a request nobody made")
+            self._keep_offer(reply[1])
 
     def take_ready(self) -> Channel | None:
         """The channel of a ready copy, if the frozen process has offered one (never waits).
@@ -130,12 +140,10 @@ class ForkPayload:
             if self.chan is None:
                 return None
             try:
-                while select.select([self.chan.sock], [], [], 0)[0]:
-                    if self.chan.recv()[0] != READY:
-                        raise ChannelClosed("a frozen snapshot answered a request nobody made")
-                    self._keep_offer()
+                self.collect()
                 if not self.ready:
                     return None
+                self.ready_pids.pop()
                 return self.ready.pop()
             except (ChannelClosed, OSError):
                 return None  # the caller's clone request reports the frozen process's end
@@ -159,6 +167,7 @@ class ForkPayload:
             for ch in self.ready:
                 ch.close()
             self.ready.clear()
+            self.ready_pids.clear()
 
 
 # What losing the fork tier costs, for the warnings that say so.
@@ -531,7 +540,17 @@ class CriuBackend(Backend):
 
     def memory_bytes(self, payload: CriuPayload | ForkPayload) -> int | None:
         if isinstance(payload, ForkPayload) and payload.chan is not None:
-            return private_dirty_bytes(payload.pid)
+            total = private_dirty_bytes(payload.pid)
+            with payload.lock:  # and its ready copy's (tens of KB to a few MB: see worker/prefault.py)
+                try:
+                    payload.collect()
+                except (ChannelClosed, OSError):
+                    pass
+                pids = list(payload.ready_pids)
+            for pid in pids:
+                if pid and total is not None:
+                    total += private_dirty_bytes(pid) or 0
+            return total
         return None
 
     def _verify(self, payload: CriuPayload) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 OK = 0
 ERR = 1
 # (2 is gym_fork.worker.output's OUTPUT: the env's prints and warnings, ahead of a reply)
-READY = 3  # a frozen snapshot's unsolicited (READY, None): a ready copy's channel follows (SCM_RIGHTS)
+READY = 3  # a frozen snapshot's unsolicited (READY, copy's host pid): its channel follows (SCM_RIGHTS)
 PACKED_VERSION = 1  # the packed step frames this module reads and writes
 
 _HEADER = struct.Struct("!Q")

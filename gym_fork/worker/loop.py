@@ -361,7 +361,7 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
             prefault.apply(plan)  # its first step must not fault on every page it touches
             serve(chan, server)
             os._exit(0)
-        frozen_chan.send((READY, None))
+        frozen_chan.send((READY, resources.host_pid_of_child(pid)))  # its memory counts for the snapshot
         send_fds(frozen_chan.sock, b"R", [ours.fileno()])
     finally:
         ours.close()

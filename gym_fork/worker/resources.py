@@ -797,6 +797,19 @@ def _unix_diag() -> dict[int, dict]:
     return out
 
 
+def host_pid_of_child(local: int) -> int | None:
+    """The host pid (as ``/proc`` names it) of this process's child ``local`` (as ``os.fork()``
+    returned it, in this PID namespace); None when it is not found."""
+    level = _own_level()
+    if level == 0:
+        return local
+    for pid in _children("self"):
+        st = _status(pid, level)
+        if st is not None and st[2] == local:
+            return pid
+    return None
+
+
 def kill_env_processes(forked: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """SIGKILL this worker's env's descendants (not gym_fork's fork-tier processes -- ``forked``,
     its frozen snapshots, and clones orphaned to it -- nor what they started): what a worker that
