@@ -355,6 +355,7 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
             chan = Channel(theirs)
             try:
                 hello = server.cmd_hello(PACKED_VERSION)
+                output.flush(chan)  # as ahead of any reply: its record of written files, first
                 chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
             except OSError:
                 os._exit(0)  # the controller went away
