@@ -4,7 +4,9 @@ One ``AF_UNIX SOCK_STREAM`` socket carries length-prefixed pickles, strictly req
 the controller sends ``(command, args)`` and waits for ``(OK, result)`` or
 ``(ERR, type_name, message, traceback)``.  Because there is never more than one request in
 flight, the worker is always blocked in ``recv`` when a snapshot is taken, so nothing is queued
-in the socket (CRIU would drop queued bytes in restored copies).
+in the socket (CRIU would drop queued bytes in restored copies).  One exception: a frozen
+snapshot (:func:`gym_fork.worker.loop.frozen_loop`) offers its ready copies unasked, a
+``(READY, pid)`` message and the copy's channel, only between requests on its own channel.
 
 Steps take a faster road: a *packed* frame (the header's top bit set) carries a ``step``
 request or its reply as raw bytes -- arrays as their dtype, shape and memory, Python and NumPy
