@@ -213,8 +213,13 @@ def untracked_patterns(patterns: str | Iterable[str] | None) -> tuple[str, ...]:
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]  # type: ignore[list-item]
     out = []
-    for pat in patterns:
-        pat = os.fspath(pat)
+    try:
+        items = list(patterns)
+    except TypeError:
+        raise TypeError(f"untracked_paths must be a path pattern or a list of them, not "
+                        f"{type(patterns).__name__}") from None
+    for pat in items:
+        pat = os.fspath(pat) if isinstance(pat, (str, os.PathLike)) else pat
         if not isinstance(pat, str) or not pat:
             raise TypeError(f"untracked_paths must be non-empty path patterns (str), not {pat!r}")
         out.append(os.path.normpath(os.path.abspath(os.path.expanduser(pat))))

@@ -184,3 +184,13 @@ print(first == {{p: "created"}}, again is None, resent == first, files.pending()
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True"] * 4
+
+
+def test_bad_untracked_paths_are_refused_with_what_was_given():
+    import pytest
+
+    assert files.untracked_patterns(None) == ()
+    assert files.untracked_patterns("/tmp/a/*.log") == ("/tmp/a/*.log",)
+    for bad, said in ((5, "not int"), ([3], "not 3"), ([""], "not ''"), ([b"/x"], "not b'/x'")):
+        with pytest.raises(TypeError, match=said):
+            files.untracked_patterns(bad)
