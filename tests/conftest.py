@@ -61,3 +61,12 @@ def assert_same_traj(t1: list, t2: list) -> None:
     assert len(t1) == len(t2)
     for i, (x, y) in enumerate(zip(t1, t2)):
         assert same(x, y), f"trajectories differ at item {i}:\n{x}\n{y}"
+
+
+@pytest.fixture(scope="module")
+def agent():
+    """A local ``gym-fork agent`` (node ``B``) for migration tests of one module."""
+    from gym_fork.testing.nodes import Nodes
+
+    with Nodes(["B"], use_netns=False) as n:
+        yield n

@@ -19,7 +19,6 @@ from test_agent_envs import _netns_fds, _tree, assert_gone, step
 
 import agent_envs
 import gym_fork
-from gym_fork.testing.nodes import Nodes
 
 pytestmark = pytest.mark.criu
 
@@ -114,12 +113,6 @@ def test_bundle_loaded_in_another_process_continues_exactly(tmp_path):
         assert_gone(set(got["pids"]))  # ... both ended with that process's env
     finally:
         env.close()
-
-
-@pytest.fixture(scope="module")
-def agent():
-    with Nodes(["B"], use_netns=False) as n:
-        yield n
 
 
 def test_migration_to_a_local_agent_continues_exactly(agent):

@@ -33,7 +33,6 @@ import agent_envs
 import gym_fork
 from gym_fork.backends.netns import in_netns
 from gym_fork.errors import UncapturableStateError
-from gym_fork.testing.nodes import Nodes
 
 pytestmark = pytest.mark.criu
 
@@ -50,12 +49,6 @@ def outside_redis(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-
-
-@pytest.fixture(scope="module")
-def agent():
-    with Nodes(["B"], use_netns=False) as n:
-        yield n
 
 
 def _ping(port: int) -> bool:

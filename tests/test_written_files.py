@@ -313,14 +313,6 @@ def test_pickle_backend_records_the_envs_writes_only(tmp_path):
         env.close()
 
 
-@pytest.fixture(scope="module")
-def agent():
-    from gym_fork.testing.nodes import Nodes
-
-    with Nodes(["B"], use_netns=False) as n:
-        yield n
-
-
 def test_migration_of_an_env_that_wrote_outside_is_refused(tmp_path, agent):
     log = str(tmp_path / "log.txt")
     env = gym_fork.ForkableEnv(lambda: LogEnv(log))
