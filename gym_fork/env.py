@@ -603,6 +603,10 @@ class ForkableEnv(gym.Wrapper):
         handle = self._handle
         chan = getattr(handle, "chan", None)
         if chan is not None:
+            if getattr(chan, "spawned", False) and not self._closed:
+                # the env's processes write at any time, not only inside a step: one more look
+                # (the worker reads the kernel's record of changes ahead of its answer)
+                handle.request("ping")
             record = getattr(chan, "files", None)
         else:  # in-process (pickle backend): the handle's own record
             written = getattr(handle, "written", None)

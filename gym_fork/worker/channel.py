@@ -55,7 +55,7 @@ class Channel:
     """A framed request/reply channel over a connected stream socket: pickles, and packed step
     frames (:meth:`send_step`, :meth:`reply`)."""
 
-    __slots__ = ("sock", "_hdr", "_buf", "packed_in", "files")
+    __slots__ = ("sock", "_hdr", "_buf", "packed_in", "files", "spawned")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -63,6 +63,7 @@ class Channel:
         self._buf = bytearray(4096)  # reused: a step's frame needs no allocation
         self.packed_in = False  # whether the last message received was a packed frame
         self.files: dict | None = None  # the worker's record of files it wrote (gym_fork.worker.files)
+        self.spawned = False  # the env started processes: they write at any time (gym_fork.worker.fswatch)
 
     @classmethod
     def from_fd(cls, fd: int) -> "Channel":

@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
-from gym_fork.worker import checker, files, refs, registry
+from gym_fork.worker import checker, files, fswatch, refs, registry
 from gym_fork.worker.channel import PACKED_VERSION
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
@@ -249,6 +249,9 @@ class EnvServer:
         controller that offers ``packed`` step frames also learns the version this worker reads
         (a fifth element; an older worker refuses the argument)."""
         files.resend()  # a new copy: its record of written files goes to its new channel
+        # ... and it watches its own changes: a new group (a CRIU-restored one came back deaf;
+        # read the mount table again there: it may be another machine)
+        fswatch.start(refresh=os.getpid() == 1)
         if packed:
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps

@@ -39,9 +39,10 @@ channel and filters it (:func:`outside`) by the env's workspace and ``untracked_
 In-process envs (the pickle backend): :class:`Record` per env and :func:`tracking` around each
 call into the env, in the calling thread only: what the learner itself writes is not the env's.
 
-Not seen: writes that bypass Python's audit events (a C library's own ``fopen``/``write``;
-``mmap`` writes) and writes by other processes (the env's child processes, servers, another
-interpreter).  Keep such files in the workspace.
+Not seen here: writes that bypass Python's audit events (a C library's own ``fopen``/``write``;
+``mmap`` writes) and writes by other processes (the env's child processes, servers).  In a worker
+run as root, :mod:`gym_fork.worker.fswatch` asks the kernel for those (``fanotify``) and records
+them into the same record; the audit hook tells it when the env starts a process.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Record:
         return {p: kind for p, kind in self.paths.items() if kind is not MADE_DIR}
 
 
+socket_names: set[str] = set()  # paths seen holding a unix socket: a name, no content
 _worker = Record()  # the worker process's record (the env owns the whole process)
 _active: Record | None = None  # where the hook records now
 _thread: int | None = None  # only this thread's events count (in-process envs); None: all
@@ -291,6 +293,7 @@ def _changed(rec: Record, raw: Any, dir_fd: Any = None) -> None:
         return
     st = _lstat(p)
     if st is not None and stat.S_ISSOCK(st.st_mode):
+        socket_names.add(p)
         return  # a unix socket's name holds no content (listening sockets: the resources scan)
     rec.paths[p] = MODIFIED if st is not None else CREATED
     rec.version += 1
@@ -311,7 +314,10 @@ def _removed(rec: Record, raw: Any, dir_fd: Any = None) -> None:
     if p is None or p in rec.paths:
         return
     st = _lstat(p)
-    if st is None or stat.S_ISSOCK(st.st_mode):
+    if st is None:
+        return
+    if stat.S_ISSOCK(st.st_mode):
+        socket_names.add(p)  # its removal, seen later by gym_fork.worker.fswatch, is no change either
         return
     rec.paths[p] = MODIFIED
     rec.version += 1
@@ -355,7 +361,23 @@ def _on_rename(rec: Record, args: tuple) -> None:
     _changed(rec, dst, dst_dir_fd)
 
 
+on_spawn: Callable[[], None] | None = None  # gym_fork.worker.fswatch: the env started a process
+quiet_fork = False  # gym_fork's own fork-tier fork() is not the env's
+
+
+def _spawned(rec: Record, args: tuple) -> None:
+    if rec is _worker and on_spawn is not None and not quiet_fork:
+        on_spawn()
+
+
 _HANDLERS: dict[str, Callable[[Record, tuple], None]] = {
+    # processes the env starts (their writes are seen by gym_fork.worker.fswatch)
+    "subprocess.Popen": _spawned,
+    "os.posix_spawn": _spawned,
+    "os.spawn": _spawned,
+    "os.system": _spawned,
+    "os.fork": _spawned,
+    "os.forkpty": _spawned,
     "open": _on_open,
     "sqlite3.connect": _on_sqlite,
     "os.rename": _on_rename,  # also os.replace

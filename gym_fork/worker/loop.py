@@ -53,7 +53,7 @@ from gym_fork.worker.channel import (  # noqa: E402
     ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, reply_parts, send_fds)
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
-from gym_fork.worker import files  # noqa: E402
+from gym_fork.worker import files, fswatch  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
@@ -112,7 +112,11 @@ def _fork_exact() -> int:
     from ``random`` continue differently from the original."""
     rnd = sys.modules.get("random")
     state = rnd.getstate() if rnd is not None else None
-    pid = os.fork()
+    files.quiet_fork = True  # gym_fork's fork, not a process the env started
+    try:
+        pid = os.fork()
+    finally:
+        files.quiet_fork = False
     if pid == 0 and state is not None:
         rnd.setstate(state)
     return pid
@@ -169,12 +173,18 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 try:
                     # What fork() cannot copy (threads, children, shared descriptors): then no
                     # fork; the controller gets the findings and takes a CRIU dump or refuses.
-                    scan = resources.fork_blockers({chan.fileno(), fd}, _FORKED)
+                    scan = resources.fork_blockers({chan.fileno(), fd, *fswatch.own_fds()}, _FORKED)
                     if not scan.resources:
                         _check_single_threaded()
+                    elif any(r.kind == "child" for r in scan.resources):
+                        fswatch.note_spawn()
                 except BaseException:
                     os.close(fd)
                     raise
+                # the files the env (its children, native code) changed up to now, ahead of the
+                # answer: the controller refuses the snapshot if one is outside its workspace
+                fswatch.drain()
+                output.flush(_Replies(chan, ring))
                 if scan.resources:
                     os.close(fd)
                     _Replies(chan, ring).send((OK, scan.to_wire()))
@@ -218,7 +228,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
             elif cmd == "resources":  # before a CRIU dump: what it would (not) capture
                 _reap_zombies()
                 drop_ring = True
-                reply = (OK, resources.fork_blockers({chan.fileno()}, _FORKED).to_wire())
+                reply = (OK, resources.fork_blockers({chan.fileno(), *fswatch.own_fds()}, _FORKED).to_wire())
             else:
                 reply = (OK, server.dispatch(cmd, args))
         except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
@@ -416,6 +426,8 @@ def main(argv: list[str]) -> int:
         pass  # already a session leader
     lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
     files.install()  # files the env writes outside its workspace (see gym_fork.worker.files)
+    fswatch.forked = _FORKED  # the same set: fork-tier processes are not the env's
+    fswatch.start(refresh=True)  # ... and what its children and native code write (root only)
     chan = Channel.from_fd(int(argv[1]))
     try:
         cmd, args = chan.recv()

@@ -30,7 +30,7 @@ import traceback
 import warnings
 from typing import Any
 
-from gym_fork.worker import files
+from gym_fork.worker import files, fswatch
 
 OUTPUT = 2  # frame tag, next to channel.OK (0) and channel.ERR (1)
 _events: list[tuple] = []
@@ -69,13 +69,18 @@ def flush(chan: Any) -> None:
     """Send the pending events on ``chan`` (right before a reply); a no-op when there are none.
     A changed record of files written outside the workspace rides along as a ``("files",
     record)`` event (:mod:`gym_fork.worker.files`)."""
+    fswatch.drain()  # what the env's children and native code changed (one read() when nothing)
     written = files.pending()
-    if not _events and written is None:
+    spawned = fswatch.spawned and not fswatch.spawn_told
+    if not _events and written is None and not spawned:
         return
     events = _events[:]
     del _events[:len(events)]
     if written is not None:
         events.append(("files", written))
+    if spawned:  # the env's processes write at any time: the controller asks again before going back
+        events.append(("spawned", True))
+        fswatch.spawn_told = True
     try:
         chan.send((OUTPUT, _pid(), _label, events))
     except Exception:  # noqa: BLE001 - output must never break the reply that follows
@@ -171,6 +176,10 @@ def emit(frame: tuple, chan: Any = None) -> None:
         if event[0] == "files":
             if chan is not None:
                 chan.files = event[1]
+            continue
+        if event[0] == "spawned":
+            if chan is not None:
+                chan.spawned = True
             continue
         try:
             _emit_one(prefix, label, pid, event)

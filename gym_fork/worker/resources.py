@@ -827,6 +827,21 @@ def kill_env_processes(forked: set[int] | frozenset[int] = frozenset()) -> list[
     return victims
 
 
+def env_descendants_local(forked: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """This worker's env's living descendants, as this PID namespace numbers them (what
+    ``fanotify`` reports): gym_fork's fork-tier processes (``forked``, and clones orphaned to
+    it) and what they started are left out."""
+    start = classify_children(_children("self"), set(forked))[0]
+    if not start:
+        return []
+    level = _own_level()
+    out = []
+    for pid in _descendants(start):
+        st = _status(pid, level) if level else None
+        out.append(st[2] if st is not None else pid)
+    return out
+
+
 def kill_env_descendants(pid: int) -> list[int]:
     """Controller side: SIGKILL the descendants of worker ``pid`` that are the env's (all but
     gym_fork's fork-tier processes, its frozen snapshots, which outlive it).  For a worker that
