@@ -181,6 +181,23 @@ def system_checks() -> tuple[list[Check], Any]:
                         fix=None if cr_ok is not False or euid else docker_hint,
                         data={"present": has_cr}))
 
+    # files written below Python (children, native code): the worker's fanotify watch
+    from gym_fork.worker import fswatch
+
+    watching = fswatch.start(refresh=True)
+    unwatched = fswatch.unwatched()
+    fswatch.forget()
+    if watching:
+        fw_val = "yes (fanotify: writes by the env's child processes and native code are seen)"
+        if unwatched:
+            fw_val += "; not watched: " + ", ".join(unwatched)
+    else:
+        fw_val = ("no: only the env's Python-level writes outside its workspace are seen (fanotify "
+                  "filesystem marks need root and Linux >= 5.9); keep files the env's children write in "
+                  "its workspace")
+    checks.append(Check("file_watch", "writes below Python", True if watching else None, fw_val,
+                        data={"fanotify": watching, "unwatched": unwatched}))
+
     # system
     checks.append(Check("kernel", "kernel", None, f"{platform.system()} {platform.release()} ({platform.machine()})",
                         data={"release": platform.release(), "machine": platform.machine()}))
