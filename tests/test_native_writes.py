@@ -175,6 +175,33 @@ def test_children_writing_in_the_workspace_are_captured_exactly(tmp):
         env.close()
 
 
+def test_branches_whose_shells_write_their_own_workspaces_do_not_refuse_each_other(tmp):
+    """Fork-tier copies share a PID namespace, and an exited shell's pid tells no owner: a change
+    in a branch's own workspace is that branch's (the agent pattern: a tool run per step)."""
+    ws = os.path.join(tmp, "ws")
+    os.mkdir(ws)
+    env = gym_fork.ForkableEnv(lambda: WriterEnv(how="shell"), workspace=ws)
+    kids = []
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        kids = env.fork(snap, 3)
+        for _ in range(3):
+            for e in (env, *kids):
+                e.step(1)
+        assert all(k.step(0)[0][0] == 5.0 for k in kids)
+        for e in (env, *kids):
+            s = e.snapshot()  # no refusal: each shell wrote its own branch's workspace
+            e.step(2)
+            e.restore(s)
+            assert e.step(2)[0][0] == 6.0 if e is not env else True
+    finally:
+        for k in kids:
+            k.close()
+        env.close()
+
+
 def test_untracked_paths_and_traceless_scratch_files_are_not_refused(tmp):
     path = os.path.join(tmp, "cache", "out.log")
     os.mkdir(os.path.dirname(path))

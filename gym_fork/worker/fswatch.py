@@ -16,7 +16,9 @@ other workers, CRIU, the rest of the machine.  Inside it live, besides this work
 children, gym_fork's fork-tier copies of the worker (their siblings).  So a change is the env's
 when its pid is this process or one of its living descendants; a pid that has already exited
 counts as the env's when this worker has started processes of its own (its Python spawned one, or
-a scan found one), else as a sibling's.  A sibling's exited child can thus be counted here too: a
+a scan found one), else as a sibling's -- except inside a branch's workspace of this env's lineage
+(``ROOT``, ``ROOT.branch-<id>``...): branches that each run a shell in their own workspace do not
+refuse each other.  A sibling's exited child writing elsewhere can thus be counted here too: a
 refusal that names the path, never a write missed.
 
 The changes go into the worker's :class:`~gym_fork.worker.files.Record`, with the same filters
@@ -310,8 +312,19 @@ def _settle_others(rec: files.Record) -> None:
     if mine:
         note_spawn()
     for pid, mask, info in items:
-        if pid in mine or spawned:
+        if pid in mine:
             _record(rec, info, 0, len(info), mask)
+        elif spawned:  # an exited process: ours, or a sibling copy's
+            _record(rec, info, 0, len(info), mask, siblings=_lineage_root(rec))
+
+
+_BRANCH_SUFFIX = re.compile(r"(\.branch-[A-Za-z0-9_-]+)+$")
+
+
+def _lineage_root(rec: files.Record) -> str | None:
+    """The workspace every branch of this env's lineage derives its own from (a fork's is
+    ``ROOT.branch-<id>``, a fork of a fork ``ROOT.branch-<id>.branch-<id>``)."""
+    return _BRANCH_SUFFIX.sub("", rec.workspace) if rec.workspace else None
 
 
 forked: set[int] = set()  # the worker's frozen snapshots (gym_fork.worker.loop keeps it): not the env's
@@ -332,8 +345,10 @@ files.on_spawn = note_spawn
 os.register_at_fork(after_in_child=forget)  # every fork: the env's own, gym_fork's fork tier
 
 
-def _record(rec: files.Record, buf: bytes, pos: int, end: int, mask: int) -> None:
-    """Record the entry the info records in ``buf[pos:end]`` name."""
+def _record(rec: files.Record, buf: bytes, pos: int, end: int, mask: int, siblings: str | None = None) -> None:
+    """Record the entry the info records in ``buf[pos:end]`` name.  ``siblings``: the lineage's
+    workspace root, for a change by an exited process that may be a sibling copy's: one inside a
+    branch's workspace is that branch's (a copy's shell writing its own workspace), not ours."""
     while pos + _INFO.size <= end:
         itype, _pad, ilen, f0, f1, hbytes, htype = _INFO.unpack_from(buf, pos)
         if ilen <= 0:
@@ -347,6 +362,8 @@ def _record(rec: files.Record, buf: bytes, pos: int, end: int, mask: int) -> Non
             directory = _resolve((f0, f1), handle)
             if directory is not None:
                 path = directory if name in ("", ".") else os.path.join(directory, name)
+                if siblings and (path == siblings or path.startswith((siblings + "/", siblings + ".branch-"))):
+                    return
                 _note(rec, path, mask)
         pos += ilen
 
