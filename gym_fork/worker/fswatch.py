@@ -34,6 +34,9 @@ starts serving opens its own (:func:`start`, from ``hello``).  A CRIU image may 
 CRIU 4.1 restores it without its filesystem marks (deaf): a restored copy's ``hello`` replaces
 it with a new one, reading the mount table again (it may run on another machine).
 
+``GYM_FORK_FSWATCH=0`` (in the learner's environment, inherited by its workers) turns it off, to
+measure what it costs; writes below Python are then not seen.
+
 Needs ``CAP_SYS_ADMIN`` (root): without it there is no group (:func:`available` is False), and
 only the Python-level record remains; ``gym-fork doctor`` says so.  Filesystems that cannot
 report directory handles (some overlayfs setups, FUSE) are not watched; :func:`unwatched` names
@@ -158,6 +161,8 @@ def start(*, refresh: bool = False) -> bool:
     if _fd is not None and _owner == os.getpid() and not refresh:
         return True
     forget()
+    if os.environ.get("GYM_FORK_FSWATCH") == "0":
+        return False  # measuring its cost only: writes below Python go unseen
     if refresh or not _points:
         _load_points()
     if not _points:
