@@ -87,6 +87,42 @@ class ThreadedEz(ThreadedWalk, gym.utils.EzPickle):
         gym.utils.EzPickle.__init__(self)
 
 
+class ShellSum(gym.Env):
+    """Keeps its state in a child process: a shell loop that sums the numbers it reads on a pipe.
+    A snapshot must hold the child (a CRIU dump of the whole tree): a copy of the worker alone
+    would share one shell with the original."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (2,), np.float64)
+    action_space = gym.spaces.Discrete(4)
+
+    def __init__(self):
+        self.child = None
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        import subprocess
+
+        super().reset(seed=seed)
+        if self.child is not None:
+            self.child.kill()
+            self.child.wait()
+        self.child = subprocess.Popen(["sh", "-c", "s=0; while read x; do s=$((s + x)); echo $s; done"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.t = 0
+        return np.array([0.0, 0.0]), {}
+
+    def step(self, a):
+        self.t += 1
+        self.child.stdin.write(f"{int(a) + int(self.np_random.integers(3))}\n")
+        total = float(self.child.stdout.readline())
+        return np.array([self.t, total]), total, False, self.t >= 30, {}
+
+    def close(self):
+        if self.child is not None:
+            self.child.kill()
+            self.child.wait()
+
+
 def same(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
@@ -330,7 +366,9 @@ def main_userns() -> dict:
     logbuf = capture_log()
     st = criu_status()
     res = {"uid": os.getuid(), "mode": st.mode, "usable": st.usable, "reasons": st.reasons}
+    tree = {"ShellSum": (ShellSum, 5, 45)}
     for key, fn in (("fork_tier", lambda: exactness("auto")), ("criu_dumps", lambda: exactness(False)),
+                    ("tree_auto", lambda: exactness("auto", tree)), ("tree_criu", lambda: exactness(False, tree)),
                     ("branching", branching), ("persist", persist_and_bundle), ("timeout", timeout_check)):
         try:
             res[key] = fn()

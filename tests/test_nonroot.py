@@ -123,6 +123,9 @@ def test_userns_criu_and_fork_tier_as_plain_user(as_user):
         for name, r in _ok(res, key).items():
             assert r["same"], (key, name, r)
     assert _ok(res, "criu_dumps")["CartPole-v1"]["ends"] >= 1  # crossed an episode end
+    for key in ("tree_auto", "tree_criu"):  # an env whose state is in a child process (a shell)
+        r = _ok(res, key)["ShellSum"]
+        assert r["same"] and r["snap_backend"] == "criu" and r["ends"] >= 1, (key, r)
     br = _ok(res, "branching")
     assert br["same"] and br["n"] == 4 and br["distinct_pids"] == 4, br
     ps = _ok(res, "persist")  # fork tier -> persist (promote + CRIU dump in the userns) -> evict
