@@ -185,6 +185,12 @@ def resend() -> None:
     _worker.sent_version = -1
 
 
+#: Logs that libraries write on their own, whose content no env reads back: never refused (as if
+#: declared in ``untracked_paths``). MuJoCo appends its warnings to ``MUJOCO_LOG.TXT`` in the
+#: current directory (e.g. a deprecation notice each time HalfCheetah-v5's model compiles).
+KNOWN_LOGS: tuple[str, ...] = ("*/MUJOCO_LOG.TXT",)
+
+
 # --- the controller's view --------------------------------------------------------------------------
 def outside(record: dict[str, str] | None, workspace: str | None = None,
             untracked: Iterable[str] = ()) -> list[str]:
@@ -198,7 +204,7 @@ def outside(record: dict[str, str] | None, workspace: str | None = None,
     """
     if not record:
         return []
-    pats = list(untracked)
+    pats = [*untracked, *KNOWN_LOGS]
     return sorted(p for p in record
                   if not (workspace and _under(p, workspace)) and not any(_matches(p, pat) for pat in pats))
 
