@@ -60,6 +60,20 @@ class ScanTimer(gym.Wrapper):
             xs.append(time.perf_counter() - t)
         return statistics.median(xs) * 1e3
 
+    @property
+    def drain_us(self) -> float:
+        """One look at the worker's fanotify queue (ahead of every reply), when it is empty."""
+        from gym_fork.worker import fswatch
+
+        if not fswatch.available():
+            return float("nan")
+        xs = []
+        for _ in range(2000):
+            t = time.perf_counter()
+            fswatch.drain()
+            xs.append(time.perf_counter() - t)
+        return statistics.median(xs) * 1e6
+
 
 def _make_timed(src):
     if isinstance(src, str) and src.startswith("ALE/"):
@@ -85,11 +99,56 @@ def check_cost(reps: int) -> list[dict]:
             for _ in range(5):
                 env.step(env.action_space.sample())
             scan = statistics.median(env.get_wrapper_attr("scan_ms") for _ in range(3))
+            drain = statistics.median(env.get_wrapper_attr("drain_us") for _ in range(3))
             snap = time_reps(env.snapshot, reps * 4, 2, teardown=lambda s: s.release())
-            rows.append({"env": name, "scan_ms": scan, "snapshot_ms": _med(snap), "fraction": scan / _med(snap)})
+            rows.append({"env": name, "scan_ms": scan, "snapshot_ms": _med(snap), "fraction": scan / _med(snap),
+                         "drain_us": drain, "drain_fraction": drain / 1e3 / _med(snap)})
         finally:
             env.close()
     return rows
+
+
+def watch_ab(reps: int, rounds: int = 3) -> list[dict]:
+    """The kernel-side file watch on and off (``GYM_FORK_FSWATCH=0``), alternating: a plain step
+    and snapshot()+step - step (fork tier), medians over the rounds."""
+    out = []
+    for name in ("CartPole-v1", "LunarLander-v3"):
+        res: dict[str, list[float]] = {"on_step": [], "off_step": [], "on_snap": [], "off_snap": []}
+        for _ in range(rounds):
+            for mode in ("on", "off"):
+                if mode == "off":
+                    os.environ["GYM_FORK_FSWATCH"] = "0"
+                try:
+                    env = gym_fork.ForkableEnv(name)
+                finally:
+                    os.environ.pop("GYM_FORK_FSWATCH", None)
+                try:
+                    env.reset(seed=0)
+                    a = env.action_space.sample()
+
+                    def step() -> None:
+                        if env.step(a)[2]:
+                            env.reset()
+
+                    steps = time_reps(step, reps * 400, 50, collect=False)
+
+                    def snap_step():
+                        s = env.snapshot()
+                        step()
+                        return s
+
+                    snaps = time_reps(snap_step, reps * 8, 2, teardown=lambda s: s.release())
+                    res[f"{mode}_step"].append(_med(steps) * 1e3)
+                    res[f"{mode}_snap"].append(_med(snaps) - _med(steps))
+                finally:
+                    env.close()
+        row = {"env": name}
+        for k, v in res.items():
+            row[k] = statistics.median(v)
+        row["step_ratio"] = row["on_step"] / row["off_step"]
+        row["snap_ratio"] = row["on_snap"] / row["off_snap"]
+        out.append(row)
+    return out
 
 
 KINDS = [
@@ -103,6 +162,7 @@ KINDS = [
     ("CarRacing-v3 (render thread)", "CarRacing-v3", {}),
     ("global RNGs (random, numpy)", agent_envs.global_rng, {}),
     ("SQLite file outside a workspace", "sqlite", {}),
+    ("shell child appending to a log outside a workspace", "shell-log", {}),
 ]
 BACKENDS = [("auto", {}), ("criu, fork_tier=False", {"backend": "criu", "fork_tier": False}),
             ("pickle", {"backend": "pickle"})]
@@ -112,6 +172,9 @@ def _make(src, opts: dict, tmp: str):
     if src == "sqlite":
         path = os.path.join(tmp, f"moves-{time.monotonic_ns()}.db")
         return gym_fork.ForkableEnv(lambda: agent_envs.SqliteEnv(path), **opts)
+    if src == "shell-log":
+        path = os.path.join(tmp, f"tool-{time.monotonic_ns()}.log")
+        return gym_fork.ForkableEnv(lambda: agent_envs.ShellLogEnv(path), **opts)
     return gym_fork.ForkableEnv(src, **opts)
 
 
@@ -153,17 +216,28 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prefix", type=int, default=20, help="steps replayed from reset() (the baseline)")
+    p.add_argument("--skip-watch-ab", action="store_true", help="skip the file watch on/off comparison")
+    p.add_argument("--only-checks", action="store_true", help="only the check-cost tables (no mechanism table)")
     add_out_option(p)
     args = p.parse_args(argv)
 
     cost = check_cost(args.reps)
-    print_table(["env", "check (scan, in the worker) ms", "snapshot() ms", "check / snapshot"],
-                [[r["env"], fmt(r["scan_ms"], 3), fmt(r["snapshot_ms"]), f"{100 * r['fraction']:.0f} %"] for r in cost],
+    print_table(["env", "check (scan, in the worker) ms", "snapshot() ms", "check / snapshot",
+                 "file watch: one empty drain us", "drain / snapshot"],
+                [[r["env"], fmt(r["scan_ms"], 3), fmt(r["snapshot_ms"]), f"{100 * r['fraction']:.0f} %",
+                  fmt(r["drain_us"], 2), f"{100 * r['drain_fraction']:.2f} %"] for r in cost],
                 title="What the check before each copy-on-write snapshot costs (medians)")
+    watch = [] if args.skip_watch_ab else watch_ab(args.reps)
+    if watch:
+        print_table(["env", "step us, watch on", "step us, off (GYM_FORK_FSWATCH=0)", "on / off",
+                     "snapshot()+step - step ms, on", "off", "on / off"],
+                    [[r["env"], fmt(r["on_step"], 1), fmt(r["off_step"], 1), fmt(r["step_ratio"], 3),
+                      fmt(r["on_snap"], 3), fmt(r["off_snap"], 3), fmt(r["snap_ratio"], 3)] for r in watch],
+                    title="The kernel-side file watch (fanotify) on vs off, alternating rounds (medians)")
 
     tmp = tempfile.mkdtemp(prefix="gf-bench-")
     rows = []
-    for kind, src, kopts in KINDS:
+    for kind, src, kopts in ([] if args.only_checks else KINDS):
         for bname, bopts in BACKENDS:
             rows.append(mechanism_row(kind, src, kopts, bname, bopts, args.reps, args.prefix, tmp))
             print(f"  {kind} / {bname}: {rows[-1].get('mechanism')}", file=sys.stderr, flush=True)
@@ -173,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                   fmt(r.get("fork4_ms")), fmt(r.get("replay_ms")), fmt_ratio(r.get("restore_ms"), r.get("replay_ms"))]
                  for r in rows],
                 title="Env kind x backend: the mechanism used and its cost (medians)")
-    out = {"check_cost": cost, "table": rows, "reps": args.reps, "prefix": args.prefix}
+    out = {"check_cost": cost, "watch_ab": watch, "table": rows, "reps": args.reps, "prefix": args.prefix}
     save_results("tree_capture", out)
     return out
 

@@ -620,6 +620,17 @@ class ForkableEnv(gym.Wrapper):
         paths = self._outside_writes()
         if not paths:
             return
+        procs = [p for p in paths if p.startswith(files.PROCESS)]
+        if procs:  # an in-process env (pickle backend) started processes: their writes go unseen
+            what = ", ".join(p[len(files.PROCESS):-1] for p in procs[:3])
+            msg = (f"gym_fork cannot {'snapshot this env' if snapshot is None else f'go back to snapshot {snapshot.id}'} "
+                   f"exactly: with backend='pickle' the env runs in this process, and it started processes "
+                   f"({what}) whose writes to files gym_fork cannot see here. To fix: use the default backend "
+                   "(the env runs in a worker process, where the files its processes write are seen and "
+                   "refused by path, or captured in its workspace=DIR). "
+                   + ("No snapshot was kept; the env keeps running." if snapshot is None
+                      else "Nothing was changed; the env keeps running."))
+            raise UncapturedFilesError(msg, paths)
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
         fix = ("To fix: keep such files in the env's workspace (ForkableEnv(..., workspace=DIR): captured "
                "with every snapshot, put back by restore(), copied for each fork), or, for files whose "

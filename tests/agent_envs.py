@@ -275,6 +275,25 @@ class GlobalRNGEnv(_Base):
         return self._obs(value + int(action)), 0.0, *self._done(), {}
 
 
+class ShellLogEnv(_Base):
+    """Runs a shell per step that appends to a log outside any workspace (a tool the agent calls):
+    a write below Python, seen by the worker's kernel-side watch (gym_fork.worker.fswatch)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        subprocess.run(["sh", "-c", f"echo {self.t} {int(action)} >> '{self.path}'"], check=True)
+        return self._obs(float(self.t)), 0.0, *self._done(), {}
+
+
 # Module-level factories (the worker imports this module to build the envs).
 def pipe_child():
     return PipeChildEnv()

@@ -40,8 +40,8 @@ class WriterEnv(gym.Env):
     observation_space = gym.spaces.Box(0, 1e9, (1,), np.float64)
     action_space = gym.spaces.Discrete(3)
 
-    def __init__(self, path: str | None = None, how: str = "shell", start_at: int = 1):
-        self.path, self.how, self.start_at = path, how, start_at
+    def __init__(self, path: str | None = None, how: str = "shell", start_at: int = 1, read_back: bool = True):
+        self.path, self.how, self.start_at, self.read_back = path, how, start_at, read_back
         self.n = 0
         self._bg: list[subprocess.Popen] = []
 
@@ -82,7 +82,7 @@ class WriterEnv(gym.Env):
     def _obs(self):
         path = self._file()
         lines = 0
-        if path and os.path.exists(path):
+        if self.read_back and path and os.path.exists(path):
             with open(path) as f:
                 lines = sum(1 for _ in f)
         return np.array([lines], dtype=np.float64)
@@ -242,4 +242,25 @@ def test_a_sibling_copys_native_writes_are_not_this_copys(tmp):
     finally:
         for k in kids:
             k.close()
+        env.close()
+
+
+def test_pickle_backend_env_that_starts_processes_is_refused_naming_the_program(tmp):
+    """In the learner's process gym_fork cannot see what the env's processes write: refused."""
+    path = os.path.join(tmp, "p.log")
+    # obs does not read the file back: two copies stepped alike agree, the pickle check passes
+    env = gym_fork.ForkableEnv(lambda: WriterEnv(path=path, how="shell", start_at=3, read_back=False),
+                               backend="pickle")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()  # no process started yet
+        env.step(0)
+        env.step(0)  # runs sh
+        with pytest.raises(UncapturedFilesError, match=r"backend='pickle'.*started processes \(sh\)"):
+            env.snapshot()
+        with pytest.raises(UncapturedFilesError, match="default backend"):
+            env.restore(snap)
+        env.step(1)  # the env runs on
+    finally:
         env.close()

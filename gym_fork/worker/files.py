@@ -371,19 +371,40 @@ on_spawn: Callable[[], None] | None = None  # gym_fork.worker.fswatch: the env s
 quiet_fork = False  # gym_fork's own fork-tier fork() is not the env's
 
 
-def _spawned(rec: Record, args: tuple) -> None:
-    if rec is _worker and on_spawn is not None and not quiet_fork:
-        on_spawn()
+#: the prefix of a record entry that is a process an in-process env started, not a path
+PROCESS = "<process started by the env: "
+
+
+def _spawned(rec: Record, what: Any) -> None:
+    """The env started a process running ``what`` (a program path, or None for a fork)."""
+    if quiet_fork:
+        return
+    if rec is _worker:
+        if on_spawn is not None:
+            on_spawn()
+        return
+    # An in-process env (the pickle backend): what its processes write is seen by nobody (the
+    # learner's own process is no worker with a namespace of its own), so it is recorded as
+    # such, and the snapshot refused, naming the program.
+    try:
+        name = os.path.basename(os.fsdecode(what)) if what is not None else "a fork"
+    except TypeError:
+        name = "a program"
+    key = f"{PROCESS}{name}>"
+    if key not in rec.paths:
+        rec.paths[key] = MODIFIED
+        rec.version += 1
 
 
 _HANDLERS: dict[str, Callable[[Record, tuple], None]] = {
     # processes the env starts (their writes are seen by gym_fork.worker.fswatch)
-    "subprocess.Popen": _spawned,
-    "os.posix_spawn": _spawned,
-    "os.spawn": _spawned,
-    "os.system": _spawned,
-    "os.fork": _spawned,
-    "os.forkpty": _spawned,
+    "subprocess.Popen": lambda rec, a: _spawned(rec, a[0] or (a[1][0] if isinstance(a[1], (list, tuple)) and a[1]
+                                                            else str(a[1]).split()[0] if a[1] else None)),
+    "os.posix_spawn": lambda rec, a: _spawned(rec, a[0]),
+    "os.spawn": lambda rec, a: _spawned(rec, a[1]),
+    "os.system": lambda rec, a: _spawned(rec, os.fsdecode(a[0]).split()[0] if a[0] else "sh"),
+    "os.fork": lambda rec, a: _spawned(rec, None),
+    "os.forkpty": lambda rec, a: _spawned(rec, None),
     "open": _on_open,
     "sqlite3.connect": _on_sqlite,
     "os.rename": _on_rename,  # also os.replace
