@@ -264,3 +264,17 @@ def test_pickle_backend_env_that_starts_processes_is_refused_naming_the_program(
         env.step(1)  # the env runs on
     finally:
         env.close()
+
+
+def test_a_filesystem_the_watch_cannot_see_is_named_in_a_warning(tmp):
+    """ramfs reports no directory handles: the worker says so (once) instead of staying blind."""
+    mnt = os.path.join(tmp, "ramfs")
+    os.mkdir(mnt)
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], check=True)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"ramfs.*not seen"):
+            env = gym_fork.ForkableEnv("CartPole-v1")
+            env.reset(seed=0)
+        env.close()
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=True)  # lazily: a worker may still be exiting

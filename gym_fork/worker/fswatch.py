@@ -111,6 +111,25 @@ def available() -> bool:
     return _fd is not None and _owner == os.getpid()
 
 
+def warn_if_blind() -> None:
+    """As root, say once per worker what the watch cannot see (a filesystem without directory
+    handles, a kernel without ``FAN_REPORT_DFID_NAME``): writes there by the env's children or
+    native code would go unnoticed.  Without root that is the documented default: no warning."""
+    if os.geteuid() != 0 or os.environ.get("GYM_FORK_FSWATCH") == "0":
+        return
+    import warnings
+
+    if not available():
+        warnings.warn("gym_fork: this kernel does not report file changes with directory handles "
+                      "(fanotify FAN_REPORT_DFID_NAME, Linux >= 5.9): files the env's child processes or "
+                      "native code write outside its workspace are not seen, so not refused; keep them in "
+                      "the workspace", RuntimeWarning, stacklevel=2)
+    elif _unwatched:
+        warnings.warn("gym_fork: file changes on " + ", ".join(_unwatched) + " are not seen (no directory "
+                      "handles there): files the env's child processes or native code write there are not "
+                      "refused; keep them in the env's workspace", RuntimeWarning, stacklevel=2)
+
+
 def own_fds() -> tuple[int, ...]:
     """This process's group descriptor, if any: gym_fork's, not the env's (the resources scan
     skips it; a fork never shares it, a CRIU restore replaces it)."""
@@ -173,11 +192,16 @@ def start(*, refresh: bool = False) -> bool:
     if fd < 0:
         return False  # EPERM without CAP_SYS_ADMIN; EINVAL on kernels older than 5.9
     marked = 0
-    for point, fstype in _points:
+    for point, fstype in list(_points):
         if libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, MASK, AT_FDCWD, os.fsencode(point)) == 0:
             marked += 1
-        elif refresh or point not in _marked_once:
-            _unwatched.append(f"{point} ({fstype}: {os.strerror(ctypes.get_errno())})")
+            continue
+        _unwatched.append(f"{point} ({fstype}: {os.strerror(ctypes.get_errno())})")
+        _points.remove((point, fstype))  # not tried again by copies; its descriptor must not pin the mount
+        for key, mfd in list(_mounts.items()):
+            if os.path.samestat(os.fstat(mfd), os.stat(point)):
+                os.close(mfd)
+                del _mounts[key]
     if not marked:
         os.close(fd)
         return False
@@ -187,7 +211,6 @@ def start(*, refresh: bool = False) -> bool:
 
 
 _points: list[tuple[str, str]] = []  # (mount point, type) with a descriptor in _mounts
-_marked_once: set[str] = set()
 
 
 def _load_points() -> None:
@@ -210,7 +233,6 @@ def _load_points() -> None:
             _unwatched.append(f"{point} ({fstype}: {exc.strerror})")
             continue
         _points.append((point, fstype))
-        _marked_once.add(point)
 
 
 def _bound_socket_names() -> list[str]:

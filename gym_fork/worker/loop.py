@@ -438,6 +438,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         output.install(args[0])  # the env's warnings, logs and prints reach the user
+        fswatch.warn_if_blind()
         server = EnvServer(build_env(args[0]))
         output.identify(server.env)
         output.flush(chan)
