@@ -88,7 +88,7 @@ _SKIP_TYPES = frozenset({
 
 _fd: int | None = None  # this process's group
 _owner: int | None = None  # the pid that opened it (a forked copy must not read it)
-_mounts: dict[tuple[int, int], int] = {}  # fsid -> an O_PATH descriptor on that filesystem
+_mounts: dict[tuple[int, int], str] = {}  # fsid -> the mount point of that filesystem
 _unwatched: list[str] = []  # mount points that could not be marked, with why
 _overflowed = False
 spawned = False  # the env started a process of its own (its Python did, or a scan found a child)
@@ -174,8 +174,8 @@ def start(*, refresh: bool = False) -> bool:
     kernel or our privileges do not allow it; the Python-level record still works.
 
     The mount table is read once per worker (``refresh``: again, e.g. in a CRIU-restored copy,
-    perhaps on another machine); forked copies reuse their parent's, and its descriptors on the
-    mount points, so a copy's group costs two system calls per filesystem."""
+    perhaps on another machine); forked copies reuse their parent's, so a copy's group costs one
+    system call per filesystem and one to open."""
     global _fd, _owner, _overflowed, spawn_told
     if _fd is not None and _owner == os.getpid() and not refresh:
         return True
@@ -197,10 +197,9 @@ def start(*, refresh: bool = False) -> bool:
             marked += 1
             continue
         _unwatched.append(f"{point} ({fstype}: {os.strerror(ctypes.get_errno())})")
-        _points.remove((point, fstype))  # not tried again by copies; its descriptor must not pin the mount
-        for key, mfd in list(_mounts.items()):
-            if os.path.samestat(os.fstat(mfd), os.stat(point)):
-                os.close(mfd)
+        _points.remove((point, fstype))  # not tried again by copies
+        for key, where in list(_mounts.items()):
+            if where == point:
                 del _mounts[key]
     if not marked:
         os.close(fd)
@@ -210,26 +209,21 @@ def start(*, refresh: bool = False) -> bool:
     return True
 
 
-_points: list[tuple[str, str]] = []  # (mount point, type) with a descriptor in _mounts
+_points: list[tuple[str, str]] = []  # (mount point, type) to mark
 
 
 def _load_points() -> None:
-    """Read the mount table; keep a descriptor per filesystem (``open_by_handle_at``
-    needs one) keyed by the fsid fanotify reports."""
-    _close_mounts()
+    """Read the mount table: the mount point of each filesystem, keyed by the fsid fanotify
+    reports (``open_by_handle_at`` needs a descriptor there; opened only when a change is ours,
+    so no mount is kept busy)."""
     _points.clear()
+    _mounts.clear()
     _unwatched.clear()
     files.socket_names.update(_bound_socket_names())
     for point, fstype in _writable_mounts():
         try:
-            mfd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # not O_PATH: open_by_handle_at refuses one
+            _mounts[_fsid(point)] = point
         except OSError as exc:
-            _unwatched.append(f"{point} ({fstype}: {exc.strerror})")
-            continue
-        try:
-            _mounts[_fsid(point)] = mfd
-        except OSError as exc:
-            os.close(mfd)
             _unwatched.append(f"{point} ({fstype}: {exc.strerror})")
             continue
         _points.append((point, fstype))
@@ -257,15 +251,6 @@ def _fsid(point: str) -> tuple[int, int]:
     v = os.statvfs(point).f_fsid
     lo, hi = v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF
     return (struct.unpack("=i", struct.pack("=I", lo))[0], struct.unpack("=i", struct.pack("=I", hi))[0])
-
-
-def _close_mounts() -> None:
-    for mfd in _mounts.values():
-        try:
-            os.close(mfd)
-        except OSError:
-            pass
-    _mounts.clear()
 
 
 def forget() -> None:
@@ -398,10 +383,17 @@ def _record(rec: files.Record, buf: bytes, pos: int, end: int, mask: int, siblin
 def _resolve(fsid: tuple[int, int], handle: bytes) -> str | None:
     """The path of the directory ``handle`` names, via ``open_by_handle_at`` (needs
     ``CAP_DAC_READ_SEARCH``), or None when it is gone or its filesystem is not ours."""
-    mfd = _mounts.get(fsid)
-    if mfd is None:
+    point = _mounts.get(fsid)
+    if point is None:
         return None
-    dfd = _lib().open_by_handle_at(mfd, handle, os.O_PATH | os.O_CLOEXEC)
+    try:  # not O_PATH: open_by_handle_at refuses one
+        mfd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        dfd = _lib().open_by_handle_at(mfd, handle, os.O_PATH | os.O_CLOEXEC)
+    finally:
+        os.close(mfd)
     if dfd < 0:
         return None  # ESTALE: the directory was removed since
     try:
