@@ -275,6 +275,28 @@ class GlobalRNGEnv(_Base):
         return self._obs(value + int(action)), 0.0, *self._done(), {}
 
 
+class LateChildEnv(PipeChildEnv):
+    """Runs a short tool (``true``) at every reset, and starts its stateful child (the counter over
+    a pipe) only at step 3: its early snapshots are copy-on-write forks, its later ones CRIU dumps
+    of the tree -- also in a copy restored from an early one."""
+
+    def reset(self, *, seed=None, options=None):
+        gym.Env.reset(self, seed=seed)
+        self._stop()
+        subprocess.run(["true"], check=True)
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        if self.proc is None and self.t >= 2:
+            self.proc = subprocess.Popen([sys.executable, "-c", _COUNTER_CHILD, str(int(self.np_random.integers(1 << 30)))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        if self.proc is None:
+            self.t += 1
+            return self._obs(0.0), 0.0, *self._done(), {}
+        return super().step(action)
+
+
 class ShellLogEnv(_Base):
     """Runs a shell per step that appends to a log outside any workspace (a tool the agent calls):
     a write below Python, seen by the worker's kernel-side watch (gym_fork.worker.fswatch)."""
@@ -297,6 +319,10 @@ class ShellLogEnv(_Base):
 # Module-level factories (the worker imports this module to build the envs).
 def pipe_child():
     return PipeChildEnv()
+
+
+def late_child():
+    return LateChildEnv()
 
 
 def redis_unix():

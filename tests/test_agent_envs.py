@@ -223,6 +223,44 @@ def test_children_after_a_fork_tier_restore_are_refused_by_name():
         env.close()
 
 
+def test_a_copy_of_an_env_that_starts_processes_can_take_its_children_along():
+    """An env that started processes before a copy-on-write snapshot gets copies that are PID 1 of
+    namespaces of their own: when such a copy starts a child, its snapshots are CRIU dumps of
+    its whole tree (a plain clone would be refused), exact, and the copies' trees stay apart."""
+    env = gym_fork.ForkableEnv(agent_envs.late_child)
+    kids = []
+    pids = {env.worker_pid}
+    try:
+        env.action_space.seed(3)
+        env.reset(seed=4)  # runs `true`: the env has started a process
+        s0 = env.snapshot()  # no child alive: a copy-on-write snapshot
+        assert s0.size_bytes == 0
+        env.restore(s0)  # the worker is a copy now
+        for a in (1, 2, 3):  # the child starts at step 3
+            env.step(a)
+        pids |= _tree(env.worker_pid)
+        assert len(_tree(env.worker_pid)) >= 2
+        s1 = env.snapshot()  # the copy's tree: a CRIU dump, not a refusal
+        assert s1.size_bytes > 0
+        xs = [env.action_space.sample() for _ in range(8)]
+        first = [step(env, x) for x in xs]
+        kids = env.fork(s1, 2)
+        for k in kids:
+            assert_same_traj(first, [step(k, x) for x in xs])
+            pids |= _tree(k.worker_pid)
+        env.restore(s1)
+        assert_same_traj(first, [step(env, x) for x in xs])
+        pids |= _tree(env.worker_pid)
+        env.restore(s0)  # back to a copy-on-write copy: the namespace-init copy is replaced
+        pids |= _tree(env.worker_pid)
+        env.step(0)
+    finally:
+        for k in kids:
+            k.close()
+        env.close()
+    assert_gone(pids)
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 def test_child_killed_between_snapshot_and_restore():

@@ -54,6 +54,20 @@ RESTORE_TIMEOUT_S = 60.0
 log = logging.getLogger("gym_fork")
 
 
+def _is_ns_init(pid: int) -> bool:
+    """Whether host pid ``pid`` is PID 1 of its namespace (a copy of an env that starts processes:
+    see ``gym_fork.worker.loop._fork_copy_process``): stopping it must not kill its namespace."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    ids = line.split()
+                    return len(ids) > 2 and ids[-1] == b"1"
+    except OSError:
+        pass
+    return False
+
+
 class CriuPayload:
     """Where a CRIU snapshot's images are, and the channel inode they expect."""
 
@@ -459,6 +473,7 @@ class CriuBackend(Backend):
                 finally:
                     theirs.close()
                 h.pid, *h.initial = h.receive()
+                h.ns_root = _is_ns_init(h.pid)
                 handles.append(h)
         except BaseException:
             for h in handles:
@@ -483,7 +498,7 @@ class CriuBackend(Backend):
             return None
         hello, ino = reply[1]
         payload.taken(hello[0])
-        h = RemoteHandle(chan, hello[0], ino, fork_tier=True)
+        h = RemoteHandle(chan, hello[0], ino, fork_tier=True, ns_root=_is_ns_init(hello[0]))
         h.initial = list(hello[1:4])
         h.packed = hello[4] == PACKED_VERSION
         return h

@@ -72,6 +72,7 @@ def _error_reply(exc: BaseException) -> tuple:
 
 # This worker's own fork-tier children (frozen snapshots): the env's child processes are the env's.
 _FORKED: set[int] = set()
+_CLONE_INIT = False  # a fork-tier copy made PID 1 of its own namespace (_fork_copy_process)
 
 
 def _reap_zombies() -> None:
@@ -220,7 +221,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                     ring.close()
                 ring = new
                 continue
-            elif cmd == "hello" and os.getpid() == 1:  # a CRIU-restored copy's first words
+            elif cmd == "hello" and os.getpid() == 1 and not _CLONE_INIT:  # a CRIU-restored copy's first words
                 # dumped as a promoted copy of a snapshot (named gym_fork-fork), it is a worker
                 # again: its env's forked children must not look like gym_fork's processes
                 resources.unmark_fork_process()
@@ -348,9 +349,51 @@ def _readable(chan: Channel, timeout: float) -> bool:
 def _fork_copy(fd: int, frozen_chan: Channel, server: EnvServer) -> None:
     """Fork a copy of this frozen state that serves env commands on ``fd`` (the frozen process
     keeps ``fd`` open: the caller closes it)."""
-    if _fork_child(fd, frozen_chan) == 0:
+    if _fork_copy_process(fd, frozen_chan)[0] == 0:
         serve(Channel.from_fd(fd), server)
         os._exit(0)
+
+
+def _fork_copy_process(fd: int, frozen_chan: Channel) -> tuple[int, int | None]:
+    """Fork a copy of this frozen snapshot: ``(0, None)`` in the copy, ``(pid, host pid)`` here.
+
+    A copy of an env that has started processes of its own (:data:`fswatch.spawned`) is made
+    PID 1 of a namespace of its own, like a CRIU-restored worker: should its env start a child
+    again (a server), its snapshots can then be CRIU dumps of its whole tree (a plain clone is
+    no namespace init and would be refused), and the kernel tells its children's file changes
+    from its siblings' exactly.  It costs one more fork, so only for such envs."""
+    if not fswatch.spawned:
+        pid = _fork_child(fd, frozen_chan)
+        return (0, None) if pid == 0 else (pid, resources.host_pid_of_child(pid))
+    r, w = os.pipe()
+    mid = _fork_child(fd, frozen_chan)
+    if mid == 0:  # the intermediate: unshare() affects only its future children
+        os.close(r)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWPID) != 0:
+            os.write(w, b"E%d" % ctypes.get_errno())
+            os._exit(1)
+        if _fork_exact() == 0:
+            os.setsid()  # CRIU dumps a tree whose session is its own
+            os.write(w, str(host_pid()).encode())
+            os.close(w)
+            # keeps its fork-tier name: orphaned to the worker (its parent exited), it must not
+            # look like one of the env's children there (a retiring worker kills those)
+            global _CLONE_INIT
+            _CLONE_INIT = True
+            return 0, None
+        os._exit(0)
+    os.close(w)
+    try:
+        os.waitpid(mid, 0)
+    except ChildProcessError:
+        pass  # already reaped: frozen snapshots ignore SIGCHLD
+    data = os.read(r, 64)
+    os.close(r)
+    if not data or data.startswith(b"E"):
+        err = int(data[1:] or 0)
+        raise OSError(err, f"unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
+    return mid, int(data)
 
 
 def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Plan) -> None:
@@ -359,7 +402,7 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
     ``plan`` names, while it waits for its first request."""
     ours, theirs = socket.socketpair()
     try:
-        pid = _fork_child(theirs.fileno(), frozen_chan)
+        pid, host = _fork_copy_process(theirs.fileno(), frozen_chan)
         if pid == 0:
             ours.close()
             chan = Channel(theirs)
@@ -372,7 +415,7 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
             prefault.apply(plan)  # its first step must not fault on every page it touches
             serve(chan, server)
             os._exit(0)
-        frozen_chan.send((READY, resources.host_pid_of_child(pid)))  # its memory counts for the snapshot
+        frozen_chan.send((READY, host))  # its memory counts for the snapshot
         send_fds(frozen_chan.sock, b"R", [ours.fileno()])
     finally:
         ours.close()

@@ -176,6 +176,18 @@ def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int] | None:
     return name, state, local
 
 
+def _ns_depth(pid: int) -> int:
+    """How many PID namespaces ``pid`` (a host pid) is in (1: the host's only)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return len(line.split()) - 1
+    except OSError:
+        pass
+    return 1
+
+
 def _own_level() -> int:
     """Depth of this process's PID namespace (0: the host's), the index into a child's NSpid."""
     with open("/proc/self/status", "rb") as f:
@@ -221,7 +233,9 @@ def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tup
         if st is None:  # gone (e.g. a zombie reaped just now)
             continue
         name, state, local = st
-        if local in forked or (orphans_ours and name == FORK_COMM):
+        if local in forked or (name == FORK_COMM and (orphans_ours or _ns_depth(pid) > level + 1)):
+            # (a copy that is PID 1 of a namespace of its own, orphaned to us, lives one namespace
+            # deeper: the env's own forked children share ours, even when they inherit our name)
             fork.append((pid, local, state == b"Z"))
         else:
             env.append(pid)
