@@ -19,7 +19,9 @@ counts as the env's when this worker has started processes of its own (its Pytho
 a scan found one), else as a sibling's -- except inside a branch's workspace of this env's lineage
 (``ROOT``, ``ROOT.branch-<id>``...): branches that each run a shell in their own workspace do not
 refuse each other.  A sibling's exited child writing elsewhere can thus be counted here too: a
-refusal that names the path, never a write missed.
+refusal that names the path, never a write missed.  (A copy of an env that had started processes
+is itself PID 1 of a namespace of its own -- ``gym_fork.worker.loop._fork_copy_process`` -- so
+there its siblings are pid 0 and the attribution is exact.)
 
 The changes go into the worker's :class:`~gym_fork.worker.files.Record`, with the same filters
 (workspace, ``/dev``, ``/proc``, ``/sys``, ``__pycache__``, unix socket names), so the controller
