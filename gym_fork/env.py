@@ -231,7 +231,9 @@ class ForkableEnv(gym.Wrapper):
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
         out = self._handle.request("step", action)
-        self._record_step(action)
+        self._steps += 1  # _record_step(action), inline: this is every step's path
+        if self._actions is not None:
+            self._actions.append(action)
         return out
 
     def step_send(self, action: Any) -> None:

@@ -109,17 +109,42 @@ class RemoteHandle(Handle):
         # one request at a time (short-lived copies never pay for one); None: the socket only
         self.ring: rings.Ring | None = None
         self._sync_steps = 0
+        # steps take _step(): packed frames, no ring and none to be offered (the usual case)
+        self._fast_steps = False
 
     #: steps made through :meth:`request` before a ring is offered (when rings are wanted)
     RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "8"))
 
     def request(self, cmd: str, *args: Any) -> Any:
-        if cmd == "step" and self.ring is None and self._sync_steps <= self.RING_AFTER:
-            self._sync_steps += 1
-            if self._sync_steps > self.RING_AFTER and self.packed and rings.wanted():
-                self._open_ring()
+        if cmd == "step":
+            if self._fast_steps and not (self._pending or self.closed):
+                return self._step(args[0])
+            if self.ring is None and self._sync_steps <= self.RING_AFTER:
+                self._sync_steps += 1
+                if self._sync_steps > self.RING_AFTER:
+                    if self.packed and rings.wanted():
+                        self._open_ring()
+                    self._fast_steps = self.packed and self.ring is None
         self.send(cmd, *args)
         return self.receive()
+
+    def _step(self, action: Any) -> Any:
+        """A step, as ``send("step", action)`` + ``receive()`` do it, without their general cases:
+        the worker reads packed frames and there is no ring (one request and one reply on the
+        socket; the reply is read in one system call where it is all there)."""
+        chan = self.chan
+        self._cmd = "step"
+        try:
+            chan.send_step(action)
+            self._pending = True
+            reply = chan.recv_reply()
+        except (ChannelClosed, OSError) as e:
+            raise WorkerDiedError(f"the env worker (pid {self.pid}) died during 'step': {self.exit_status()}") from e
+        self._pending = False
+        if reply[0] == OK:
+            return reply[1]
+        _, type_name, message, tb = reply
+        raise remote_exception(type_name, message, tb)
 
     def _open_ring(self) -> None:
         """Offer the worker a step ring; the socket stays in use when it cannot take one."""
@@ -146,12 +171,13 @@ class RemoteHandle(Handle):
             self.ring.close()
             self.ring = None
             self._sync_steps = 0  # offered again after RING_AFTER more steps
+            self._fast_steps = False
 
     def _read(self) -> Any:
         """The reply to the request in flight (through the ring when it has one)."""
         if self.ring is not None:
             return self.ring.wait_reply(self.chan)
-        return self.chan.recv()
+        return self.chan.recv_reply()  # a worker sends nothing after a reply: read ahead safely
 
     def _send_plain(self, msg: Any) -> None:
         """Send a pickled request on the socket (announced in the ring first, if any)."""
@@ -189,9 +215,11 @@ class RemoteHandle(Handle):
         result = _result(reply)
         if cmd == "hello" and len(result) == 5:  # the worker reads packed step frames
             self.packed = result[4] == PACKED_VERSION
+            self._fast_steps &= self.packed
             return result[:4]
         if cmd in ("init", "meta") and type(result) is dict:
             self.packed = result.get("packed") == PACKED_VERSION
+            self._fast_steps &= self.packed
         return result
 
     def _post(self, cmd: str, args: tuple) -> None:

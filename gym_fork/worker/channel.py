@@ -45,6 +45,7 @@ _PACKED = 1 << 63  # header flag: the payload is a packed step frame, not a pick
 _MAX_MESSAGE = 1 << 34  # 16 GiB: a sanity bound against a corrupted length header
 _KEEP_BUFFER = 1 << 20  # receive buffers up to this size are kept for the next message
 WAKE = _HEADER.pack(_PACKED)  # a wake frame: packed, length 0 (a real packed frame is never empty)
+_JOIN_MAX = 4096  # packed frames up to this size are joined and sent with one sendall
 
 
 class ChannelClosed(EOFError):
@@ -55,12 +56,12 @@ class Channel:
     """A framed request/reply channel over a connected stream socket: pickles, and packed step
     frames (:meth:`send_step`, :meth:`reply`)."""
 
-    __slots__ = ("sock", "_hdr", "_buf", "packed_in", "files", "spawned")
+    __slots__ = ("sock", "_buf", "_extra", "packed_in", "files", "spawned")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self._hdr = bytearray(_HEADER.size)
         self._buf = bytearray(4096)  # reused: a step's frame needs no allocation
+        self._extra = b""  # bytes read ahead of the frame being decoded (read before the socket)
         self.packed_in = False  # whether the last message received was a packed frame
         self.files: dict | None = None  # the worker's record of files it wrote (gym_fork.worker.files)
         self.spawned = False  # the env started processes: they write at any time (gym_fork.worker.fswatch)
@@ -101,6 +102,9 @@ class Channel:
     def _send_packed(self, parts: list) -> None:
         n = sum(map(len, parts))
         parts[0] = _HEADER.pack(n | _PACKED)
+        if n <= _JOIN_MAX:  # a small frame: joining is cheaper than sendmsg's scatter list
+            self.sock.sendall(b"".join(parts))
+            return
         sent = self.sock.sendmsg(parts)  # arrays go out from their own memory, uncopied
         if sent < n + _HEADER.size:  # a partial send (a big observation): the rest in one go
             self.sock.sendall(memoryview(b"".join(parts))[sent:])
@@ -112,23 +116,77 @@ class Channel:
             msg = self.recv_or_wake()
         return msg
 
+    def recv_reply(self) -> Any:
+        """The reply to the request just sent, like :meth:`recv`, in one ``recv`` system call
+        in the usual case (the whole reply is in the socket).
+
+        It reads as much as is there, which is safe only where the peer sends nothing after the
+        message being read: a worker's reply, on a channel without a step ring (an active worker
+        sends nothing more until the next request). Elsewhere a file descriptor may follow a
+        message (SCM_RIGHTS: reading into it would drop it) and ``select`` must see every unread
+        byte, so :meth:`recv` never reads past a frame that could be followed by one.
+        """
+        msg = self._next(0)
+        while msg is WAKE:
+            msg = self._next(0)
+        return msg
+
     def recv_or_wake(self) -> Any:
         """The next message, or :data:`WAKE` when the next frame is a wake frame."""
-        self._recv_exact_into(self._hdr)
-        (n,) = _HEADER.unpack(self._hdr)
-        if n == _PACKED:
+        return self._next(_FIRST_READ)
+
+    def _next(self, first: int) -> Any:
+        """Read and decode one frame. The first read takes up to ``first`` bytes (0: as many as
+        the buffer holds), the rest of the frame is read exactly; bytes read past the frame are
+        kept in ``_extra`` and read before the socket next time.
+
+        ``first`` is :data:`_FIRST_READ` for :meth:`recv`: a whole step request for an int
+        action, the header and start of anything else. Never more, because a file descriptor
+        may follow a message and every message one follows is longer than that (a pickled
+        ``(command, args)`` or ``(READY, pid)``).
+        """
+        buf = self._buf
+        extra = self._extra
+        if extra:  # read ahead before: these bytes come first
+            k = min(len(extra), len(buf))
+            buf[:k] = extra[:k]
+            self._extra = extra[k:]
+        else:
+            try:
+                k = self.sock.recv_into(buf, first)
+            except (ConnectionResetError, BrokenPipeError) as e:
+                raise ChannelClosed(str(e)) from None
+            if not k:
+                raise ChannelClosed("peer closed the channel")
+        if k < _HEADER.size:
+            self._recv_exact_into(memoryview(buf)[k:_HEADER.size])
+            k = _HEADER.size
+        (n,) = _HEADER.unpack_from(buf)
+        if n == _INT_STEP_LENGTH and k == _FIRST_READ and buf[8] == 0x53 and buf[9] in _INT_TYPES:
+            # the usual request: a step with an int action (np.int64 from Gymnasium's spaces)
+            self.packed_in = True
+            return ("step", (_INT_TYPES[buf[9]](_I64.unpack_from(buf, 10)[0]),))
+        if n == _PACKED:  # a wake frame
+            if k > _HEADER.size:
+                self._extra = bytes(memoryview(buf)[_HEADER.size:k]) + self._extra
             return WAKE
-        packed = bool(n & _PACKED)
-        n &= ~_PACKED
+        packed = n > _PACKED
+        if packed:
+            n -= _PACKED
         if n > _MAX_MESSAGE:
             raise ChannelClosed(f"corrupt message header (length {n})")
-        buf = self._buf
-        if n > len(buf):
-            buf = bytearray(n)
-            if n <= _KEEP_BUFFER:
-                self._buf = buf
-        view = memoryview(buf)[:n]
-        self._recv_exact_into(view)
+        end = n + _HEADER.size
+        if k < end:  # the rest of the frame
+            if end > len(buf):
+                big = bytearray(end)
+                big[:k] = memoryview(buf)[:k]
+                buf = big
+                if end <= _KEEP_BUFFER:
+                    self._buf = buf
+            self._recv_exact_into(memoryview(buf)[k:end])
+        elif k > end:  # read past this frame: the start of the next one
+            self._extra = bytes(memoryview(buf)[end:k]) + self._extra
+        view = memoryview(buf)[_HEADER.size:end]
         self.packed_in = packed
         if packed:
             return _unpack_frame(view)
@@ -141,6 +199,14 @@ class Channel:
         return msg
 
     def _recv_exact_into(self, buf: bytearray | memoryview) -> None:
+        extra = self._extra
+        if extra:  # what was read ahead comes first
+            n = min(len(buf), len(extra))
+            buf[:n] = extra[:n]
+            self._extra = extra[n:]
+            if n == len(buf):
+                return
+            buf = memoryview(buf)[n:]
         # The usual case, a whole small message in the socket, costs one recv_into.
         try:
             k = self.sock.recv_into(buf)
@@ -183,6 +249,9 @@ _NUMERIC = frozenset("biufc")  # dtype kinds whose bytes are the whole value
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # a whole step request for an int or np.int64 action, but its 8 bytes (what _pack would write)
 _INT_STEP = {int: _HEADER.pack(10 | _PACKED) + b"Si", np.int64: _HEADER.pack(10 | _PACKED) + b"Sj"}
+_FIRST_READ = _HEADER.size + 10  # its length: what Channel.recv reads before it knows a length
+_INT_STEP_LENGTH = 10 | _PACKED  # its header
+_INT_TYPES = {ord("i"): int, ord("j"): np.int64}  # its tags (as _UNPACKERS decode them)
 
 
 def step_parts(action: Any) -> list:
@@ -202,10 +271,18 @@ def reply_parts(reply: tuple) -> list | None:
     parts = [b"", b"R"]
     _pack(obs, parts)
     _pack(reward, parts)
+    if type(terminated) is bool and type(truncated) is bool and type(info) is dict and not info:
+        parts.append(_TAILS[terminated, truncated])  # the usual end of a step: what _pack writes
+        return parts
     _pack(terminated, parts)
     _pack(truncated, parts)
     _pack(info, parts)
     return parts
+
+
+# the packed (terminated, truncated, info) of most steps: two bools and an empty dict
+_TAILS = {(t, u): (b"T" if t else b"F") + (b"T" if u else b"F") + b"d" for t in (False, True) for u in (False, True)}
+_TAIL_VALUES = {v: k for k, v in _TAILS.items()}
 
 
 def unpack_frame(view: memoryview) -> tuple:
@@ -236,7 +313,9 @@ def _pack_array(x: np.ndarray, parts: list) -> None:
         if len(_ARRAY_HEADERS) < 256:
             _ARRAY_HEADERS[key] = head
     parts.append(head)
-    parts.append(memoryview(x).cast("B") if x.size else b"")  # the array's own memory, not a copy
+    # a small array's bytes are copied (cheaper than a view, and the frame is joined anyway);
+    # a large one goes out from its own memory (sendmsg), uncopied
+    parts.append(x.tobytes() if x.nbytes <= _JOIN_MAX else memoryview(x).cast("B"))
 
 
 def _pack_int(x: int, parts: list) -> None:
@@ -315,10 +394,12 @@ def _unpack_array(view: memoryview, pos: int) -> tuple[Any, int]:
         count = 1
         for d in shape:
             count *= d
-        layout = (dt, shape, count, count * dt.itemsize)
+        layout = (dt, shape if ndim != 1 else None, count, count * dt.itemsize)
         if len(_ARRAY_LAYOUTS) < 256:
             _ARRAY_LAYOUTS[head] = layout
     dt, shape, count, nbytes = layout
+    if shape is None:  # 1-D: frombuffer's shape already
+        return np.frombuffer(view, dt, count, end).copy(), end + nbytes
     return np.frombuffer(view, dt, count, end).reshape(shape).copy(), end + nbytes
 
 
@@ -378,6 +459,10 @@ def _unpack_frame(view: memoryview) -> tuple:
     if kind == 0x52:  # R: a step's result
         obs, pos = _unpack(view, 1)
         reward, pos = _unpack(view, pos)
+        if len(view) == pos + 3:  # the usual tail: two bools and an empty dict
+            tail = _TAIL_VALUES.get(bytes(view[pos:]))
+            if tail is not None:
+                return (OK, (obs, reward, tail[0], tail[1], {}))
         terminated, pos = _unpack(view, pos)
         truncated, pos = _unpack(view, pos)
         info, _ = _unpack(view, pos)

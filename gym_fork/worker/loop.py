@@ -143,6 +143,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
     """The active worker's loop. Once the controller hands it a step ring (``ring`` + an fd),
     requests are announced there and steps travel through it (:mod:`gym_fork.worker.ring`)."""
     ring: Ring | None = None
+    step = server.cmd_step
     while True:
         try:
             if ring is None:
@@ -155,6 +156,20 @@ def serve(chan: Channel, server: EnvServer) -> None:
         except ChannelClosed:
             _retire_or_exit()
             return
+        if cmd == "step" and ring is None:  # most requests: the general path below, minus its cases
+            try:
+                reply = (OK, step(*args))
+            except Exception as exc:  # noqa: BLE001 - every env error goes back to the controller
+                reply = _error_reply(exc)
+            output.flush(chan)  # what the env printed, warned or logged: ahead of the reply
+            try:
+                chan.reply(reply)  # packed when the request was a packed step
+            except ChannelClosed:
+                _retire_or_exit()
+                return
+            except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
+                chan.send(_error_reply(exc))
+            continue
         if cmd == "close":
             try:
                 server.cmd_close()
