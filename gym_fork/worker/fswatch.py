@@ -51,6 +51,7 @@ import ctypes
 import errno
 import os
 import re
+import select
 import stat
 import struct
 from gym_fork.worker import files
@@ -178,7 +179,7 @@ def start(*, refresh: bool = False) -> bool:
     The mount table is read once per worker (``refresh``: again, e.g. in a CRIU-restored copy,
     perhaps on another machine); forked copies reuse their parent's, so a copy's group costs one
     system call per filesystem and one to open."""
-    global _fd, _owner, _overflowed, spawn_told
+    global _fd, _owner, _overflowed, spawn_told, _poller
     if _fd is not None and _owner == os.getpid() and not refresh:
         return True
     forget()
@@ -207,6 +208,8 @@ def start(*, refresh: bool = False) -> bool:
         os.close(fd)
         return False
     _fd, _owner, _overflowed = fd, os.getpid(), False
+    _poller = select.poll()
+    _poller.register(fd, select.POLLIN)
     spawn_told = False  # a new copy, a new channel: say it again
     return True
 
@@ -278,7 +281,9 @@ def drain(record: files.Record | None = None) -> None:
     """Read the queued changes and record the env's own into ``record`` (the worker's)."""
     global _overflowed
     fd = _fd
-    if fd is None or _owner != os.getpid():
+    if fd is None:  # (a forked process has none: the at-fork hook dropped it)
+        return
+    if not _poller.poll(0):  # 0.6 µs here; a failing read() costs 1.9, FIONREAD 1.0 (an audit event)
         return
     rec = record if record is not None else files._worker
     me = _owner
@@ -315,6 +320,7 @@ def drain(record: files.Record | None = None) -> None:
 
 
 _pending_others: list[tuple[int, int, bytes]] = []
+_poller = select.poll()  # watches this process's group (start())
 
 
 def _settle_others(rec: files.Record) -> None:
