@@ -89,7 +89,7 @@ class ForkPayload:
     message with the fd, and is kept in ``ready`` until a restore takes it.
     """
 
-    __slots__ = ("chan", "_pid", "image", "lock", "ready", "ready_pids", "__weakref__")
+    __slots__ = ("chan", "_pid", "image", "lock", "ready", "ready_pids", "spawned", "__weakref__")
 
     def __init__(self, chan: Channel, pid: int | None = None):
         self.chan: Channel | None = chan
@@ -98,6 +98,7 @@ class ForkPayload:
         self.lock = threading.RLock()  # one request at a time on the frozen process's channel
         self.ready: list[Channel] = []  # channels of ready copies offered by the frozen process
         self.ready_pids: list[int | None] = []  # their host pids (their memory is the snapshot's)
+        self.spawned = False  # the env had started processes: its copies are namespace inits
 
     @property
     def pid(self) -> int:
@@ -379,7 +380,9 @@ class CriuBackend(Backend):
         if found is not None:
             ours.close()
             return Scan.from_wire(found)
-        return ForkPayload(Channel(ours))
+        payload = ForkPayload(Channel(ours))
+        payload.spawned = bool(getattr(handle.chan, "spawned", False))  # told ahead of the reply
+        return payload
 
     def _require_criu(self, what: str) -> None:
         if self.mode == "fork":
@@ -473,7 +476,7 @@ class CriuBackend(Backend):
                 finally:
                     theirs.close()
                 h.pid, *h.initial = h.receive()
-                h.ns_root = _is_ns_init(h.pid)
+                h.ns_root = payload.spawned and _is_ns_init(h.pid)
                 handles.append(h)
         except BaseException:
             for h in handles:
@@ -498,7 +501,7 @@ class CriuBackend(Backend):
             return None
         hello, ino = reply[1]
         payload.taken(hello[0])
-        h = RemoteHandle(chan, hello[0], ino, fork_tier=True, ns_root=_is_ns_init(hello[0]))
+        h = RemoteHandle(chan, hello[0], ino, fork_tier=True, ns_root=payload.spawned and _is_ns_init(hello[0]))
         h.initial = list(hello[1:4])
         h.packed = hello[4] == PACKED_VERSION
         return h
