@@ -380,22 +380,32 @@ def _fork_copy_process(fd: int, frozen_chan: Channel) -> tuple[int, int | None]:
     if not fswatch.spawned:
         pid = _fork_child(fd, frozen_chan)
         return (0, None) if pid == 0 else (pid, resources.host_pid_of_child(pid))
+    pid, host = _fork_ns_init(fd, frozen_chan)
+    if pid == 0:
+        # keeps its fork-tier name: orphaned to the worker (its parent exited), it must not
+        # look like one of the env's children there (a retiring worker kills those)
+        global _CLONE_INIT
+        _CLONE_INIT = True
+    return pid, host
+
+
+def _fork_ns_init(fd: int, *drop: Channel | None) -> tuple[int, int | None]:
+    """Fork a copy of this process as PID 1 of a new PID namespace (through a short-lived
+    intermediate: ``unshare(CLONE_NEWPID)`` affects only the caller's future children, once), its
+    own session leader (CRIU dumps a tree whose session is its own).  Returns ``(0, None)`` in the
+    copy and ``(intermediate's pid, copy's host pid)`` here."""
     r, w = os.pipe()
-    mid = _fork_child(fd, frozen_chan)
-    if mid == 0:  # the intermediate: unshare() affects only its future children
+    mid = _fork_child(fd, *drop)
+    if mid == 0:
         os.close(r)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(CLONE_NEWPID) != 0:
             os.write(w, b"E%d" % ctypes.get_errno())
             os._exit(1)
         if _fork_exact() == 0:
-            os.setsid()  # CRIU dumps a tree whose session is its own
+            os.setsid()
             os.write(w, str(host_pid()).encode())
             os.close(w)
-            # keeps its fork-tier name: orphaned to the worker (its parent exited), it must not
-            # look like one of the env's children there (a retiring worker kills those)
-            global _CLONE_INIT
-            _CLONE_INIT = True
             return 0, None
         os._exit(0)
     os.close(w)
@@ -440,32 +450,12 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
 def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
     """A copy of this process as PID 1 of a new PID namespace, serving on ``fd``, to be dumped.
     Returns its host pid."""
-    r, w = os.pipe()
-    mid = _fork_child(fd, *drop)
-    if mid == 0:  # the intermediate: unshare() affects only its future children
-        os.close(r)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(CLONE_NEWPID) != 0:
-            os.write(w, b"E%d" % ctypes.get_errno())
-            os._exit(1)
-        if _fork_exact() == 0:
-            os.setsid()
-            os.write(w, str(host_pid()).encode())
-            os.close(w)
-            serve(Channel.from_fd(fd), server)
-            os._exit(0)
+    pid, host = _fork_ns_init(fd, *drop)
+    if pid == 0:
+        serve(Channel.from_fd(fd), server)
         os._exit(0)
-    os.close(w)
-    try:
-        os.waitpid(mid, 0)
-    except ChildProcessError:
-        pass  # already reaped: frozen snapshots ignore SIGCHLD
-    data = os.read(r, 64)
-    os.close(r)
-    if not data or data.startswith(b"E"):
-        err = int(data[1:] or 0)
-        raise OSError(err, f"unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
-    return int(data)
+    assert host is not None
+    return host
 
 
 def _recv_one_fd(chan: Channel) -> int:
