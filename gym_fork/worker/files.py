@@ -185,10 +185,11 @@ def resend() -> None:
     _worker.sent_version = -1
 
 
-#: Logs that libraries write on their own, whose content no env reads back: never refused (as if
-#: declared in ``untracked_paths``). MuJoCo appends its warnings to ``MUJOCO_LOG.TXT`` in the
-#: current directory (e.g. a deprecation notice each time HalfCheetah-v5's model compiles).
-KNOWN_LOGS: tuple[str, ...] = ("*/MUJOCO_LOG.TXT",)
+#: Logs and caches that libraries write on their own, whose content no env's behaviour depends on:
+#: never refused (as if declared in ``untracked_paths``). MuJoCo appends its warnings to
+#: ``MUJOCO_LOG.TXT`` in the current directory (e.g. a deprecation notice each time
+#: HalfCheetah-v5's model compiles); OpenGL drivers cache compiled shaders when an env renders.
+KNOWN_LOGS: tuple[str, ...] = ("*/MUJOCO_LOG.TXT", "*/.cache/mesa_shader_cache*", "*/.nv/GLCache*")
 
 
 # --- the controller's view --------------------------------------------------------------------------

@@ -194,3 +194,15 @@ def test_bad_untracked_paths_are_refused_with_what_was_given():
     for bad, said in ((5, "not int"), ([3], "not 3"), ([""], "not ''"), ([b"/x"], "not b'/x'")):
         with pytest.raises(TypeError, match=said):
             files.untracked_patterns(bad)
+
+
+def test_libraries_own_logs_and_shader_caches_are_never_outside():
+    """MuJoCo's MUJOCO_LOG.TXT (written natively when a model compiles) and OpenGL shader caches
+    hold nothing an env's behaviour depends on: not refused, wherever they are."""
+    rec = {"/work/run/MUJOCO_LOG.TXT": files.MODIFIED,
+           "/root/.cache/mesa_shader_cache/4f/aa": files.CREATED,
+           "/home/u/.cache/mesa_shader_cache_db/index": files.MODIFIED,
+           "/home/u/.nv/GLCache/x/y": files.CREATED,
+           "/tmp/run/MUJOCO_LOG.TXT.bak": files.CREATED,
+           "/tmp/run/state.bin": files.MODIFIED}
+    assert files.outside(rec) == ["/tmp/run/MUJOCO_LOG.TXT.bak", "/tmp/run/state.bin"]
