@@ -261,6 +261,26 @@ def test_a_copy_of_an_env_that_starts_processes_can_take_its_children_along():
     assert_gone(pids)
 
 
+def test_explore_branches_of_an_env_that_starts_processes_end_in_tree_snapshots():
+    """explore() from a copy-on-write snapshot: each branch (a namespace-init copy) starts its
+    child on the way, and its end snapshot is a CRIU dump of its own tree, restorable exactly."""
+    env = gym_fork.ForkableEnv(agent_envs.late_child)
+    try:
+        env.action_space.seed(0)
+        env.reset(seed=1)
+        res = gym_fork.explore(env, env.snapshot(), lambda obs: 1, n_branches=3, horizon=6,
+                               return_snapshots=True)
+        ends = [b.snapshot for b in res.branches]
+        assert all(s is not None and s.size_bytes > 0 for s in ends)  # tree dumps, not refusals
+        xs = [0, 3, 1, 2, 2]
+        env.restore(ends[0])
+        first = [step(env, x) for x in xs]
+        env.restore(ends[0])
+        assert_same_traj(first, [step(env, x) for x in xs])
+    finally:
+        env.close()
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 def test_child_killed_between_snapshot_and_restore():
