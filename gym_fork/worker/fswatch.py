@@ -270,6 +270,16 @@ def forget() -> None:
     _fd = _owner = None
 
 
+def built() -> None:
+    """The env is built: record what construction changed, then forget the processes it started
+    and that are gone (glfw, imported by MuJoCo envs, runs a Python child to read a library's
+    version).  Only processes started later, or alive at a scan, make the env's copies namespace
+    inits and its exited pids the env's."""
+    global spawned
+    drain()
+    spawned = False
+
+
 def note_spawn() -> None:
     """The env started a process (an audit event of its Python, or a scan that found a child);
     the controller learns it with the next reply (:func:`gym_fork.worker.output.flush`)."""

@@ -489,6 +489,7 @@ def main(argv: list[str]) -> int:
         fswatch.warn_if_blind()
         server = EnvServer(build_env(args[0]))
         output.identify(server.env)
+        fswatch.built()
         output.flush(chan)
         chan.send((OK, server.cmd_meta()))
     except Exception as exc:  # noqa: BLE001
