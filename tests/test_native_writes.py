@@ -278,3 +278,30 @@ def test_a_filesystem_the_watch_cannot_see_is_named_in_a_warning(tmp):
         env.close()
     finally:
         subprocess.run(["umount", "-l", mnt], check=True)  # lazily: a worker may still be exiting
+
+
+class ProbeAtInitEnv(WriterEnv):
+    """Runs a short probe while it is built (as glfw does when MuJoCo envs import it)."""
+
+    def __init__(self, spawn_in_reset: bool = False):
+        super().__init__(path=None, how="none")
+        subprocess.run(["true"], check=True)
+        self.spawn_in_reset = spawn_in_reset
+
+    def reset(self, *, seed=None, options=None):
+        if self.spawn_in_reset:
+            subprocess.run(["true"], check=True)
+        return super().reset(seed=seed, options=options)
+
+
+@pytest.mark.parametrize("in_reset", [False, True])
+def test_only_processes_started_after_building_make_copies_namespace_inits(in_reset):
+    env = gym_fork.ForkableEnv(lambda: ProbeAtInitEnv(spawn_in_reset=in_reset))
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.restore(snap)  # a fork-tier copy
+        assert env._handle.ns_root is in_reset  # PID 1 of its own namespace only if the env spawned later
+        env.step(0)
+    finally:
+        env.close()
