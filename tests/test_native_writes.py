@@ -305,3 +305,22 @@ def test_only_processes_started_after_building_make_copies_namespace_inits(in_re
         env.step(0)
     finally:
         env.close()
+
+
+def test_a_ready_copy_watches_from_its_first_request(tmp):
+    """A restore takes the copy forked ahead of time; it opened no group while it waited, and
+    opens one with its first request: its writes below Python are seen all the same."""
+    path = os.path.join(tmp, "ready.log")
+    env = gym_fork.ForkableEnv(lambda: WriterEnv(path=path, how="native", start_at=3))
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        time.sleep(0.3)  # the frozen snapshot forks its ready copy once things are quiet
+        env.restore(snap)  # takes it
+        for _ in range(3):
+            env.step(1)  # the third writes natively
+        with pytest.raises(UncapturedFilesError) as err:
+            env.snapshot()
+        assert err.value.paths == [path]
+    finally:
+        env.close()

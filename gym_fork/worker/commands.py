@@ -251,7 +251,8 @@ class EnvServer:
         files.resend()  # a new copy: its record of written files goes to its new channel
         # ... and it watches its own changes: a new group (a CRIU-restored one came back deaf;
         # read the mount table again there: it may be another machine)
-        fswatch.start(refresh=os.getpid() == 1)
+        if not fswatch.deferred:  # (a ready copy opens its group with its first request)
+            fswatch.start(refresh=os.getpid() == 1)
         if packed:
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps

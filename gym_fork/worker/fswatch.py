@@ -270,6 +270,25 @@ def forget() -> None:
     _fd = _owner = None
 
 
+deferred = False  # a ready copy: its group is opened when its first request arrives (resume())
+
+
+def defer() -> None:
+    """A ready copy waits, maybe for hours, before it serves: it opens no group until then (an
+    idle group would queue every file change on the machine).  Nothing of the env's runs in it
+    before its first request, so nothing is missed."""
+    global deferred
+    forget()
+    deferred = True
+
+
+def resume() -> None:
+    """The deferred group, opened now (the copy's first request)."""
+    global deferred
+    deferred = False
+    start()
+
+
 def built() -> None:
     """The env is built: record what construction changed, then forget the processes it started
     and that are gone (glfw, imported by MuJoCo envs, runs a Python child to read a library's

@@ -156,6 +156,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
         except ChannelClosed:
             _retire_or_exit()
             return
+        if fswatch.deferred:  # a ready copy's first request: from now on it watches its changes
+            fswatch.resume()
         if cmd == "step" and ring is None:  # most requests: the general path below, minus its cases
             try:
                 reply = (OK, step(*args))
@@ -431,6 +433,7 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
         if pid == 0:
             ours.close()
             chan = Channel(theirs)
+            fswatch.defer()  # its group opens with its first request (hello opens none)
             try:
                 hello = server.cmd_hello(PACKED_VERSION)
                 output.flush(chan)  # as ahead of any reply: its record of written files, first
