@@ -324,3 +324,33 @@ def test_a_ready_copy_watches_from_its_first_request(tmp):
         assert err.value.paths == [path]
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("op", ["rm -f '{p}'", "mv '{p}' '{p}.moved'", "chmod 600 '{p}'", "touch '{p}'",
+                                "mkdir -p '{d}/made/deeper' && echo x > '{d}/made/deeper/f'"])
+def test_a_shell_child_removing_renaming_or_chmodding_is_refused(tmp, op):
+    """Not only writes: removals, renames, attribute changes and new trees by a child count."""
+    existing = os.path.join(tmp, "existing.txt")
+    with open(existing, "w") as f:
+        f.write("before\n")
+    cmd = op.format(p=existing, d=tmp)
+
+    class OpEnv(WriterEnv):
+        def step(self, action):
+            self.n += 1
+            if self.n == 2:
+                subprocess.run(["sh", "-c", cmd], check=True)
+            return self._obs(), 0.0, False, False, {}
+
+    env = gym_fork.ForkableEnv(lambda: OpEnv(path=existing, how="none", read_back=False))
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.step(0)
+        env.step(0)  # the child changes the tree outside any workspace
+        with pytest.raises(UncapturedFilesError) as err:
+            env.restore(snap)
+        assert err.value.paths, err.value
+        assert all(p.startswith(tmp) for p in err.value.paths), err.value.paths
+    finally:
+        env.close()
