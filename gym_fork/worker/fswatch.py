@@ -15,8 +15,8 @@ worker gets a fresh one).  A process outside it is reported as pid 0 and ignored
 other workers, CRIU, the rest of the machine.  Inside it live, besides this worker and the env's
 children, gym_fork's fork-tier copies of the worker (their siblings).  So a change is the env's
 when its pid is this process or one of its living descendants; a pid that has already exited
-counts as the env's when this worker has started processes of its own (its Python spawned one, or
-a scan found one), else as a sibling's -- except inside a branch's workspace of this env's lineage
+counts as the env's when this worker has started processes of its own since it was built (its
+Python spawned one, or a scan found one alive: :func:`built`), else as a sibling's -- except inside a branch's workspace of this env's lineage
 (``ROOT``, ``ROOT.branch-<id>``...): branches that each run a shell in their own workspace do not
 refuse each other.  A sibling's exited child writing elsewhere can thus be counted here too: a
 refusal that names the path, never a write missed.  (A copy of an env that had started processes
@@ -32,7 +32,8 @@ fork (:data:`spawned`).
 
 A group belongs to one process: a forked copy closes the inherited descriptor at once
 (:func:`forget`; it would otherwise read, or keep alive, its parent's queue), and a copy that
-starts serving opens its own (:func:`start`, from ``hello``).  A CRIU image may hold a group, but
+starts serving opens its own (:func:`start`, from ``hello``; a ready copy, forked ahead and
+maybe waiting for hours, only with its first request: :func:`defer`).  A CRIU image may hold a group, but
 CRIU 4.1 restores it without its filesystem marks (deaf): a restored copy's ``hello`` replaces
 it with a new one, reading the mount table again (it may run on another machine).
 
@@ -54,6 +55,7 @@ import re
 import select
 import stat
 import struct
+
 from gym_fork.worker import files
 
 # <linux/fanotify.h>
