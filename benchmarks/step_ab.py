@@ -29,6 +29,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.common import print_table  # noqa: E402
 
+# Both drivers: warm up, then time one chunk per line on stdin (wall, own CPU, the worker's CPU).
+MEASURE = r'''
+run()
+gc.collect()
+gc.disable()
+sys.stdout.write("ready\n"); sys.stdout.flush()
+for line in sys.stdin:
+    c0, w0 = cpu("self"), sum(cpu(p) for p in pids)
+    t0 = time.perf_counter_ns()
+    run()
+    dt = time.perf_counter_ns() - t0
+    c1, w1 = cpu("self"), sum(cpu(p) for p in pids)
+    sys.stdout.write(json.dumps([dt / steps / 1000, (c1 - c0) / steps / 1000, (w1 - w0) / steps / 1000]) + "\n")
+    sys.stdout.flush()
+'''
+
 CHILD = r'''
 import gc, json, os, sys, time
 import gymnasium as gym
@@ -62,19 +78,7 @@ else:
             _, _, t, tr, _ = step(a)
             if t or tr:
                 reset()
-run()
-gc.collect()
-gc.disable()
-sys.stdout.write("ready\n"); sys.stdout.flush()
-for line in sys.stdin:
-    c0, w0 = cpu("self"), sum(cpu(p) for p in pids)
-    t0 = time.perf_counter_ns()
-    run()
-    dt = time.perf_counter_ns() - t0
-    c1, w1 = cpu("self"), sum(cpu(p) for p in pids)
-    sys.stdout.write(json.dumps([dt / steps / 1000, (c1 - c0) / steps / 1000, (w1 - w0) / steps / 1000]) + "\n")
-    sys.stdout.flush()
-'''
+''' + MEASURE
 
 FLOOR = r'''
 import gc, json, os, pickle, socket, sys, time
@@ -109,19 +113,7 @@ def run():
         a.sendall(int(x).to_bytes(8, "little"))
         a.recv_into(buf)
 pids = [pid]
-run()
-gc.collect()
-gc.disable()
-sys.stdout.write("ready\n"); sys.stdout.flush()
-for line in sys.stdin:
-    c0, w0 = cpu("self"), sum(cpu(p) for p in pids)
-    t0 = time.perf_counter_ns()
-    run()
-    dt = time.perf_counter_ns() - t0
-    c1, w1 = cpu("self"), sum(cpu(p) for p in pids)
-    sys.stdout.write(json.dumps([dt / steps / 1000, (c1 - c0) / steps / 1000, (w1 - w0) / steps / 1000]) + "\n")
-    sys.stdout.flush()
-'''
+''' + MEASURE
 
 
 

@@ -18,15 +18,6 @@ from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, s
 HEADER = struct.Struct("!Q")  # the frame header: 8-byte big-endian payload length
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a.settimeout(20)  # a framing bug shows as a failure, never as a hung suite
-    b.settimeout(20)
-    yield a, b
-    a.close()
-    b.close()
-
 
 def _in_thread(fn, *args):
     t = threading.Thread(target=fn, args=args, daemon=True)

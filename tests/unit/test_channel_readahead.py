@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import struct
 
 import numpy as np
@@ -21,15 +20,6 @@ from gym_fork.worker.channel import (OK, READY, WAKE, Channel, ChannelClosed, re
 HEADER = struct.Struct("!Q")
 PACKED = 1 << 63
 
-
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a.settimeout(20)  # a framing bug shows as a failure, never as a hung suite
-    b.settimeout(20)
-    yield a, b
-    a.close()
-    b.close()
 
 
 def _packed(parts: list) -> bytes:

@@ -18,15 +18,6 @@ from gym_fork.migration.wire.messages import MAX_CONTROL, recv_exact, recv_msg, 
 LEN = struct.Struct("!I")
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    a.settimeout(20)  # a frame the receiver waits for forever fails the test instead of hanging it
-    b.settimeout(20)
-    yield a, b
-    a.close()
-    b.close()
-
 
 class Peer(threading.Thread):
     """Runs ``fn()`` in a thread; ``result()`` returns its value or re-raises its error."""

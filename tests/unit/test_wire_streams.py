@@ -20,15 +20,6 @@ FRAME = struct.Struct("!BIQ")  # kind, file number, length
 OPEN, DATA, DONE = 1, 2, 3
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    a.settimeout(20)
-    b.settimeout(20)
-    yield a, b
-    a.close()
-    b.close()
-
 
 def _open(num: int, name: bytes) -> bytes:
     return FRAME.pack(OPEN, num, len(name)) + name
