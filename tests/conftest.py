@@ -1,9 +1,13 @@
 """Shared fixtures. CRIU tests never skip silently: without a usable CRIU they *fail*, unless
-GYM_FORK_ALLOW_NO_CRIU=1 is set (for developer machines without root; never set in CI)."""
+GYM_FORK_ALLOW_NO_CRIU=1 is set (for developer machines without root; never set in CI).
+
+This is the suite's only conftest.py: env workers built from test factories import helpers from
+the module named ``conftest``, so a second one (e.g. in tests/unit/) would shadow this one there."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import gymnasium as gym
 import numpy as np
@@ -70,3 +74,14 @@ def agent():
 
     with Nodes(["B"], use_netns=False) as n:
         yield n
+
+
+@pytest.fixture
+def pair():
+    """Two connected unix stream sockets; a module may override it (e.g. with channels)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(20)  # a frame the receiver waits for forever fails the test instead of hanging it
+    b.settimeout(20)
+    yield a, b
+    a.close()
+    b.close()

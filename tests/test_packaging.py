@@ -77,3 +77,11 @@ def test_installed_wheel_runs_without_the_checkout(dists, tmp_path):
     assert any((script.parent / "criu-patches").glob("*.patch"))
     # bash can read it (a syntax error would show here, before any root-only step)
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=60)
+
+
+def test_the_suite_has_one_conftest():
+    # Env workers built from test factories import helpers as `conftest`; a second conftest.py
+    # (pytest puts its folder first on sys.path) would shadow tests/conftest.py in the workers.
+    tests = pathlib.Path(__file__).parent
+    found = sorted(str(p.relative_to(tests)) for p in tests.rglob("conftest.py"))
+    assert found == ["conftest.py"], f"move fixtures into tests/conftest.py instead of {found}"
