@@ -10,6 +10,7 @@ plugins use instead of its fields.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 import weakref
 from typing import Any, Callable, Literal, Sequence
@@ -21,10 +22,11 @@ from gym_fork.backends import capacity
 from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
-from gym_fork.errors import (EnvClosedError, EnvNotShippableError, ForeignSnapshotError, UncapturedFilesError,
-                             WorkerError)
+from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
+                             UncapturedFilesError, UnsupportedEnvError, WorkerError)
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import Snapshot, new_id
+from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
 from gym_fork.worker import files
 from gym_fork.worker.commands import make_source
@@ -109,6 +111,7 @@ class ForkableEnv(gym.Wrapper):
     _workspace: Any = None  # a Workspace whose files every snapshot captures
     _origin: Any = None  # (env, env_kwargs, wrappers) it was built from: gym_fork.check_env builds more
     _untracked: tuple[str, ...] = ()  # untracked_paths: patterns of files whose content is not restored
+    _private: Any = None  # a PrivateDirs: directories every worker of this env sees a copy of its own
 
     def __init__(self, env: str | Callable[[], gym.Env] | gym.Env, *, backend: str | Backend = "auto",
                  env_kwargs: dict | None = None, verify: Literal["full", "size"] = "full",
@@ -116,15 +119,32 @@ class ForkableEnv(gym.Wrapper):
                  fork_tier: bool | Literal["auto"] = "auto", store: Any = None,
                  workspace: str | None = None, private_network: bool = False,
                  wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None,
-                 untracked_paths: Sequence[str] | None = None):
+                 untracked_paths: Sequence[str] | None = None,
+                 private_dirs: str | Sequence[str] | None = None):
         untracked = files.untracked_patterns(untracked_paths)
+        private = private_dirs_mod.normalise(private_dirs)
+        if private:
+            backend = _private_dirs_backend(backend, store)
         source = make_source(env, env_kwargs, wrappers)
         self._origin = (env, env_kwargs, wrappers)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier,
                          private_network=private_network)
+        pd = root0 = None
         try:
-            be, handle, meta = start_env(be, source)
-        except (WorkerError, AttributeError) as e:
+            if private:  # the first worker too works in a copy: the real directories stay as they are
+                if getattr(be, "mode", None) != "root":
+                    raise BackendUnavailableError("private_dirs needs the criu backend running as root (each "
+                                                  "copy of the env gets a mount namespace of its own)")
+                pd = private_dirs_mod.PrivateDirs(private)
+                root0, binds0 = pd.new_copy(None)
+                handle, meta = be.start(source, binds=binds0)
+            else:
+                be, handle, meta = start_env(be, source)
+        except BaseException as e:
+            if root0 is not None:
+                private_dirs_mod.remove([root0])
+            if not isinstance(e, (WorkerError, AttributeError)):
+                raise
             # PicklingError in the worker, or "Can't get attribute" unpickling its answer here
             if getattr(e, "remote_type", "") != "PicklingError" and "Can't get attribute" not in str(e):
                 raise
@@ -136,6 +156,10 @@ class ForkableEnv(gym.Wrapper):
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store
         self._untracked = untracked
+        if pd is not None:
+            self._set_private(pd)
+            pd.switch(root0)
+            self._request("private_dirs", list(private), [])
         if workspace is not None:
             self._workspace = Workspace(workspace)
             self._request("setattr", "workspace", self._workspace.path, "unwrapped")
@@ -205,6 +229,9 @@ class ForkableEnv(gym.Wrapper):
             ValueError: the snapshot captured a workspace and ``workspace`` is None.
             SnapshotReleasedError, SnapshotCorruptedError, RestoreError: the restore failed.
         """
+        if getattr(snapshot, "private_dirs", None):
+            raise ValueError(f"snapshot {snapshot.id} holds private_dirs: restore() or fork() it from an env "
+                             "made with the same private_dirs")
         if getattr(snapshot, "workspace", None) and workspace is None:
             raise ValueError(f"snapshot {snapshot.id} captured a workspace: pass workspace=DIR, the "
                              "directory its files are put back into")
@@ -297,6 +324,8 @@ class ForkableEnv(gym.Wrapper):
             snap.release()
         self._handle.close()
         self._finalizer.detach()
+        if self._private is not None:
+            self._private_finalizer()  # the worker is gone: its private copies go too
         if self._workspace is not None:
             if keep_workspace is not None:
                 self._workspace.keep = bool(keep_workspace)
@@ -426,6 +455,12 @@ class ForkableEnv(gym.Wrapper):
         snap._mirror = self._meta  # replaced, never changed in place (_note_meta): no copy needed
         if self._workspace is not None:
             attach_workspace(snap, self._workspace)
+        if self._private is not None:
+            try:
+                private_dirs_mod.attach(snap, self._private, self._handle.pid)
+            except BaseException:
+                snap.release()
+                raise
         if self._store is not None:
             self._store.add(snap)  # may move older in-memory snapshots to disk (memory budget)
         self._parent_id = snap.id
@@ -445,11 +480,18 @@ class ForkableEnv(gym.Wrapper):
         self._check_open()
         self._check_snapshot(snapshot)
         self._end_live("restore() replaces the worker")
-        with snapshot._open_payload() as payload:
-            new = self._backend.restore(payload)
+        roots, binds = self._private_copies(snapshot, 1)
+        try:
+            with snapshot._open_payload() as payload:
+                new = self._backend.restore(payload, binds[0]) if binds else self._backend.restore(payload)
+        except BaseException:
+            private_dirs_mod.remove(roots)
+            raise
         if snapshot._store is not None:
             snapshot._store.touch(snapshot)
         self._switch_to(new, snapshot)
+        if self._private is not None:
+            self._private.switch(roots[0])
         if self._workspace is not None and getattr(snapshot, "workspace", None):
             self._workspace.restore_from(snapshot.workspace)
             if snapshot.workspace_path != self._workspace.path:  # taken by another branch / process
@@ -493,7 +535,13 @@ class ForkableEnv(gym.Wrapper):
             self._check_snapshot(snap)
             with snap._open_payload() as payload:
                 capacity.check_copies(payload, n, max_copies=max_copies)
-                handles = self._backend.restore_many(payload, n)
+                roots, binds = self._private_copies(snap, n)
+                try:
+                    handles = (self._backend.restore_many(payload, n, binds) if binds
+                               else self._backend.restore_many(payload, n))
+                except BaseException:
+                    private_dirs_mod.remove(roots)
+                    raise
         finally:
             if own:
                 snap.release()
@@ -504,6 +552,9 @@ class ForkableEnv(gym.Wrapper):
                                              record_actions=self._record_actions, store=self._store)
             child._origin = self._origin
             child._untracked = self._untracked
+            if self._private is not None:
+                child._set_private(private_dirs_mod.PrivateDirs(self._private.dirs))
+                child._private.switch(roots[i])
             children.append(child)
             if self._workspace is not None and getattr(snap, "workspace", None):
                 child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8],
@@ -539,6 +590,9 @@ class ForkableEnv(gym.Wrapper):
         if not isinstance(target, str) and not hasattr(target, "_gym_fork_migrate"):
             raise TypeError(f"target must be an agent's 'host:port' or a gym_fork.ray.RayNode, not "
                             f"{type(target).__name__}")
+        if self._private is not None:
+            raise UnsupportedEnvError(f"an env with private_dirs {list(self._private.dirs)} cannot migrate yet: "
+                                      "its files stay on this machine; the env keeps running here")
         self._end_live("migrate() was called")
         if live:
             if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
@@ -648,6 +702,46 @@ class ForkableEnv(gym.Wrapper):
             f"gym_fork cannot go back to snapshot {snapshot.id} exactly: this env wrote {shown} outside "
             "its workspace, and a restore or fork would bring back the env's memory of that moment but "
             f"leave these files as they are now. {fix} Nothing was changed; the env keeps running.", paths)
+
+    def _set_private(self, pd: Any) -> None:
+        self._private = pd
+        self._untracked = (*self._untracked, *pd.dirs, os.path.join(sessiondir.session_dir(), "pdl-*"))
+        self._private_finalizer = weakref.finalize(self, pd.discard)
+
+    def _private_copies(self, snapshot: Snapshot, n: int) -> tuple[list[str], list | None]:
+        """Fresh copies of ``snapshot``'s private directories for ``n`` new workers: ``(their
+        roots, binds per worker)``, or ``([], None)`` for an env without private directories."""
+        captured = getattr(snapshot, "private_dirs", None)
+        if self._private is None and captured is None:
+            return [], None
+        if self._private is None or captured is None or snapshot.private_dirs_paths != self._private.dirs:
+            raise ValueError(f"snapshot {snapshot.id} holds private directories "
+                             f"{list(snapshot.private_dirs_paths or ())} but this env has "
+                             f"{list(self._private.dirs) if self._private else 'none'}: restore it in an env "
+                             "made with the same private_dirs")
+        roots: list[str] = []
+        binds = []
+        try:
+            for _ in range(n):
+                root, b = self._private.new_copy(captured)
+                roots.append(root)
+                binds.append(b)
+        except BaseException:
+            private_dirs_mod.remove(roots)
+            raise
+        return roots, binds
+
+    def private_dir_view(self, path: str) -> str:
+        """Where this env's worker sees its private directory ``path``, as a path on the host:
+        ``path`` itself until the first ``restore()``; a private copy after it (and in every
+        ``fork()`` child).  Read the env's files there.
+
+        Raises:
+            KeyError: ``path`` is not one of this env's ``private_dirs``.
+        """
+        if self._private is None:
+            raise KeyError(f"{path}: this env has no private_dirs")
+        return self._private.view(path)
 
     def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
         """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
@@ -831,3 +925,18 @@ def _own_attr(env: ForkableEnv, name: str) -> bool:
     Gymnasium's ``hasattr(self, name)`` check, which a Wrapper without ``__getattr__`` passes
     only for its own attributes."""
     return hasattr(type(env), name) or name in env.__dict__
+
+
+def _private_dirs_backend(backend: str | Backend, store: Any) -> str | Backend:
+    """The backend for an env with ``private_dirs``: CRIU as root (mount namespaces)."""
+    if store is not None:
+        raise ValueError("private_dirs cannot be combined with store= yet: a stored snapshot would leave its "
+                         "private files behind; keep the snapshots in memory (or use workspace=DIR)")
+    if os.geteuid() != 0:
+        raise BackendUnavailableError("private_dirs needs root: each copy of the env gets a mount namespace "
+                                      "of its own (run as root, or use workspace=DIR)")
+    if backend == "auto":
+        return "criu"
+    if backend == "pickle" or getattr(backend, "name", None) == "pickle":
+        raise BackendUnavailableError("private_dirs needs backend 'criu' (mount namespaces per copy), not pickle")
+    return backend

@@ -20,6 +20,7 @@ from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 from gym_fork.backends.base import Backend
 from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
 from gym_fork.errors import EnvClosedError, WorkerError
+from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
 
 EnvSpecifier = str | Callable[[], gym.Env] | gym.Env
@@ -405,10 +406,18 @@ class ForkableVecEnv(VecEnv):
         payload = None
         for env in targets:  # every target slot must accept it (lineage, backend, not released)
             payload = env._check_snapshot(snapshot)
-        handles = targets[0]._backend.restore_many(payload, len(targets))
+        roots, binds = targets[0]._private_copies(snapshot, len(targets))  # private_dirs: a copy each
+        try:
+            handles = (targets[0]._backend.restore_many(payload, len(targets), binds) if binds
+                       else targets[0]._backend.restore_many(payload, len(targets)))
+        except BaseException:
+            private_dirs.remove(roots)
+            raise
         # Swap the new workers in exactly as ForkableEnv.restore does (the old ones are stopped).
-        for env, handle in zip(targets, handles):
+        for k, (env, handle) in enumerate(zip(targets, handles)):
             env._switch_to(handle, snapshot)
+            if env._private is not None:
+                env._private.switch(roots[k])
         if rng == "reseed":
             seed_list = [int(s) for s in seeds] if seeds is not None else [
                 int(np.random.SeedSequence().entropy % (2**63)) for _ in targets]

@@ -6,6 +6,7 @@ carry it exactly shows up as a different trajectory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -314,6 +315,67 @@ class ShellLogEnv(_Base):
         self.t += 1
         subprocess.run(["sh", "-c", f"echo {self.t} {int(action)} >> '{self.path}'"], check=True)
         return self._obs(float(self.t)), 0.0, *self._done(), {}
+
+
+class AppDirEnv(_Base):
+    """Works in a directory of the machine, as an agent's app tree: each step writes a file, appends
+    to a journal it keeps open (``hold``), has a shell append to a tool log (``shell``) and records
+    the move in a SQLite database it connects to per step; the observation reads all of it back
+    (sizes and a checksum of every file), so a copy with other files takes another trajectory."""
+
+    def __init__(self, root: str, hold: bool = True, shell: bool = True) -> None:
+        super().__init__()
+        self.root, self.hold, self.shell = root, hold, shell
+        self.journal = None
+
+    def _db(self) -> sqlite3.Connection:
+        c = sqlite3.connect(os.path.join(self.root, "app.db"))
+        c.execute("create table if not exists moves (t integer, a integer)")
+        return c
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        for name in os.listdir(self.root):
+            p = os.path.join(self.root, name)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+        if self.hold:
+            self.journal = open(os.path.join(self.root, "journal.txt"), "a", buffering=1)
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        import zlib
+
+        self.t += 1
+        with open(os.path.join(self.root, f"step-{self.t}.txt"), "w") as f:
+            f.write(f"{int(action)} {int(self.np_random.integers(0, 1000))}\n")
+        if self.journal is not None:
+            self.journal.write(f"{self.t} {int(action)}\n")
+        if self.shell:
+            subprocess.run(["sh", "-c", f"echo {self.t} {int(action)} >> '{self.root}/tool.log'"], check=True)
+        with contextlib.closing(self._db()) as c:
+            c.execute("insert into moves values (?, ?)", (self.t, int(action)))
+            c.commit()
+            n, s = c.execute("select count(*), coalesce(sum(a), 0) from moves").fetchone()
+        size, crc = 0, 0
+        for name in sorted(os.listdir(self.root)):
+            if name.endswith(".txt") or name.endswith(".log"):
+                with open(os.path.join(self.root, name), "rb") as f:
+                    data = f.read()
+                size += len(data)
+                crc = zlib.crc32(data, crc)
+        return self._obs(float(size * 1000 + crc % 997 + n * 7 + s)), 0.0, *self._done(), {"files": size}
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+
+def app_dir(root: str, hold: bool = True, shell: bool = True) -> AppDirEnv:
+    return AppDirEnv(root, hold, shell)
 
 
 # Module-level factories (the worker imports this module to build the envs).

@@ -398,8 +398,9 @@ class Backend(abc.ABC):
         """Capture the env's whole state; returns (payload, size in bytes)."""
 
     @abc.abstractmethod
-    def restore(self, payload: Any) -> Handle:
-        """Start a new env from a snapshot payload; the caller retires the old handle."""
+    def restore(self, payload: Any, binds: Any = None) -> Handle:
+        """Start a new env from a snapshot payload; the caller retires the old handle.  ``binds``:
+        private directories the new worker sees (criu backend only, :mod:`gym_fork.worker.mounts`)."""
 
     def persist(self, payload: Any) -> Any:
         """Make an in-memory snapshot durable (e.g. write CRIU images); returns the payload."""
@@ -412,9 +413,9 @@ class Backend(abc.ABC):
         """Memory the snapshot holds privately now (None when not measurable)."""
         return None
 
-    def restore_many(self, payload: Any, n: int) -> list[Handle]:
-        """``n`` independent restores (backends may run them concurrently)."""
-        return [self.restore(payload) for _ in range(n)]
+    def restore_many(self, payload: Any, n: int, binds: Any = None) -> list[Handle]:
+        """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th."""
+        return [self.restore(payload, None if binds is None else binds[i]) for i in range(n)]
 
     def restore_verified(self, payload: Any) -> Handle:
         """Like :meth:`restore`, for a payload whose integrity the caller has just checked

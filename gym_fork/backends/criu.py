@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import shlex
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import threading
 import time
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 from gym_fork.backends.base import Backend, Handle, RemoteHandle
@@ -245,7 +247,11 @@ class CriuBackend(Backend):
         self.private_network = bool(private_network)
 
     # --- start -----------------------------------------------------------------------------
-    def start(self, source: EnvSource) -> tuple[Handle, dict]:
+    def start(self, source: EnvSource, binds: Binds | None = None) -> tuple[Handle, dict]:
+        """Start a worker building ``source``; with ``binds`` (root), in a mount namespace of its
+        own where each ``(host dir, path)`` pair is bound (private directories)."""
+        if binds and self.mode != "root":
+            raise BackendUnavailableError("private directories need CRIU as root (mount namespaces)")
         nsfd = -1
         if self.private_network:  # the channel must belong to the worker's namespace (CRIU looks it up there)
             nsfd, (ours, theirs) = netns.new_netns()
@@ -262,7 +268,8 @@ class CriuBackend(Backend):
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno()), self.mode, holder,
-                 os.path.abspath(self.worker_log) if self.worker_log else "", sessiondir.session_dir(), str(nsfd)],
+                 os.path.abspath(self.worker_log) if self.worker_log else "", sessiondir.session_dir(), str(nsfd),
+                 *[p for pair in (binds or ()) for p in pair]],
                 pass_fds=[theirs.fileno()] + ([nsfd] if nsfd >= 0 else []), stdin=subprocess.DEVNULL,
                 stdout=out, stderr=out, start_new_session=True, env=_worker_environ(),
             )
@@ -404,8 +411,9 @@ class CriuBackend(Backend):
             external = [f"unix[{handle.ino}]"]
             if private_net:
                 external.append(f"net[{netns.netns_inode(handle.pid)}]:{treecapture.NETNS_KEY}")
-            client.dump(handle.pid, tmp, leave_running=leave_running, external=external, mode=self.mode,
-                        binary=self.binary, options=treecapture.dump_options(scan, private_net))
+            with _dump_binary(self, handle.pid) as binary:
+                client.dump(handle.pid, tmp, leave_running=leave_running, external=external, mode=self.mode,
+                            binary=binary, options=treecapture.dump_options(scan, private_net))
             treecapture.mark_images(tmp, scan)
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
@@ -427,23 +435,30 @@ class CriuBackend(Backend):
         return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=private_net), size
 
     # --- restore ---------------------------------------------------------------------------
-    def restore(self, payload: CriuPayload | ForkPayload) -> Handle:
-        return self.restore_many(payload, 1)[0]
+    def restore(self, payload: CriuPayload | ForkPayload, binds: Binds | None = None) -> Handle:
+        return self.restore_many(payload, 1, None if binds is None else [binds])[0]
 
-    def restore_many(self, payload: CriuPayload | ForkPayload, n: int) -> list[Handle]:
+    def restore_many(self, payload: CriuPayload | ForkPayload, n: int,
+                     binds: Sequence[Binds] | None = None) -> list[Handle]:
+        """``n`` new workers from ``payload``.  ``binds[i]``: ``(host dir, path)`` pairs the i-th
+        worker sees in a mount namespace of its own (private directories, see
+        :mod:`gym_fork.worker.mounts`)."""
+        per = list(binds) if binds is not None else [None] * n
+        if len(per) != n:
+            raise ValueError(f"{len(per)} bind lists for {n} copies")
         if isinstance(payload, ForkPayload):
             if payload.chan is not None:
-                return self._clone_many(payload, n)
+                return self._clone_many(payload, n, per)
             if payload.image is None:
                 raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
             payload = payload.image
         self._require_criu("restoring a persisted snapshot")
         self._verify(payload)
         if n == 1:
-            return [self.restore_verified(payload)]
+            return [self.restore_verified(payload, per[0])]
         # Each restore is its own criu process and PID namespace; threads just wait on them.
         with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
-            futs = [pool.submit(self.restore_verified, payload) for _ in range(n)]
+            futs = [pool.submit(self.restore_verified, payload, b) for b in per]
             handles, errors = [], []
             for f in futs:
                 try:
@@ -456,13 +471,14 @@ class CriuBackend(Backend):
             raise errors[0]
         return handles
 
-    def _clone_many(self, payload: ForkPayload, n: int) -> list[Handle]:
+    def _clone_many(self, payload: ForkPayload, n: int, binds: Sequence[Binds | None]) -> list[Handle]:
         handles: list[Handle] = []
         try:
-            for _ in range(n):
+            for i in range(n):
                 ready = self._take_ready(payload)
                 if ready is not None:
                     handles.append(ready)
+                    _enter_private(ready, binds[i])
                     continue
                 ours, theirs = socket.socketpair()
                 ino = socket_inode(theirs.fileno())
@@ -478,6 +494,7 @@ class CriuBackend(Backend):
                 h.pid, *h.initial = h.receive()
                 h.ns_root = payload.spawned and _is_ns_init(h.pid)
                 handles.append(h)
+                _enter_private(h, binds[i])
         except BaseException:
             for h in handles:
                 h.kill()
@@ -576,10 +593,11 @@ class CriuBackend(Backend):
             raise SnapshotCorruptedError(f"snapshot images at {payload.path} are missing")
         sessiondir.verify(payload.path, full=self.verify == "full")
 
-    def restore_verified(self, payload: CriuPayload) -> Handle:
+    def restore_verified(self, payload: CriuPayload, binds: Binds | None = None) -> Handle:
         """A new worker from the images of ``payload``, which the caller has just verified (their
-        sha256 manifest, or the digests of a transfer). Raises RestoreError (the images are
-        untouched) or TimeoutError."""
+        sha256 manifest, or the digests of a transfer); with ``binds``, criu runs (and the tree
+        is restored) in a new mount namespace with those binds. Raises RestoreError (the images
+        are untouched) or TimeoutError."""
         nsfd = -1
         if payload.netns:  # a fresh namespace per copy; its channel is created inside it
             nsfd, (ours, theirs) = netns.new_netns()
@@ -594,10 +612,13 @@ class CriuBackend(Backend):
             inherit = {f"socket:[{payload.ino}]": theirs.fileno()}
             if nsfd >= 0:
                 inherit[treecapture.NETNS_KEY] = nsfd
+            binary = _restore_wrapper(workdir, self.binary or criu_status().binary, binds) if binds else self.binary
+            if binds and self.mode != "root":
+                raise RestoreError("private directories need CRIU as root")
             with treecapture.image_lock(payload.path):
                 pid = client.restore(payload.path, inherit_fd=inherit,
                                      rst_sibling=True,  # the restored worker becomes our child: waitpid works
-                                     work_dir=workdir, mode=self.mode, binary=self.binary, kill_ino=new_ino,
+                                     work_dir=workdir, mode=self.mode, binary=binary, kill_ino=new_ino,
                                      options=treecapture.dump_options(None, payload.netns))
         except Exception as e:  # noqa: BLE001
             ours.close()
@@ -700,6 +721,69 @@ class CriuBackend(Backend):
         return page_chunk_lengths(os.path.join(images_dir, name), chunk_size)
 
 
+# --- private directories (gym_fork.worker.mounts): which mount namespace criu runs in ---------
+
+#: ``(host directory, path the worker sees it at)`` pairs for one worker
+Binds = Sequence[tuple[str, str]]
+
+
+def _enter_private(handle: RemoteHandle, binds: Binds | None) -> None:
+    """A fork-tier copy moves into a mount namespace of its own with ``binds`` (before it runs
+    any env code: its first request)."""
+    if binds:
+        handle.request("private_dirs", [t for _s, t in binds], list(binds))
+
+
+def _write_script(path: str, text: str) -> str:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700), "w") as f:
+        f.write(text)
+    return path
+
+
+class _dump_binary:
+    """The criu to dump worker ``pid`` with: criu itself, or -- for a worker in a mount namespace
+    of its own (private directories) -- a script that runs criu inside that namespace, where the
+    worker's mounts are criu's own: CRIU then dumps open files by their paths there and no mount
+    namespace (a restore recreates the binds, :func:`_restore_wrapper`)."""
+
+    def __init__(self, backend: "CriuBackend", pid: int):
+        self.binary, self.script = backend.binary, None
+        if backend.mode != "root":
+            return  # a userns worker lives in the holder's mount namespace: criu joins it there
+        try:
+            other = os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+        except OSError:
+            return
+        if other:
+            criu = backend.binary or criu_status().binary
+            nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
+            self.script = _write_script(
+                os.path.join(sessiondir.session_dir(), f"criu-mnt-{pid}-{os.urandom(4).hex()}"),
+                f"#!/bin/sh\nexec {nsenter} --mount=/proc/{pid}/ns/mnt -- {shlex.quote(criu)} \"$@\"\n")
+            self.binary = self.script
+
+    def __enter__(self) -> str | None:
+        return self.binary
+
+    def __exit__(self, *exc: object) -> None:
+        if self.script is not None:
+            try:
+                os.unlink(self.script)
+            except OSError:
+                pass
+
+
+def _restore_wrapper(workdir: str, criu: str, binds: Binds) -> str:
+    """A script in ``workdir`` that runs criu in a new mount namespace where each ``(source,
+    target)`` of ``binds`` is bound: the restored tree is born there and opens its files there."""
+    unshare = shutil.which("unshare") or "/usr/bin/unshare"
+    mounts = "; ".join(f"mount --bind -- {shlex.quote(src)} {shlex.quote(dst)}" for src, dst in binds)
+    inner = f"set -e; {mounts}; exec {shlex.quote(criu)} \"$@\""
+    return _write_script(os.path.join(workdir, "criu-private"),
+                         f"#!/bin/sh\nexec {unshare} --mount --propagation private -- /bin/sh -c "
+                         f"{shlex.quote(inner)} criu \"$@\"\n")
+
+
 def _image_of(payload: CriuPayload | ForkPayload) -> CriuPayload:
     """The images of a persisted payload (raises SnapshotError for an in-memory-only one)."""
     image = payload if isinstance(payload, CriuPayload) else payload.image
@@ -739,6 +823,7 @@ def private_dirty_bytes(pid: int) -> int | None:
 _PIDNS_LAUNCHER = """
 import ctypes, os, signal, sys
 fd, mode, holder, logpath, workdir, netns = sys.argv[1:7]
+binds = sys.argv[7:]  # SOURCE TARGET ...: private directories (gym_fork.worker.mounts), root only
 worker = [sys.executable, "-m", "gym_fork.worker.loop", fd]
 if mode == "fork":
     os.execv(sys.executable, worker)
@@ -760,6 +845,19 @@ if netns != "-1" and libc.setns(int(netns), 0x40000000) != 0:  # CLONE_NEWNET: t
     die("setns(network namespace)")
 if netns != "-1":
     os.close(int(netns))
+if binds:  # a mount namespace of the worker's own, where each TARGET shows SOURCE
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        die("unshare(CLONE_NEWNS)")
+    if libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0:  # MS_REC | MS_PRIVATE
+        die("making / private")
+    for i in range(0, len(binds), 2):
+        if libc.mount(os.fsencode(binds[i]), os.fsencode(binds[i + 1]), None, 0x1000 | 0x4000, None) != 0:
+            die("binding %s on %s" % (binds[i], binds[i + 1]))
+    # stdio opened out there points at the old namespace's mounts (CRIU could not dump it): reopen
+    out = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if logpath else os.open(os.devnull, os.O_WRONLY)
+    inp = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(inp, 0); os.dup2(out, 1); os.dup2(out, 2); os.close(inp); os.close(out)
 if libc.unshare(0x20000000) != 0:  # CLONE_NEWPID
     die("unshare(CLONE_NEWPID)")
 pid = os.fork()

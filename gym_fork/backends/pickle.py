@@ -163,7 +163,9 @@ class PickleBackend(Backend):
             )
         return stepped > 0
 
-    def restore(self, payload: bytes) -> Handle:
+    def restore(self, payload: bytes, binds: Any = None) -> Handle:
+        if binds:
+            raise UnsupportedEnvError("private directories need the criu backend (mount namespaces), not pickle")
         try:
             env, obs, info, steps = cloudpickle.loads(payload)
         except Exception as e:  # noqa: BLE001

@@ -84,6 +84,9 @@ class Snapshot:
     pinned: bool = False  # protected from a SnapshotStore's disk budget (see pin())
     workspace: str | None = None  # private copy of the env's workspace at this moment (workspace.py)
     workspace_path: str | None = None  # the live workspace directory it was captured from
+    private_dirs: str | None = None  # the env's private_dirs at this moment, copied (private_dirs.py)
+    private_dirs_paths: tuple[str, ...] | None = None  # which directories those are
+    _file_finalizers: tuple = ()  # deletes captured files on release() (or when garbage-collected)
     _store: Any = None  # the SnapshotStore tracking this snapshot, if any
     # what the taking env's controller mirrored of its worker at this moment (spaces, metadata,
     # render_mode, spec: gym_fork.proxy), so a restore brings the mirror back too; None when
@@ -154,6 +157,8 @@ class Snapshot:
     def release(self) -> None:
         """Free the snapshot's resources now. Restoring it afterwards raises SnapshotReleasedError."""
         self._finalizer()
+        for fin in self._file_finalizers:  # captured files (private_dirs) go with it
+            fin()
         self._payload = None
 
     def persist(self, *, keep_in_memory: bool = True) -> "Snapshot":

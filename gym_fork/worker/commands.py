@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError
-from gym_fork.worker import checker, files, fswatch, refs, registry
+from gym_fork.worker import checker, files, fswatch, mounts, refs, registry
 from gym_fork.worker.channel import PACKED_VERSION
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
@@ -256,6 +256,13 @@ class EnvServer:
         if packed:
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps
+
+    def cmd_private_dirs(self, dirs: list[str], binds: list[tuple[str, str]]) -> None:
+        """The env's private directories (:mod:`gym_fork.worker.mounts`); with ``binds``, this
+        copy moves into a mount namespace of its own where each shows its private copy."""
+        if binds:
+            mounts.enter(binds)
+        mounts.set_private(dirs)
 
     def cmd_reseed(self, seed: int) -> None:
         reseed_env(self.env, seed)

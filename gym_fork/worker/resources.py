@@ -45,6 +45,8 @@ import stat
 import struct
 from dataclasses import asdict, dataclass, field
 
+from gym_fork.worker import mounts
+
 #: unlinked files up to this size are copied into CRIU images (``--ghost-limit``); larger ones are refused
 GHOST_LIMIT = 64 << 20
 #: what gym_fork's fork-tier processes call themselves (``/proc/PID/comm``), so a scan can tell
@@ -477,10 +479,14 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
     if writing:
         if flags & os.O_APPEND and (st.st_dev, st.st_ino) in logs:
             return None  # the worker's own log (worker_log=): appended to by every copy
+        if mounts.under_private(path):  # each restored copy gets its own copy of the file
+            return Resource("file", pid, f"{path} (open for writing, in a private directory)", "criu", fd,
+                            detail={"path": path})
         return Resource("file", pid, f"{path} (open for writing)", "none", fd, detail={"path": path},
                         fix=f"its content is not part of a process snapshot, so copies would share one "
-                            f"{os.path.basename(path)}: put it in the env's workspace (ForkableEnv(..., "
-                            "workspace=DIR)) and open it only during a step (for SQLite: connect per step)")
+                            f"{os.path.basename(path)}: declare its directory private (ForkableEnv(..., private_dirs=["
+                            f"{os.path.dirname(path)!r}]), root), or put it in the env's workspace (workspace=DIR) "
+                            "and open it only during a step (for SQLite: connect per step)")
     return Resource("file", pid, f"{path} (open for reading)", "criu", fd, detail={"path": path})
 
 
@@ -578,6 +584,8 @@ def _scan_maps(proc: str, pid: int) -> list[Resource]:
             out.append(Resource("shared-memory", pid, f"shared memory {text}", "none",
                                 fix="POSIX shared memory is shared with any process that opens it and not "
                                     "captured; keep the env's state in its own memory"))
+        elif mounts.under_private(text):
+            out.append(Resource("shared-mapping", pid, f"{text} (mapped shared, in a private directory)", "criu"))
         else:
             out.append(Resource("shared-mapping", pid, f"{text} (mapped shared, writable)", "none",
                                 fix="writes to a shared file mapping go to the file, which is not captured; "

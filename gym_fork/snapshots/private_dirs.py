@@ -1,0 +1,160 @@
+"""Private directories, the controller's half: capture at each snapshot, a copy per new worker.
+
+``ForkableEnv(..., private_dirs=[DIR, ...])`` (root, criu backend; see
+:mod:`gym_fork.worker.mounts` for the worker's half) captures every declared directory with each
+snapshot and gives every worker a ``restore()`` or ``fork()`` starts its own copy of the captured
+files, bound at the same paths in a mount namespace of the worker's own:
+
+* **capture**: while the worker is blocked between requests, each directory is copied *as the
+  worker sees it* (``/proc/<pid>/root/DIR``: a restored worker's view, not the host's) into
+  ``<session>/pd-<snapshot id>/<i>`` with ``cp -a --reflink=auto``: byte for byte, SQLite files
+  and their ``-wal``/``-shm`` included (a process restored with the database open must find the
+  very file it had open, not a re-written backup of it).
+* **a new worker**: ``<session>/pdl-<random>/<i>`` holds a copy of the capture; the worker sees
+  it at ``DIR`` (fork tier: the copy enters a new mount namespace and binds it; CRIU: criu itself
+  runs in a new namespace with the binds, so the restored tree opens its files there).  The copy
+  is deleted when that worker is replaced or closed.
+* **the first worker** works in the real directories: what it writes is visible on the host at
+  ``DIR``.  After a ``restore()`` the env's files are at :meth:`PrivateDirs.view` (the host
+  ``DIR`` keeps the abandoned timeline's files); the real directories are never changed by
+  anything but the first worker.
+
+Costs: a full copy per snapshot and per new worker (reflinks where the file system has them),
+so keep private directories small (an app tree, a database), not a dataset.  Not persisted: a
+snapshot of an env with private directories cannot be saved, stored or migrated yet
+(:class:`~gym_fork.errors.UnsupportedEnvError` names the directories).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import weakref
+from collections.abc import Iterable, Sequence
+
+from gym_fork.snapshots import sessiondir
+
+
+def normalise(dirs: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Validate ``private_dirs=``: existing absolute directories, none inside another.
+
+    Raises:
+        TypeError: not a path or a list of paths.
+        ValueError: a path that is relative, missing, not a directory, ``/``, or nested.
+    """
+    if dirs is None:
+        return ()
+    if isinstance(dirs, (str, os.PathLike)):
+        dirs = [dirs]
+    if not isinstance(dirs, Iterable):
+        raise TypeError(f"private_dirs must be a directory or a list of directories, not {type(dirs).__name__}")
+    out: list[str] = []
+    for d in dirs:
+        if not isinstance(d, (str, os.PathLike)):
+            raise TypeError(f"private_dirs entries must be paths (str), not {type(d).__name__}: {d!r}")
+        p = os.fspath(d)
+        if not os.path.isabs(p):
+            raise ValueError(f"private_dirs entry {p!r} is relative: pass an absolute path (a restored worker "
+                             "may run in another working directory)")
+        p = os.path.realpath(p)
+        if p == "/":
+            raise ValueError("private_dirs cannot hold '/': name the directories the env writes in")
+        if not os.path.isdir(p):
+            raise ValueError(f"private_dirs entry {p} is not an existing directory: create it first")
+        if p in out:
+            continue
+        for q in out:
+            if p.startswith(q + "/") or q.startswith(p + "/"):
+                raise ValueError(f"private_dirs entries {q} and {p} are nested: keep only the outer one")
+        out.append(p)
+    root = os.path.realpath(sessiondir.session_dir())
+    for p in out:
+        if root == p or root.startswith(p + "/"):
+            raise ValueError(f"private_dirs entry {p} holds gym_fork's session directory {root}: pick a "
+                             "directory below it, or set $GYM_FORK_DIR elsewhere")
+    return tuple(out)
+
+
+def _copy(src: str, dst: str) -> None:
+    """``dst`` (new) becomes a byte-exact copy of the directory ``src``: modes, owners, times,
+    links; reflinks where the file system has them."""
+    os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
+    r = subprocess.run(["cp", "-a", "--reflink=auto", "-T", "--", src, dst], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise OSError(f"copying {src} to {dst} failed: {r.stderr.strip()}")
+
+
+class PrivateDirs:
+    """One env's private directories and where its current worker sees them on the host.
+
+    Example (as root):
+        >>> import tempfile; d = tempfile.mkdtemp()                       # doctest: +SKIP
+        >>> env = ForkableEnv(make_app_env, private_dirs=[d])             # doctest: +SKIP
+        >>> snap = env.snapshot(); env.step(a); env.restore(snap)        # doctest: +SKIP
+        >>> open(os.path.join(env.private_dir_view(d), "db.sqlite"), "rb")  # doctest: +SKIP
+    """
+
+    def __init__(self, dirs: Sequence[str]):
+        self.dirs = tuple(dirs)
+        self.copy_root: str | None = None  # <session>/pdl-*: the current worker's copies (None: the real dirs)
+
+    def capture(self, pid: int, snap_id: str) -> str:
+        """Copy every directory as worker ``pid`` sees it; returns the capture's directory."""
+        dst = os.path.join(sessiondir.session_dir(), f"pd-{sessiondir.check_id(snap_id)}")
+        tmp = dst + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            sessiondir.private_mkdir(tmp)
+            for i, d in enumerate(self.dirs):
+                _copy(f"/proc/{pid}/root{d}", os.path.join(tmp, str(i)))
+            os.rename(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return dst
+
+    def new_copy(self, captured: str | None) -> tuple[str, list[tuple[str, str]]]:
+        """A fresh copy of ``captured`` (None: of the real directories) for one new worker:
+        ``(its root, [(copy, DIR), ...])``."""
+        root = os.path.join(sessiondir.session_dir(), f"pdl-{os.urandom(6).hex()}")
+        try:
+            sessiondir.private_mkdir(root)
+            binds = []
+            for i, d in enumerate(self.dirs):
+                _copy(d if captured is None else os.path.join(captured, str(i)), os.path.join(root, str(i)))
+                binds.append((os.path.join(root, str(i)), d))
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return root, binds
+
+    def switch(self, root: str | None) -> None:
+        """The env's worker now sees ``root``'s copies (None: the real directories); the previous
+        worker's copies are deleted (that worker is gone)."""
+        old, self.copy_root = self.copy_root, root
+        if old is not None and old != root:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def view(self, d: str) -> str:
+        """Where the current worker's ``d`` is on the host (``d`` itself for the first worker)."""
+        d = os.path.realpath(d)
+        if d not in self.dirs:
+            raise KeyError(f"{d} is not one of this env's private_dirs {list(self.dirs)}")
+        return d if self.copy_root is None else os.path.join(self.copy_root, str(self.dirs.index(d)))
+
+    def discard(self) -> None:
+        self.switch(None)
+
+
+def attach(snap, pd: PrivateDirs, pid: int) -> None:
+    """Capture ``pd`` for ``snap`` (worker ``pid``); the capture goes when the snapshot does."""
+    snap.private_dirs = pd.capture(pid, snap.id)
+    snap.private_dirs_paths = pd.dirs
+    snap._file_finalizers = (*snap._file_finalizers, weakref.finalize(snap, shutil.rmtree, snap.private_dirs, True))
+
+
+def remove(roots: Iterable[str]) -> None:
+    """Delete copies made for workers that never started (a failed restore or fork)."""
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)

@@ -1,0 +1,194 @@
+"""``private_dirs=``: an env working in directories of the machine (an app tree with files written
+per step, a journal held open, a shell tool's log, a SQLite database) is captured with every
+snapshot, and each worker (the first, every restore, every fork branch) sees its own copy at the
+very same path, through a mount namespace of its own.  The real directory is never written.
+
+Exactness is checked as in test_agent_envs.py: branches step interleaved with the original (shared
+files would make them diverge), restores replay both action paths bit-identically.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from conftest import assert_same_traj
+
+import agent_envs
+import gym_fork
+from gym_fork.errors import BackendUnavailableError, UncapturableStateError, UncapturedFilesError, UnsupportedEnvError
+from gym_fork.snapshots import sessiondir
+from test_agent_envs import _tree, assert_gone, step
+
+pytestmark = pytest.mark.criu
+
+
+def _copies() -> set[str]:
+    return {n for n in os.listdir(sessiondir.session_dir()) if n.startswith(("pdl-", "pd-"))}
+
+
+def _files(root: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(root)):
+        with open(os.path.join(root, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("hold, fork_tier, mechanism", [
+    (False, "auto", "ForkPayload"),   # files opened per step, a shell child: fork tier + binds
+    (True, "auto", "CriuPayload"),    # a journal held open: the scan picks CRIU dumps
+    (False, False, "CriuPayload"),    # CRIU dumps throughout
+], ids=["fork-tier", "held-file-criu", "criu-only"])
+def test_files_in_private_dirs_are_exact_and_isolated(tmp_path, hold, fork_tier, mechanism):
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "README").write_text("template\n")
+    before = _files(str(app))
+    existing = _copies()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), hold, True),
+                               private_dirs=[str(app)], fork_tier=fork_tier)
+    kids: list = []
+    pids: set[int] = set()
+    try:
+        env.action_space.seed(3)
+        env.reset(seed=7)
+        for _ in range(4):
+            env.step(env.action_space.sample())
+        snap = env.snapshot()
+        assert type(snap._payload).__name__ == mechanism
+        xs = [env.action_space.sample() for _ in range(8)]
+        ys = [(int(a) + 1) % 4 for a in xs]
+        kids = env.fork(snap, 2)
+        orig, bx, by = [], [], []
+        for x, y in zip(xs, ys):  # interleaved: one shared directory would make them diverge
+            bx.append(step(kids[0], x))
+            orig.append(step(env, x))
+            by.append(step(kids[1], y))
+        assert_same_traj(orig, bx)
+        views = [env.private_dir_view(str(app))] + [k.private_dir_view(str(app)) for k in kids]
+        assert len(set(views)) == 3 and str(app) not in views
+        assert _files(views[0]) == _files(views[1])  # same actions, same files
+        assert _files(views[0]) != _files(views[2])  # the other branch wrote its own
+        pids |= _tree(env.worker_pid) | _tree(kids[0].worker_pid) | _tree(kids[1].worker_pid)
+        env.restore(snap)
+        assert_same_traj(orig, [step(env, x) for x in xs])
+        pids |= _tree(env.worker_pid)
+        env.restore(snap)
+        assert_same_traj(by, [step(env, y) for y in ys])
+        assert _files(env.private_dir_view(str(app))) == _files(views[2])
+        assert _files(str(app)) == before  # the real directory is the template, never written
+    finally:
+        for k in kids:
+            k.close()
+        env.close()
+    assert_gone(pids)
+    assert _copies() <= existing, "private copies left behind"
+
+
+def test_without_private_dirs_the_same_env_is_refused(tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), False, True))
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturedFilesError, match=str(app)):
+            env.snapshot()
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), True, False))
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=r"journal\.txt \(open for writing\).*private_dirs"):
+            env.snapshot()
+    finally:
+        env.close()
+
+
+def test_persisted_and_evicted_snapshot_restores_from_images(tmp_path):
+    """A copy-on-write snapshot written as CRIU images (criu runs inside the worker's mount
+    namespace) and restored from them, into a fresh copy of its files."""
+    app = tmp_path / "app"
+    app.mkdir()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), False, True), private_dirs=[str(app)])
+    try:
+        env.reset(seed=1)
+        for a in (1, 2, 3):
+            env.step(a)
+        snap = env.snapshot()
+        ref = [step(env, a) for a in (0, 3, 1, 2)]
+        snap.persist(keep_in_memory=False)
+        env.restore(snap)
+        assert_same_traj(ref, [step(env, a) for a in (0, 3, 1, 2)])
+        # a restored copy (its files opened in its own namespace) takes CRIU dumps too
+        snap2 = env.snapshot()
+        snap2.persist(keep_in_memory=False)
+        ref2 = [step(env, a) for a in (2, 2, 0)]
+        env.restore(snap2)
+        assert_same_traj(ref2, [step(env, a) for a in (2, 2, 0)])
+    finally:
+        env.close()
+
+
+def test_vec_env_fork_into_gives_each_slot_its_own_copy(tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    fac = functools.partial(agent_envs.app_dir, str(app), False, True)
+    envs = [gym_fork.ForkableEnv(fac, private_dirs=[str(app)]) for _ in range(3)]
+    for e in envs[1:]:
+        e._share_lineage(envs[0])
+    vec = gym_fork.ForkableVecEnv(envs)
+    try:
+        envs[0].reset(seed=2)
+        envs[0].step(1)
+        snap = envs[0].snapshot()
+        ref = [step(envs[0], a) for a in (3, 0, 2)]
+        vec.fork_into(snap, [1, 2])
+        for e in envs[1:]:
+            assert_same_traj(ref, [step(e, a) for a in (3, 0, 2)])
+        views = {e.private_dir_view(str(app)) for e in envs}
+        assert len(views) == 3
+    finally:
+        vec.close()
+
+
+def test_bad_private_dirs_are_refused_before_anything_starts(tmp_path):
+    fac = functools.partial(agent_envs.app_dir, str(tmp_path), False, False)
+    with pytest.raises(ValueError, match="relative"):
+        gym_fork.ForkableEnv(fac, private_dirs=["app"])
+    with pytest.raises(ValueError, match="not an existing directory"):
+        gym_fork.ForkableEnv(fac, private_dirs=[str(tmp_path / "missing")])
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    with pytest.raises(ValueError, match="nested"):
+        gym_fork.ForkableEnv(fac, private_dirs=[str(tmp_path / "a"), str(tmp_path / "a" / "b")])
+    with pytest.raises(ValueError, match="'/'"):
+        gym_fork.ForkableEnv(fac, private_dirs=["/"])
+    with pytest.raises(TypeError, match="paths"):
+        gym_fork.ForkableEnv(fac, private_dirs=[3])
+    with pytest.raises(BackendUnavailableError, match="not pickle"):
+        gym_fork.ForkableEnv(fac, private_dirs=[str(tmp_path)], backend="pickle")
+    with pytest.raises(ValueError, match="store"):
+        gym_fork.ForkableEnv(fac, private_dirs=[str(tmp_path)], store=object())
+
+
+def test_what_cannot_carry_private_files_says_so(tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), False, False), private_dirs=[str(app)])
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+        with pytest.raises(UnsupportedEnvError, match="private_dirs"):
+            snap.save(str(tmp_path / "bundle"))
+        assert not (tmp_path / "bundle").exists()
+        with pytest.raises(UnsupportedEnvError, match="cannot migrate"):
+            env.migrate("127.0.0.1:1", token="x" * 32)
+        with pytest.raises(ValueError, match="private_dirs"):
+            gym_fork.ForkableEnv.from_snapshot(snap)
+        env.step(2)  # still running, unchanged
+    finally:
+        env.close()
