@@ -112,11 +112,13 @@ class RedisEnv(_Base):
     ``transport="tcp"``: 127.0.0.1:``port``; copies need ``private_network=True``.
     ``keep_socket_path=True`` keeps the unix socket path (for the refusal test)."""
 
-    def __init__(self, transport: str = "unix", port: int = 6391, keep_socket_path: bool = False) -> None:
+    def __init__(self, transport: str = "unix", port: int = 6391, keep_socket_path: bool = False,
+                 socket_dir: str | None = None) -> None:
         super().__init__()
         self.transport, self.port, self.keep = transport, port, keep_socket_path
         # a directory only for the unix socket: over TCP the env writes no file at all
-        self.dir = tempfile.mkdtemp(prefix="gf-redis-") if transport == "unix" else None
+        self.own_dir = transport == "unix" and socket_dir is None
+        self.dir = tempfile.mkdtemp(prefix="gf-redis-") if self.own_dir else socket_dir
         self.proc: subprocess.Popen | None = None
         self.db = None
 
@@ -154,7 +156,7 @@ class RedisEnv(_Base):
             self.proc.kill()
             self.proc.wait()
             self.proc = None
-        if self.dir:
+        if self.own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -393,6 +395,11 @@ def redis_unix():
 
 def redis_unix_kept_path():
     return RedisEnv("unix", keep_socket_path=True)
+
+
+def redis_unix_in(socket_dir: str):
+    """Redis over a unix socket whose path stays bound in ``socket_dir`` (made private by the test)."""
+    return RedisEnv("unix", keep_socket_path=True, socket_dir=socket_dir)
 
 
 def redis_tcp():

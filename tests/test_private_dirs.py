@@ -192,3 +192,16 @@ def test_what_cannot_carry_private_files_says_so(tmp_path):
         env.step(2)  # still running, unchanged
     finally:
         env.close()
+
+
+def test_redis_listening_on_a_socket_path_in_a_private_dir(tmp_path):
+    """Without private_dirs a bound socket path is refused (test_agent_envs); in a private directory
+    every copy's redis-server binds its own copy of the path, so clients never cross."""
+    from test_agent_envs import check_exact_and_isolated
+
+    run = tmp_path / "run"
+    run.mkdir()
+    existing = _copies()
+    check_exact_and_isolated(functools.partial(agent_envs.redis_unix_in, str(run)), private_dirs=[str(run)])
+    assert not os.listdir(run)  # the real directory never held the socket
+    assert _copies() <= existing

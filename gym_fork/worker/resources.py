@@ -735,13 +735,17 @@ def _resolve_sockets(socks: list[Resource], tree: list[int]) -> None:
                     r.capture = "criu+netns"
                     r.fix = ("abstract unix socket names are per network namespace: ForkableEnv(..., "
                              "private_network=True) gives every copy its own")
+                elif name and os.path.exists(name) and mounts.under_private(name):
+                    r.what = f"unix socket {name} (listening, in a private directory)"
+                    r.capture = "criu"  # each restored copy binds it again in its own copy of the directory
                 elif name and os.path.exists(name):
                     r.what = f"unix socket {name} (listening)"
                     r.capture = "none"
                     r.fix = ("a socket path is one name in the shared file system: every restored copy would bind "
                              "it again and take it from the original and its siblings. Connect the env's client, "
-                             "then unlink the path (established connections stay private to each copy), or use "
-                             "TCP on 127.0.0.1 with ForkableEnv(..., private_network=True)")
+                             "then unlink the path (established connections stay private to each copy), declare its "
+                             f"directory private (ForkableEnv(..., private_dirs=[{os.path.dirname(name)!r}]), root), "
+                             "or use TCP on 127.0.0.1 with ForkableEnv(..., private_network=True)")
                 else:
                     r.what = f"unix socket {name or '(unnamed)'} (listening, path unlinked)"
                     r.capture = "criu"
