@@ -688,10 +688,12 @@ class ForkableEnv(gym.Wrapper):
                       else "Nothing was changed; the env keeps running."))
             raise UncapturedFilesError(msg, paths)
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        fix = ("To fix: keep such files in the env's workspace (ForkableEnv(..., workspace=DIR): captured "
-               "with every snapshot, put back by restore(), copied for each fork), or, for files whose "
-               "content need not come back (logs, caches), declare them with "
-               "ForkableEnv(..., untracked_paths=[PATH or PATTERN, ...]).")
+        dirs = sorted({os.path.dirname(p) for p in paths if p.startswith("/")})[:3]
+        fix = ("To fix: declare the directories private (ForkableEnv(..., private_dirs="
+               f"{dirs or ['DIR']}), root: every copy of the env then works in its own copy of them, at the "
+               "same paths, captured with every snapshot), or keep such files in the env's workspace "
+               "(ForkableEnv(..., workspace=DIR)), or, for files whose content need not come back (logs, "
+               "caches), declare them with ForkableEnv(..., untracked_paths=[PATH or PATTERN, ...]).")
         if snapshot is None:
             raise UncapturedFilesError(
                 f"gym_fork cannot snapshot this env exactly: it wrote {shown} outside its workspace, and no "

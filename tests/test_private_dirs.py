@@ -205,3 +205,19 @@ def test_redis_listening_on_a_socket_path_in_a_private_dir(tmp_path):
     check_exact_and_isolated(functools.partial(agent_envs.redis_unix_in, str(run)), private_dirs=[str(run)])
     assert not os.listdir(run)  # the real directory never held the socket
     assert _copies() <= existing
+
+
+def test_sqlite_held_open_in_a_private_dir_is_refused_with_the_fix(tmp_path):
+    """A restored copy would find another inode at the path, and SQLite then refuses to write
+    ("attempt to write a readonly database"): refused by name before that, with the fix."""
+    app = tmp_path / "app"
+    app.mkdir()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.SqliteEnv, str(app / "moves.db")), private_dirs=[str(app)])
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=r"moves\.db \(SQLite database held open.*during a step"):
+            env.snapshot()
+        env.step(2)
+    finally:
+        env.close()

@@ -10,19 +10,25 @@ files, bound at the same paths in a mount namespace of the worker's own:
   ``<session>/pd-<snapshot id>/<i>`` with ``cp -a --reflink=auto``: byte for byte, SQLite files
   and their ``-wal``/``-shm`` included (a process restored with the database open must find the
   very file it had open, not a re-written backup of it).
-* **a new worker**: ``<session>/pdl-<random>/<i>`` holds a copy of the capture; the worker sees
-  it at ``DIR`` (fork tier: the copy enters a new mount namespace and binds it; CRIU: criu itself
-  runs in a new namespace with the binds, so the restored tree opens its files there).  The copy
-  is deleted when that worker is replaced or closed.
-* **the first worker** works in the real directories: what it writes is visible on the host at
-  ``DIR``.  After a ``restore()`` the env's files are at :meth:`PrivateDirs.view` (the host
-  ``DIR`` keeps the abandoned timeline's files); the real directories are never changed by
-  anything but the first worker.
+* **every worker** -- the first (a copy of the real directories, made before the env is built),
+  each ``restore()``, each ``fork()`` branch -- gets ``<session>/pdl-<random>/<i>``, a copy of
+  the capture, and sees it at ``DIR``: the first worker's launcher and CRIU restores (criu runs
+  in a new namespace with the binds, so the restored tree opens its files there) bind it before
+  anything runs; a fork-tier copy enters a new mount namespace and binds it before its first
+  request.  The copy is deleted when that worker is replaced or closed.  The real directories
+  are the template every env starts from and are never written; read an env's files at
+  :meth:`PrivateDirs.view` (``ForkableEnv.private_dir_view``).
 
 Costs: a full copy per snapshot and per new worker (reflinks where the file system has them),
 so keep private directories small (an app tree, a database), not a dataset.  Not persisted: a
 snapshot of an env with private directories cannot be saved, stored or migrated yet
 (:class:`~gym_fork.errors.UnsupportedEnvError` names the directories).
+
+What a copy cannot be: the *same inode* as its origin.  Programs that remember the inode of a file
+they keep open notice (SQLite refuses to write: "attempt to write a readonly database"), so a
+SQLite database held open across steps is refused by name (connect per step instead).  Files the
+env's processes change *between* requests (a server flushing on a timer) are copied as they are
+at that moment; capture is exact for envs whose files change only while they serve a request.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 ``ForkableEnv(..., private_dirs=["/srv/app", "/var/lib/app"])`` (root, criu backend) declares
 directories the env works in anywhere on the machine, without being told where (unlike
-``workspace=``, whose branches live at ``DIR.branch-<id>``).  The first worker works in the real
-directories.  Every worker that a ``restore()`` or ``fork()`` starts gets a mount namespace of its
-own in which each declared directory is a bind mount of a private copy of the snapshot's files
-(made by the controller in its session directory, see :mod:`gym_fork.snapshots.private_dirs`),
-so open files, SQLite databases held open across steps, unix sockets bound there and the env's
-child processes all see that copy at the original path while siblings see theirs.
+``workspace=``, whose branches live at ``DIR.branch-<id>``).  Every worker -- the first, and each
+one a ``restore()`` or ``fork()`` starts -- gets a mount namespace of its own in which each
+declared directory is a bind mount of a private copy (of the real directory, or of the
+snapshot's files; made by the controller in its session directory, see
+:mod:`gym_fork.snapshots.private_dirs`), so files it writes or keeps open, unix sockets bound
+there and the env's child processes all see that copy at the original path while its siblings
+see theirs.  (A SQLite database held open across steps is the exception: SQLite notices the new
+inode; the resources scan refuses it by name.)
 
 This module is the worker's half: it remembers which directories are private (the resources scan
 then counts files open there as captured by a CRIU dump, :func:`under_private`) and enters a

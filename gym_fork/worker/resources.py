@@ -480,6 +480,13 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
         if flags & os.O_APPEND and (st.st_dev, st.st_ino) in logs:
             return None  # the worker's own log (worker_log=): appended to by every copy
         if mounts.under_private(path):  # each restored copy gets its own copy of the file
+            if _is_sqlite(proc, name):
+                return Resource("file", pid, f"{path} (SQLite database held open, in a private directory)", "none",
+                                fd, detail={"path": path},
+                                fix="SQLite remembers the inode number of the database it opened and refuses to "
+                                    "write once another file (a restored copy's) is at that path; connect to it "
+                                    "during a step and close it before the step returns: the file is then "
+                                    "captured like any other")
             return Resource("file", pid, f"{path} (open for writing, in a private directory)", "criu", fd,
                             detail={"path": path})
         return Resource("file", pid, f"{path} (open for writing)", "none", fd, detail={"path": path},
@@ -488,6 +495,15 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
                             f"{os.path.dirname(path)!r}]), root), or put it in the env's workspace (workspace=DIR) "
                             "and open it only during a step (for SQLite: connect per step)")
     return Resource("file", pid, f"{path} (open for reading)", "criu", fd, detail={"path": path})
+
+
+def _is_sqlite(proc: str, fd: str) -> bool:
+    """Whether the file open as ``fd`` is a SQLite database (its 16-byte header)."""
+    try:
+        with open(f"/proc/{proc}/fd/{fd}", "rb") as f:
+            return f.read(16) == b"SQLite format 3\0"
+    except OSError:
+        return False
 
 
 class _ProcmapQuery(ctypes.Structure):
