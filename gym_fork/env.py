@@ -98,6 +98,15 @@ class ForkableEnv(gym.Wrapper):
             and refuses a ``snapshot()`` of an env that wrote one, and a ``restore()``/``fork()``
             after it wrote one (``UncapturedFilesError``, naming the paths), unless the path
             matches one of these; their content is then *not* restored.
+        private_dirs: directories (absolute, existing) the env works in anywhere on the machine;
+            criu backend, as root.  Every worker -- the first, each ``restore()``, each ``fork()``
+            branch -- sees its own copy of them at the same paths (a mount namespace per worker),
+            captured with every snapshot; the real directories are the template and stay as they
+            are.  Files kept open there, shell tools' and servers' writes and bound unix socket
+            paths are captured too (CRIU dumps); a SQLite database held open across steps is
+            refused (connect per step).  ``private_dir_view(DIR)`` says where the env's files are.
+            Such snapshots cannot be saved, stored or migrated yet.  See
+            :mod:`gym_fork.snapshots.private_dirs`.
 
     Raises:
         ValueError: an unknown backend name or option value.
@@ -843,11 +852,12 @@ def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "s
          record_actions: bool = True, worker_log: str | None = None,
          fork_tier: bool | Literal["auto"] = "auto", store: Any = None, workspace: str | None = None,
          private_network: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None,
-         untracked_paths: Sequence[str] | None = None, **kwargs: Any) -> ForkableEnv:
+         untracked_paths: Sequence[str] | None = None, private_dirs: str | Sequence[str] | None = None,
+         **kwargs: Any) -> ForkableEnv:
     """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
 
-    ``store``, ``workspace``, ``private_network``, ``wrappers`` and ``untracked_paths`` are
-    :class:`ForkableEnv`'s.
+    ``store``, ``workspace``, ``private_network``, ``wrappers``, ``untracked_paths`` and
+    ``private_dirs`` are :class:`ForkableEnv`'s.
     Keyword arguments other than gym_fork's own go to ``gymnasium.make`` in the worker.
 
     Example:
@@ -864,7 +874,7 @@ def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "s
     return ForkableEnv(id, backend=backend, env_kwargs=kwargs, verify=verify,
                        record_actions=record_actions, worker_log=worker_log, fork_tier=fork_tier,
                        store=store, workspace=workspace, private_network=private_network, wrappers=wrappers,
-                       untracked_paths=untracked_paths)
+                       untracked_paths=untracked_paths, private_dirs=private_dirs)
 
 
 def start_envs(sources: Sequence[Any], **kwargs: Any) -> list[ForkableEnv]:

@@ -94,11 +94,22 @@ def _copy(src: str, dst: str) -> None:
 class PrivateDirs:
     """One env's private directories and where its current worker sees them on the host.
 
-    Example (as root):
-        >>> import tempfile; d = tempfile.mkdtemp()                       # doctest: +SKIP
-        >>> env = ForkableEnv(make_app_env, private_dirs=[d])             # doctest: +SKIP
-        >>> snap = env.snapshot(); env.step(a); env.restore(snap)        # doctest: +SKIP
-        >>> open(os.path.join(env.private_dir_view(d), "db.sqlite"), "rb")  # doctest: +SKIP
+    Users write ``ForkableEnv(make_env, private_dirs=[d])`` (as root); what the env does with it:
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> pd = PrivateDirs(normalise([d]))
+        >>> root, binds = pd.new_copy(None)     # a copy of the real directory, for one new worker
+        >>> binds == [(os.path.join(root, "0"), os.path.realpath(d))]   # (host copy, path it is seen at)
+        True
+        >>> pd.switch(root)                     # that worker runs now: the env's files are there
+        >>> pd.view(d) == binds[0][0]
+        True
+        >>> pd.discard()                        # the worker is gone: so is its copy
+        >>> os.path.exists(root)
+        False
+        >>> os.rmdir(d)
     """
 
     def __init__(self, dirs: Sequence[str]):
