@@ -2,7 +2,7 @@
 
 The env is an agent building a small web app.  Its state is everywhere an agent's state is:
 
-* **files** -- route files it writes into its workspace directory;
+* **files** -- route files it writes into its app directory;
 * **a server process** -- a real HTTP server (a child process) that serves the routes it wrote;
 * **a database server** -- Redis (a ``redis-server`` child), where the app keeps its users;
 * **tool runs** -- each "run the tests" action starts the app's test suite as a child process,
@@ -10,14 +10,18 @@ The env is an agent building a small web app.  Its state is everywhere an agent'
 
 A scripted policy writes two routes, adds users and runs the tests; then it reaches a fork in
 the road: which feature next?  gym_fork snapshots the whole thing (the process tree: env,
-Redis, HTTP server, their connections; and the workspace files) and 8 branches continue from
+Redis, HTTP server, their connections; and the app directory) and 8 branches continue from
 that one snapshot, each with its own files, its own server and its own Redis data, side by side
-on the same ports (``private_network=True``: every copy has a network namespace of its own).
+on the same ports (``private_network=True``: every copy has a network namespace of its own) and
+at the same paths (``private_dirs=[APP]``: every copy has its own copy of the app directory,
+so its server keeps serving from the path it was started with).  ``--files workspace`` runs the
+same with ``workspace=APP`` instead: branches then work in ``APP.branch-<id>`` and the env tells
+its server the new directory at a branch's first step.
 Then the original is restored: files, server and Redis come back exactly.  Costs are printed
 next to the natural alternative, replaying the prefix from ``reset()`` (which restarts the
 servers), and the branch tree is drawn as a PNG.
 
-    sudo .venv/bin/python examples/agent_webapp.py [--branches 8] [--out agent_webapp.png]
+    sudo .venv/bin/python examples/agent_webapp.py [--branches 8] [--files private|workspace] [--out agent_webapp.png]
 
 Needs root, CRIU and Debian's ``redis-server`` (``scripts/setup.sh`` installs them).
 """
@@ -136,8 +140,9 @@ class AgentWebAppEnv(gym.Env):
     Redis); 11 run the app's tests (a child process).  Observation: routes written, users, tests
     passed, tests failed.  Reward: the change in passed tests.
 
-    Follows gym_fork's workspace contract (files opened only during a step, the directory found
-    through ``self.workspace``); a branch's server is told its new directory at its first step."""
+    ``workspace``: the app directory, given here (``private_dirs``: every copy sees its own at this
+    path) or set by gym_fork (``workspace=``: files opened only during a step, the directory found
+    through ``self.workspace``; a branch's server is told its new directory at its first step)."""
 
     metadata = {"render_modes": []}
 
@@ -296,14 +301,25 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--branches", type=int, default=8)
     p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--files", choices=["private", "workspace"], default="private",
+                   help="how the app directory is captured: private_dirs (each copy its own at the same path, "
+                        "default) or workspace= (branches in APP.branch-<id>)")
     p.add_argument("--out", default="agent_webapp.png", help="the branch tree (PNG)")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the worker imports this module
+    import functools
+
     import gym_fork
     from agent_webapp import AgentWebAppEnv as Env
 
     ws = tempfile.mkdtemp(prefix="agent-webapp-")
-    env = gym_fork.ForkableEnv(Env, workspace=ws, private_network=True)
+    if args.files == "private":
+        env = gym_fork.ForkableEnv(functools.partial(Env, ws), private_dirs=[ws], private_network=True)
+    else:
+        env = gym_fork.ForkableEnv(Env, workspace=ws, private_network=True)
+
+    def where(e) -> str:  # the env's app directory, as a path on this machine
+        return e.private_dir_view(ws) if args.files == "private" else e.unwrapped.workspace
     out: dict = {}
     branches: list = []
     try:
@@ -334,9 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
             w = b.unwrapped.world
             outcomes.append({"feature": feature, "actions": plan, "passed": int(obs[2]), "failed": int(obs[3]),
                              "users": len(w["users"]), "files": sorted(w["files"]), "served": w["served"],
-                             "workspace": b.unwrapped.workspace, "world": w})
+                             "workspace": where(b), "world": w})
             print(f"branch {i}: +{feature:<9} files {len(w['files'])}, users {len(w['users'])}, tests "
-                  f"{int(obs[2])} passed / {int(obs[3])} failed  (workspace {os.path.basename(b.unwrapped.workspace)})")
+                  f"{int(obs[2])} passed / {int(obs[3])} failed  (its files: {where(b)})")
         isolated = _isolated(at_snap, outcomes)
         print(f"each branch saw only its own files, server and Redis data: {isolated}")
 

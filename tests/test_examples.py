@@ -103,9 +103,11 @@ def test_cleanrl_ppo_branching_smoke(capsys):
 
 
 @pytest.mark.criu
-def test_agent_webapp_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("files", ["private", "workspace"])
+def test_agent_webapp_end_to_end(tmp_path, capsys, files):
     """The flagship example, 3 branches: each branch has its own files, app server and Redis;
-    restore brings every part back exactly; no process of any copy is left afterwards."""
+    restore brings every part back exactly; no process of any copy is left afterwards.  The app
+    directory in private_dirs (same path in every copy) and as a workspace (a directory each)."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("redis")
     import os
@@ -125,7 +127,7 @@ def test_agent_webapp_end_to_end(tmp_path, capsys):
         return out
 
     before = servers()
-    res = app.main(["--branches", "3", "--out", str(tmp_path / "tree.png")])
+    res = app.main(["--branches", "3", "--files", files, "--out", str(tmp_path / "tree.png")])
     assert res["restored_exact"] and res["isolated"] and res["continues_like_branch"]
     assert len(res["branches"]) == 3 and len({b["workspace"] for b in res["branches"]}) == 3
     assert all(len(b["world"]["users"]) == len(res["at_snapshot"]["users"]) + 1 for b in res["branches"])
