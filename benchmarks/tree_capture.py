@@ -163,6 +163,10 @@ KINDS = [
     ("global RNGs (random, numpy)", agent_envs.global_rng, {}),
     ("SQLite file outside a workspace", "sqlite", {}),
     ("shell child appending to a log outside a workspace", "shell-log", {}),
+    ("app directory (files per step, a shell tool), no private_dirs", "app", {}),
+    ("app directory (files per step, a shell tool), private_dirs", "app-private", {}),
+    ("app directory with a journal held open, private_dirs", "app-private-hold", {}),
+    ("Redis on a socket path in a private_dirs directory", "redis-private", {}),
 ]
 BACKENDS = [("auto", {}), ("criu, fork_tier=False", {"backend": "criu", "fork_tier": False}),
             ("pickle", {"backend": "pickle"})]
@@ -175,6 +179,13 @@ def _make(src, opts: dict, tmp: str):
     if src == "shell-log":
         path = os.path.join(tmp, f"tool-{time.monotonic_ns()}.log")
         return gym_fork.ForkableEnv(lambda: agent_envs.ShellLogEnv(path), **opts)
+    if src in ("app", "app-private", "app-private-hold", "redis-private"):
+        d = os.path.join(tmp, f"{src}-{time.monotonic_ns()}")
+        os.makedirs(d)
+        private = {"private_dirs": [d]} if src != "app" else {}
+        factory = (functools.partial(agent_envs.redis_unix_in, d) if src == "redis-private" else
+                   functools.partial(agent_envs.app_dir, d, src == "app-private-hold", True))
+        return gym_fork.ForkableEnv(factory, **private, **opts)
     return gym_fork.ForkableEnv(src, **opts)
 
 
@@ -218,16 +229,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefix", type=int, default=20, help="steps replayed from reset() (the baseline)")
     p.add_argument("--skip-watch-ab", action="store_true", help="skip the file watch on/off comparison")
     p.add_argument("--only-checks", action="store_true", help="only the check-cost tables (no mechanism table)")
+    p.add_argument("--kinds", default="", help="only the env kinds whose name contains one of these "
+                                               "comma-separated words (e.g. 'private_dirs,CartPole'); "
+                                               "skips the check-cost tables")
     add_out_option(p)
     args = p.parse_args(argv)
 
-    cost = check_cost(args.reps)
-    print_table(["env", "check (scan, in the worker) ms", "snapshot() ms", "check / snapshot",
-                 "file watch: one empty drain us", "drain / snapshot"],
-                [[r["env"], fmt(r["scan_ms"], 3), fmt(r["snapshot_ms"]), f"{100 * r['fraction']:.0f} %",
-                  fmt(r["drain_us"], 2), f"{100 * r['drain_fraction']:.2f} %"] for r in cost],
-                title="What the check before each copy-on-write snapshot costs (medians)")
-    watch = [] if args.skip_watch_ab else watch_ab(args.reps)
+    cost = [] if args.kinds else check_cost(args.reps)
+    if cost:
+        print_table(["env", "check (scan, in the worker) ms", "snapshot() ms", "check / snapshot",
+                     "file watch: one empty drain us", "drain / snapshot"],
+                    [[r["env"], fmt(r["scan_ms"], 3), fmt(r["snapshot_ms"]), f"{100 * r['fraction']:.0f} %",
+                      fmt(r["drain_us"], 2), f"{100 * r['drain_fraction']:.2f} %"] for r in cost],
+                    title="What the check before each copy-on-write snapshot costs (medians)")
+    watch = [] if args.skip_watch_ab or args.kinds else watch_ab(args.reps)
     if watch:
         print_table(["env", "step us, watch on", "step us, off (GYM_FORK_FSWATCH=0)", "on / off",
                      "snapshot()+step - step ms, on", "off", "on / off"],
@@ -237,7 +252,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     tmp = tempfile.mkdtemp(prefix="gf-bench-")
     rows = []
+    wanted = [w for w in args.kinds.split(",") if w]
     for kind, src, kopts in ([] if args.only_checks else KINDS):
+        if wanted and not any(w in kind for w in wanted):
+            continue
         for bname, bopts in BACKENDS:
             rows.append(mechanism_row(kind, src, kopts, bname, bopts, args.reps, args.prefix, tmp))
             print(f"  {kind} / {bname}: {rows[-1].get('mechanism')}", file=sys.stderr, flush=True)
