@@ -154,6 +154,53 @@ def test_damaged_images_refused_env_intact(env, damage):
     env.step(0)
 
 
+@pytest.mark.parametrize("verify", ["full", "sha256"])
+def test_image_changed_in_place_is_refused(verify):
+    """A restore never reads an image that changed after the dump: "full" (the default) tells by
+    the identity recorded at the dump (a write moves the mtime), "sha256" by the bytes, also when
+    the mtime was put back afterwards."""
+    env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=False, verify=verify)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        path = snap.payload().path
+        pages = max((f for f in os.listdir(path) if f.startswith("pages-")),
+                    key=lambda f: os.path.getsize(os.path.join(path, f)))
+        target = os.path.join(path, pages)
+        st = os.stat(target)
+        with open(target, "r+b") as f:
+            f.seek(st.st_size // 2)
+            byte = f.read(1)
+            f.seek(st.st_size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        if verify == "sha256":
+            os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # the change hides from identity
+        with pytest.raises(SnapshotCorruptedError, match="changed after it was dumped" if verify == "full" else "sha256"):
+            env.restore(snap)
+        env.step(0)  # untouched
+    finally:
+        env.close()
+
+
+def test_own_images_get_their_sha256_when_they_leave(env, tmp_path):
+    """Images dumped into the session directory carry no sha256 until something signs them (a
+    bundle here); the digest then computed is the bytes' own, and kept for next time."""
+    import hashlib
+
+    from gym_fork.snapshots import sessiondir
+
+    snap = env.snapshot()
+    path = snap.payload().path
+    assert all("sha256" not in f for f in sessiondir.read_manifest(path)["files"].values())
+    snap.save(str(tmp_path / "b"))
+    files = sessiondir.read_manifest(path)["files"]
+    for name, f in files.items():
+        with open(os.path.join(path, name), "rb") as fh:
+            assert f["sha256"] == hashlib.sha256(fh.read()).hexdigest()
+    env.restore(snap)  # still the same images
+    env.step(0)
+
+
 def test_worker_killed_says_how(env):
     os.kill(env.worker_pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError, match="SIGKILL|signal 9|137"):

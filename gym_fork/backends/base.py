@@ -470,7 +470,9 @@ class Backend(abc.ABC):
     # --- SnapshotStore ------------------------------------------------------------------------
     def store_images(self, payload: Any) -> tuple[str, dict]:
         """For a persisted payload: ``(directory of its image files, fields for bundle.json)``.
-        The images carry a sha256 manifest (:func:`gym_fork.snapshots.sessiondir.write_manifest`).
+        The images carry a manifest (:func:`gym_fork.snapshots.sessiondir.write_manifest`); callers
+        that sign them take their sha256 from :func:`gym_fork.snapshots.sessiondir.verify` with
+        ``digests=True``.
 
         Raises:
             StoreError: this backend's snapshots cannot be stored.

@@ -232,8 +232,8 @@ class CriuBackend(Backend):
             self.mode, self.unavailable = "fork", why
         else:
             raise BackendUnavailableError(why)
-        if verify not in ("full", "size"):
-            raise ValueError(f"verify must be 'full' or 'size', not {verify!r}")
+        if verify not in ("full", "sha256", "size"):
+            raise ValueError(f"verify must be 'full', 'sha256' or 'size', not {verify!r}")
         self.binary: str = st.binary  # type: ignore[assignment]
         self.verify = verify
         self.worker_log = worker_log
@@ -425,7 +425,8 @@ class CriuBackend(Backend):
         if into is not None:
             return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier, netns=private_net), 0
         try:
-            size = sessiondir.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id})
+            size = sessiondir.write_manifest(tmp, {"backend": "criu", "ino": handle.ino, "id": snap_id},
+                                             hashed=self.verify == "sha256")
             sessiondir.commit(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -591,7 +592,7 @@ class CriuBackend(Backend):
     def _verify(self, payload: CriuPayload) -> None:
         if not os.path.isdir(payload.path):
             raise SnapshotCorruptedError(f"snapshot images at {payload.path} are missing")
-        sessiondir.verify(payload.path, full=self.verify == "full")
+        sessiondir.verify(payload.path, full=self.verify != "size", rehash=self.verify == "sha256")
 
     def restore_verified(self, payload: CriuPayload, binds: Binds | None = None) -> Handle:
         """A new worker from the images of ``payload``, which the caller has just verified (their
@@ -666,7 +667,7 @@ class CriuBackend(Backend):
         checked in our private directory and then hard-linked (copied, and checked while copied,
         across file systems); the fields say what they are and what they need."""
         image = _image_of(self.persist(payload))
-        man = sessiondir.verify(image.path, full=True)  # our private images are intact
+        man = sessiondir.verify(image.path, full=True, digests=True)  # intact; their sha256 signed below
         images = os.path.join(dest_dir, "images")
         sessiondir.export_images(image.path, man["files"], images)
         return dict(image_meta(image, images), images=man["files"])

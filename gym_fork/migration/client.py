@@ -86,10 +86,10 @@ def write_transient_bundle(snap: Any, path: str, key: bytes) -> None:
     """The bundle :func:`gym_fork.snapshots.bundle.save_snapshot` writes (the same bundle.json,
     read back by ``load_snapshot``), minus what only a *kept* bundle needs: the images are
     hard-linked and listed from the manifest written when CRIU dumped them into our private dir,
-    not re-hashed, and nothing is fsynced (the bundle lives only until it is sent)."""
+    hashed only if never before, and nothing is fsynced (the bundle lives only until it is sent)."""
     snap.persist()
     images, fields = snap.payload_backend.store_images(snap.payload())
-    listed = sessiondir.read_manifest(images)["files"]
+    listed = sessiondir.verify(images, digests=True)["files"]  # sha256 computed here if not yet
     meta = sign_meta(bundle_meta(snap, **fields, images=listed), key)
     os.makedirs(path, mode=0o700)
     link_tree(images, os.path.join(path, "images"), names=listed)  # a bundle holds only its signed files
@@ -190,7 +190,7 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         def trailer(digests: dict) -> dict:
             image = dumper.result
             known = os.path.join(image.path, sessiondir.MANIFEST)  # images dumped earlier: must still match
-            if os.path.exists(known) and sessiondir.read_manifest(image.path)["files"] != digests:
+            if os.path.exists(known) and sessiondir.verify(image.path, digests=True)["files"] != digests:
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
             # signed for this session only: no replay elsewhere
             return sign_meta(bundle_meta(snap, **image_meta(image), images=digests, session=hello["nonce"]), key)

@@ -258,7 +258,7 @@ class SnapshotStore:
     def _write(self, snap: Snapshot, images: str, fields: dict) -> dict:
         """Write ``snap``'s entry from the image files in ``images``; returns its bundle.json.
         Raises NoSpaceError on a full disk (after removing its directory and new chunks)."""
-        man = sessiondir.verify(images, full=True)  # never store a corrupted image
+        man = sessiondir.verify(images, full=True, digests=True)  # never store a corrupted image
         with self._index.locked():
             tmp = os.path.join(self.path, f"{_TMP_PREFIX}{snap.id}-{os.getpid()}-{os.urandom(3).hex()}")
             created: list[str] = []  # chunks this write adds: removed again if it fails
