@@ -111,7 +111,8 @@ class ForkableEnv(gym.Wrapper):
             are.  Files kept open there, shell tools' and servers' writes and bound unix socket
             paths are captured too (CRIU dumps); a SQLite database held open across steps is
             refused (connect per step).  ``private_dir_view(DIR)`` says where the env's files are.
-            Such snapshots cannot be saved, stored or migrated yet.  See
+            Their snapshots can be saved and stored (the files go along, signed) and restore into
+            an env with the same ``private_dirs``; migrating such an env is refused.  See
             :mod:`gym_fork.snapshots.private_dirs`.
 
     Raises:
@@ -139,7 +140,7 @@ class ForkableEnv(gym.Wrapper):
         untracked = files.untracked_patterns(untracked_paths)
         private = private_dirs_mod.normalise(private_dirs)
         if private:
-            backend = _private_dirs_backend(backend, store)
+            backend = _private_dirs_backend(backend)
         source = make_source(env, env_kwargs, wrappers)
         self._origin = (env, env_kwargs, wrappers)
         be = get_backend(backend, verify=verify, worker_log=worker_log, fork_tier=fork_tier,
@@ -227,7 +228,8 @@ class ForkableEnv(gym.Wrapper):
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, *, record_actions: bool = True, store: Any = None,
                       workspace: str | None = None,
-                      untracked_paths: Sequence[str] | None = None) -> "ForkableEnv":
+                      untracked_paths: Sequence[str] | None = None,
+                      private_dirs: str | Sequence[str] | None = None) -> "ForkableEnv":
         """A new env that starts exactly at ``snapshot`` (e.g. one from :func:`gym_fork.load_snapshot`),
         without first starting a fresh env.
 
@@ -239,24 +241,44 @@ class ForkableEnv(gym.Wrapper):
                 workspace (its content is replaced by the snapshot's files, and the env's
                 ``workspace`` attribute set to it).
             untracked_paths: as for :class:`ForkableEnv`.
+            private_dirs: required when the snapshot holds private directories: the same
+                directories (the new worker sees a copy of the snapshot's files at those paths).
 
         Raises:
-            ValueError: the snapshot captured a workspace and ``workspace`` is None.
+            ValueError: the snapshot captured a workspace and ``workspace`` is None, or its
+                private directories are not ``private_dirs``.
             SnapshotReleasedError, SnapshotCorruptedError, RestoreError: the restore failed.
         """
-        if getattr(snapshot, "private_dirs", None):
-            raise ValueError(f"snapshot {snapshot.id} holds private_dirs: restore() or fork() it from an env "
-                             "made with the same private_dirs")
+        private = private_dirs_mod.normalise(private_dirs)
+        held = tuple(getattr(snapshot, "private_dirs_paths", None) or ()) if getattr(snapshot, "private_dirs", None) else ()
+        if held != private:
+            raise ValueError(f"snapshot {snapshot.id} holds the private directories {list(held)}: pass "
+                             f"private_dirs={list(held)} (not {list(private)}); the new worker sees a copy of "
+                             "the snapshot's files there")
         if getattr(snapshot, "workspace", None) and workspace is None:
             raise ValueError(f"snapshot {snapshot.id} captured a workspace: pass workspace=DIR, the "
                              "directory its files are put back into")
         untracked = files.untracked_patterns(untracked_paths)
         be = snapshot.payload_backend
-        with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
-            handle = be.restore(payload)
+        pd = root = binds = None
+        if private:
+            if getattr(be, "mode", None) != "root":
+                raise BackendUnavailableError("private_dirs needs the criu backend running as root")
+            pd = private_dirs_mod.PrivateDirs(private)
+            root, binds = pd.new_copy(snapshot.private_dirs)
+        try:
+            with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
+                handle = be.restore(payload) if binds is None else be.restore(payload, binds)
+        except BaseException:
+            if root is not None:
+                private_dirs_mod.remove([root])
+            raise
         env = cls._from_handle(be, handle, steps=snapshot.steps, parent_id=snapshot.id,
                                lineage=snapshot.lineage, record_actions=record_actions, store=store)
         env._untracked = untracked
+        if pd is not None:
+            env._set_private(pd)
+            pd.switch(root)
         if workspace is not None:
             try:
                 env._workspace = Workspace(workspace)
@@ -945,11 +967,8 @@ def _own_attr(env: ForkableEnv, name: str) -> bool:
     return hasattr(type(env), name) or name in env.__dict__
 
 
-def _private_dirs_backend(backend: str | Backend, store: Any) -> str | Backend:
+def _private_dirs_backend(backend: str | Backend) -> str | Backend:
     """The backend for an env with ``private_dirs``: CRIU as root (mount namespaces)."""
-    if store is not None:
-        raise ValueError("private_dirs cannot be combined with store= yet: a stored snapshot would leave its "
-                         "private files behind; keep the snapshots in memory (or use workspace=DIR)")
     if os.geteuid() != 0:
         raise BackendUnavailableError("private_dirs needs root: each copy of the env gets a mount namespace "
                                       "of its own (run as root, or use workspace=DIR)")

@@ -170,8 +170,163 @@ def test_bad_private_dirs_are_refused_before_anything_starts(tmp_path):
         gym_fork.ForkableEnv(fac, private_dirs=[3])
     with pytest.raises(BackendUnavailableError, match="not pickle"):
         gym_fork.ForkableEnv(fac, private_dirs=[str(tmp_path)], backend="pickle")
-    with pytest.raises(ValueError, match="store"):
-        gym_fork.ForkableEnv(fac, private_dirs=[str(tmp_path)], store=object())
+
+
+ACTS = (0, 3, 1, 2)
+
+
+def _tree_state(root: str) -> dict:
+    """Every entry below ``root`` and ``root`` itself: type, mode, mtime, content (file bytes or
+    link target) -- what a program that reads its directory could observe."""
+    import stat
+
+    def one(p: str) -> tuple:
+        st = os.lstat(p)
+        if stat.S_ISREG(st.st_mode):
+            with open(p, "rb") as f:
+                data = f.read().hex()
+        else:
+            data = os.readlink(p) if stat.S_ISLNK(st.st_mode) else None
+        return stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_mtime_ns, data
+
+    out = {".": one(root)}
+    for d, dirs, names in os.walk(root):
+        for n in dirs + names:
+            out[os.path.relpath(os.path.join(d, n), root)] = one(os.path.join(d, n))
+    return out
+
+
+def _decorate(view: str) -> None:
+    """What an agent leaves in its app tree besides plain files: a nested directory with its own
+    mode and old times, a symlink, a FIFO, a unix socket node (not carried: servers bind again)."""
+    import socket
+
+    os.makedirs(os.path.join(view, "static", "css"))
+    with open(os.path.join(view, "static", "css", "app.css"), "w") as f:
+        f.write("body { margin: 0 }\n")
+    os.utime(os.path.join(view, "static", "css", "app.css"), ns=(1_600_000_000_123_456_789,) * 2)
+    os.chmod(os.path.join(view, "static"), 0o750)
+    os.symlink("static/css/app.css", os.path.join(view, "style.css"))
+    os.mkfifo(os.path.join(view, "control.fifo"), 0o620)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(view, "gone.sock"))
+    s.close()
+    os.chmod(view, 0o751)
+
+
+def _started(app, **opts):
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), False, True),
+                               private_dirs=[str(app)], **opts)
+    env.reset(seed=3)
+    _decorate(env.private_dir_view(str(app)))
+    for a in (1, 2, 0):
+        env.step(a)
+    return env
+
+
+CHILD = """
+import json, sys
+import gym_fork
+snap = gym_fork.load_snapshot(sys.argv[1])
+env = gym_fork.ForkableEnv.from_snapshot(snap, private_dirs=[sys.argv[2]])
+traj = []
+for a in json.loads(sys.argv[3]):
+    obs, r, term, trunc, info = env.step(a)
+    traj.append([obs.tolist(), r, term, trunc, info])
+print(json.dumps({"pid": env.worker_pid, "traj": traj}))
+env.close()
+"""
+
+
+def test_saved_snapshot_carries_its_private_dirs_to_a_fresh_interpreter(tmp_path):
+    """Snapshot.save packs the captured directories into the bundle (signed); a fresh interpreter
+    loads it and continues bit-identically, its worker seeing the files at the same path; the
+    same bundle restores here too, with modes, times, links and FIFOs as they were."""
+    import json
+    import subprocess
+    import sys
+
+    from gym_fork import keys
+
+    app = tmp_path / "app"
+    app.mkdir()
+    env = _started(app)
+    try:
+        snap = env.snapshot()
+        at_snap = _tree_state(env.private_dir_view(str(app)))
+        assert "gone.sock" in at_snap
+        del at_snap["gone.sock"]
+        path = snap.save(str(tmp_path / "bundle"))
+        ref = [step(env, a) for a in ACTS]
+
+        loaded = gym_fork.load_snapshot(path)
+        assert loaded.private_dirs_paths == (str(app),)
+        env.restore(loaded)  # a loaded snapshot restores into an env with the same private_dirs
+        assert _tree_state(env.private_dir_view(str(app))) == at_snap
+        assert_same_traj(ref, [step(env, a) for a in ACTS])
+        fresh = gym_fork.ForkableEnv.from_snapshot(loaded, private_dirs=[str(app)])
+        try:
+            assert _tree_state(fresh.private_dir_view(str(app))) == at_snap
+            assert_same_traj(ref, [step(fresh, a) for a in ACTS])
+        finally:
+            fresh.close()
+
+        out = subprocess.run([sys.executable, "-c", CHILD, path, str(app), json.dumps(list(ACTS))],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "GYM_FORK_KEY_FILE": keys.key_file()})
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])["traj"]
+        assert [[o.tolist(), r, t, u, i] for o, r, t, u, i in ref] == got
+        assert sorted(os.listdir(app)) == []  # the real directory was never written
+    finally:
+        env.close()
+
+
+def test_damaged_private_files_in_a_bundle_are_refused(tmp_path):
+    from gym_fork.errors import SnapshotCorruptedError
+
+    app = tmp_path / "app"
+    app.mkdir()
+    env = _started(app)
+    try:
+        path = env.snapshot().save(str(tmp_path / "bundle"))
+        victim = os.path.join(path, "private_dirs", "0", "step-1.txt")
+        os.chmod(victim, 0o600)
+        with open(victim, "a") as f:
+            f.write("x")
+        with pytest.raises(SnapshotCorruptedError, match="sha256"):
+            gym_fork.load_snapshot(path)
+        os.truncate(victim, os.path.getsize(victim) - 1)
+        gym_fork.load_snapshot(path).release()  # intact again
+        with open(os.path.join(path, "private_dirs", "0", "extra.txt"), "w") as f:
+            f.write("planted")
+        with pytest.raises(SnapshotCorruptedError, match="differ from the signed list"):
+            gym_fork.load_snapshot(path)
+        env.step(1)  # untouched
+    finally:
+        env.close()
+
+
+def test_store_keeps_private_dirs_and_a_new_process_loads_them(tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    store = gym_fork.SnapshotStore(str(tmp_path / "store"))
+    env = _started(app, store=store)
+    try:
+        snap = env.snapshot()
+        snap.pin()  # written into the store now
+        ref = [step(env, a) for a in ACTS]
+        again = gym_fork.SnapshotStore(str(tmp_path / "store")).load(snap.id)
+        assert again.private_dirs_paths == (str(app),)
+        fresh = gym_fork.ForkableEnv.from_snapshot(again, private_dirs=[str(app)])
+        try:
+            assert_same_traj(ref, [step(fresh, a) for a in ACTS])
+        finally:
+            fresh.close()
+        with pytest.raises(ValueError, match="private_dirs"):
+            gym_fork.ForkableEnv.from_snapshot(again)
+    finally:
+        env.close()
 
 
 def test_what_cannot_carry_private_files_says_so(tmp_path):
@@ -182,13 +337,12 @@ def test_what_cannot_carry_private_files_says_so(tmp_path):
         env.reset(seed=0)
         env.step(1)
         snap = env.snapshot()
-        with pytest.raises(UnsupportedEnvError, match="private_dirs"):
-            snap.save(str(tmp_path / "bundle"))
-        assert not (tmp_path / "bundle").exists()
         with pytest.raises(UnsupportedEnvError, match="cannot migrate"):
             env.migrate("127.0.0.1:1", token="x" * 32)
         with pytest.raises(ValueError, match="private_dirs"):
             gym_fork.ForkableEnv.from_snapshot(snap)
+        with pytest.raises(ValueError, match="private_dirs"):
+            gym_fork.ForkableEnv.from_snapshot(snap, private_dirs=[str(tmp_path)])
         env.step(2)  # still running, unchanged
     finally:
         env.close()

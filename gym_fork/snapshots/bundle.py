@@ -33,8 +33,8 @@ import time
 from typing import Any
 
 from gym_fork import keys
-from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, UnsupportedEnvError
-from gym_fork.snapshots import files, sessiondir, workspace
+from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError
+from gym_fork.snapshots import files, private_dirs, sessiondir, workspace
 from gym_fork.snapshots.files import as_no_space, read_bounded
 
 FORMAT = 1
@@ -94,7 +94,6 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
         NoSpaceError: the disk filled up; nothing is left at ``path`` and the snapshot is unchanged.
     """
     path = os.path.abspath(path)
-    refuse_private_dirs(snap, "saved")
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists; choose a new path or remove it first")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -106,6 +105,8 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
         if snap.workspace is not None:  # the env's files at the snapshot moment
             meta["workspace"] = workspace.pack(snap.workspace, os.path.join(tmp, "workspace"))
             meta["workspace_path"] = snap.workspace_path
+        if getattr(snap, "private_dirs", None):  # the env's private directories at the snapshot moment
+            meta["private_dirs"] = private_dirs.pack(snap, os.path.join(tmp, "private_dirs"))
         sign_meta(meta, key)
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
@@ -133,7 +134,8 @@ _COMMON: dict[str, tuple] = {
     "created": _NUM, "env_id": (str, type(None)), "actions": (list, type(None)), "saved": _NUM,
     "python": (str,), "python_version": (str,), "kernel": (str,), "machine": (str,),
 }
-_OPTIONAL: dict[str, tuple] = {"workspace": (dict,), "workspace_path": (str, type(None)), "session": (str,)}
+_OPTIONAL: dict[str, tuple] = {"workspace": (dict,), "workspace_path": (str, type(None)), "session": (str,),
+                               "private_dirs": (list,)}
 
 
 def _type_names(types: tuple) -> str:
@@ -239,11 +241,3 @@ def check_session(meta: dict, session: str | None, path: str) -> None:
     refuse it anywhere else (a replay).  ``session=None``: nothing to check."""
     if session is not None and not hmac.compare_digest(str(meta.get("session", "")), session):
         raise BundleError(f"{path}: the bundle was signed for another session (replayed?); nothing was loaded")
-
-
-def refuse_private_dirs(snap, what: str) -> None:
-    """Snapshots of envs with ``private_dirs`` stay in this process (their files are not packed)."""
-    if getattr(snap, "private_dirs", None):
-        raise UnsupportedEnvError(f"snapshot {snap.id} holds the env's private_dirs "
-                                  f"{list(snap.private_dirs_paths or ())}, which cannot be {what} yet: restore or "
-                                  "fork it in this process (or use workspace=DIR, whose files bundles carry)")

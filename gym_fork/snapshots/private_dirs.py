@@ -20,9 +20,17 @@ files, bound at the same paths in a mount namespace of the worker's own:
   :meth:`PrivateDirs.view` (``ForkableEnv.private_dir_view``).
 
 Costs: a full copy per snapshot and per new worker (reflinks where the file system has them),
-so keep private directories small (an app tree, a database), not a dataset.  Not persisted: a
-snapshot of an env with private directories cannot be saved, stored or migrated yet
-(:class:`~gym_fork.errors.UnsupportedEnvError` names the directories).
+so keep private directories small (an app tree, a database), not a dataset.
+
+Persisted (``Snapshot.save``, a ``SnapshotStore``): the capture goes into ``private_dirs/<i>/`` of
+the bundle, listed in the HMAC-covered ``bundle.json`` -- every file's size, sha256, mode and
+mtime, directories, symlinks, FIFOs, each directory's own mode and mtime (:func:`pack`); a
+loaded snapshot gets a verified private capture (:func:`adopt`) and restores, like one taken
+here, into an env made with the same ``private_dirs`` (``env.restore``, ``env.fork``,
+``ForkableEnv.from_snapshot(snap, private_dirs=...)``).  Not carried: unix socket *nodes* (a
+restored server binds its path again), owners (files come back owned by the loading user),
+devices (refused by path).  Migration of such envs is refused by name
+(:class:`~gym_fork.errors.UnsupportedEnvError`).
 
 What a copy cannot be: the *same inode* as its origin.  Programs that remember the inode of a file
 they keep open notice (SQLite refuses to write: "attempt to write a readonly database"), so a
@@ -169,6 +177,98 @@ def attach(snap, pd: PrivateDirs, pid: int) -> None:
     snap.private_dirs = pd.capture(pid, snap.id)
     snap.private_dirs_paths = pd.dirs
     snap._file_finalizers = (*snap._file_finalizers, weakref.finalize(snap, shutil.rmtree, snap.private_dirs, True))
+
+
+def pack(snap, dest: str) -> list[dict]:
+    """Write ``snap``'s captured private directories into the new directory ``dest`` (a bundle's
+    or store entry's ``private_dirs/``); returns their signed list, one entry per directory:
+    ``{"path", "mode", "mtime_ns", "fifos", "files": <workspace manifest with times>}``.
+
+    Raises:
+        UnsupportedEnvError: a device node in a private directory (its state is the device's).
+    """
+    import stat
+
+    from gym_fork.errors import UnsupportedEnvError
+    from gym_fork.snapshots import workspace
+
+    out = []
+    sessiondir.private_mkdir(dest)
+    for i, d in enumerate(snap.private_dirs_paths):
+        src = os.path.join(snap.private_dirs, str(i))
+        man = workspace._walk(src)
+        fifos, devices = {}, []
+        for rel in man["other"]:
+            st = os.lstat(os.path.join(src, rel))
+            if stat.S_ISFIFO(st.st_mode):
+                fifos[rel] = {"mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
+            elif not stat.S_ISSOCK(st.st_mode):  # a socket node: its server binds it again
+                devices.append(os.path.join(d, rel))
+        if devices:
+            raise UnsupportedEnvError(f"snapshot {snap.id} cannot be saved: its private directory {d} holds "
+                                      f"device nodes ({', '.join(devices[:3])}), whose state is the device's")
+        root = os.lstat(src)
+        files = workspace.pack(src, os.path.join(dest, str(i)), times=True)
+        out.append({"path": d, "mode": stat.S_IMODE(root.st_mode), "mtime_ns": root.st_mtime_ns,
+                    "fifos": fifos, "files": files})
+    return out
+
+
+def check_signed(entries, what: str) -> list[dict]:
+    """``entries`` (the signed ``private_dirs`` of a bundle) unchanged if well-formed, else
+    SnapshotCorruptedError: absolute, distinct directories, integer modes and times."""
+    from gym_fork.errors import SnapshotCorruptedError
+
+    ok = isinstance(entries, list) and entries
+    paths = []
+    for e in entries if ok else ():
+        ok = (isinstance(e, dict) and isinstance(e.get("path"), str) and os.path.isabs(e["path"])
+              and os.path.normpath(e["path"]) == e["path"] and e["path"] != "/"
+              and type(e.get("mode")) is int and type(e.get("mtime_ns")) is int
+              and isinstance(e.get("fifos"), dict)
+              and all(isinstance(f, dict) and type(f.get("mode")) is int and type(f.get("mtime_ns")) is int
+                      for f in e["fifos"].values())
+              and isinstance(e.get("files"), dict))
+        if not ok:
+            break
+        paths.append(e["path"])
+    if not ok or len(set(paths)) != len(paths):
+        raise SnapshotCorruptedError(f"{what}: its signed private_dirs list is malformed; nothing was loaded")
+    return entries
+
+
+def adopt(snap, src: str, entries: list[dict] | None, what: str) -> None:
+    """Give a loaded ``snap`` the private directories packed at ``src`` (a bundle's
+    ``private_dirs/``), verified into a new capture of its own (removed with the snapshot)."""
+    if not entries:
+        return
+    from gym_fork.snapshots import workspace
+
+    check_signed(entries, what)
+    root = os.path.join(sessiondir.session_dir(), f"pd-load-{os.urandom(6).hex()}")
+    try:
+        sessiondir.private_mkdir(root)
+        for i, e in enumerate(entries):
+            dst = os.path.join(root, str(i))
+            workspace.unpack(os.path.join(src, str(i)), e["files"], f"{what}, private directory {e['path']}", dst)
+            for rel, f in e["fifos"].items():
+                fifo = os.path.join(dst, workspace._check_rel(rel))
+                os.mkfifo(fifo)
+                os.chmod(fifo, f["mode"] & 0o7777)  # not the umask's
+                os.utime(fifo, ns=(f["mtime_ns"], f["mtime_ns"]))
+            for rel in e["fifos"]:  # the FIFOs changed their directories' times: put them back
+                parent = os.path.dirname(rel)
+                t = e["files"].get("times", {}).get(parent) if parent else None
+                if t is not None:
+                    os.utime(os.path.join(dst, parent), ns=(t, t))
+            os.chmod(dst, e["mode"] & 0o7777)
+            os.utime(dst, ns=(e["mtime_ns"], e["mtime_ns"]))
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    snap.private_dirs = root
+    snap.private_dirs_paths = tuple(e["path"] for e in entries)
+    snap._file_finalizers = (*getattr(snap, "_file_finalizers", ()), weakref.finalize(snap, shutil.rmtree, root, True))
 
 
 def remove(roots: Iterable[str]) -> None:

@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable, Iterator, Protocol
 
 from gym_fork.errors import BundleError, SnapshotReleasedError
+from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.workspace import adopt as adopt_workspace
 from gym_fork.snapshots.bundle import save_snapshot
 
@@ -120,6 +121,7 @@ class Snapshot:
         snap.created = meta.get("created", snap.created)
         snap.bundle_path = path
         adopt_workspace(snap, os.path.join(path, "workspace"), meta.get("workspace"), meta.get("workspace_path"), path)
+        private_dirs.adopt(snap, os.path.join(path, "private_dirs"), meta.get("private_dirs"), path)
         return snap
 
     def pin(self, pinned: bool = True) -> "Snapshot":

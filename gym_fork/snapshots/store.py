@@ -43,9 +43,9 @@ import weakref
 from typing import Any, Iterator
 
 from gym_fork.errors import BundleDamagedError, BundleError, NoSpaceError, SnapshotCorruptedError, StoreError
-from gym_fork.snapshots import quarantine, sessiondir
+from gym_fork.snapshots import private_dirs, quarantine, sessiondir
 from gym_fork.snapshots.budgets import MemoryBudget, disk_evictions
-from gym_fork.snapshots.bundle import bundle_meta, check_images, read_bundle_meta, refuse_private_dirs, sign_meta
+from gym_fork.snapshots.bundle import bundle_meta, check_images, read_bundle_meta, sign_meta
 from gym_fork.snapshots.chunks import ChunkFiles, count_refs, read_recipe
 from gym_fork.snapshots.files import as_no_space, fsync_dir, syncfs
 from gym_fork.snapshots.index import PINNED, StoreIndex
@@ -275,11 +275,12 @@ class SnapshotStore:
                     else:
                         shutil.copyfile(src, os.path.join(imgs, name))
                         os.chmod(os.path.join(imgs, name), 0o600)
-                refuse_private_dirs(snap, "kept in a store")
                 meta = bundle_meta(snap, **fields, images=man["files"])
                 if snap.workspace is not None:  # the env's files at the snapshot moment
                     meta["workspace"] = pack_workspace(snap.workspace, os.path.join(tmp, "workspace"))
                     meta["workspace_path"] = snap.workspace_path
+                if getattr(snap, "private_dirs", None):  # the env's private directories at that moment
+                    meta["private_dirs"] = private_dirs.pack(snap, os.path.join(tmp, "private_dirs"))
                 sign_meta(meta)
                 _write_json(os.path.join(tmp, "recipe.json"), recipe)  # flushed by the syncfs below
                 _write_json(os.path.join(tmp, "bundle.json"), meta)

@@ -164,11 +164,14 @@ def _check_rel(rel: str) -> str:
     return rel
 
 
-def _walk(root: str) -> dict:
-    """The manifest of ``root`` as it is on disk (modes as found)."""
+def _walk(root: str, times: bool = False) -> dict:
+    """The manifest of ``root`` as it is on disk (modes as found); with ``times``, every entry's
+    mtime (ns) too, under ``"times"``."""
     import stat
 
     out: dict = {"files": {}, "dirs": {}, "links": {}, "other": []}
+    if times:
+        out["times"] = {}
     for d, dirs, files in os.walk(root):
         for name in dirs + files:
             p = os.path.join(d, name)
@@ -183,17 +186,21 @@ def _walk(root: str) -> dict:
                                      "mode": stat.S_IMODE(st.st_mode)}
             else:
                 out["other"].append(rel)
+                continue
+            if times:
+                out["times"][rel] = st.st_mtime_ns
     return out
 
 
-def pack(captured: str, dest: str) -> dict:
-    """Copy the capture ``captured`` into the new directory ``dest``; returns its manifest."""
+def pack(captured: str, dest: str, *, times: bool = False) -> dict:
+    """Copy the capture ``captured`` into the new directory ``dest``; returns its manifest (with
+    ``times``: every entry's mtime, put back by :func:`unpack`)."""
     sessiondir.private_mkdir(dest)
     names = os.listdir(captured)
     if names:
         subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(captured, n) for n in names], dest],
                        check=True, capture_output=True)
-    man = _walk(dest)
+    man = _walk(dest, times)
     for rel in man.pop("other"):  # FIFOs, sockets, devices: not persisted
         os.unlink(os.path.join(dest, rel))
     for rel in man["files"]:
@@ -203,16 +210,21 @@ def pack(captured: str, dest: str) -> dict:
     return man
 
 
-def unpack(src: str, manifest: dict, what: str) -> str:
-    """Copy a packed workspace out of ``src`` into a new private capture directory, verified
-    against ``manifest`` (from HMAC-checked metadata); returns the capture's path.
+def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
+    """Copy a packed workspace out of ``src`` into a new private capture directory (``dst``, by
+    default a new one in the session directory), verified against ``manifest`` (from
+    HMAC-checked metadata); returns the capture's path.  Original modes are put back, and the
+    mtimes where the manifest has them.
 
     Raises SnapshotCorruptedError when anything differs (the copy is removed)."""
     for rel in [*manifest.get("files", {}), *manifest.get("dirs", {}), *manifest.get("links", {})]:
         _check_rel(rel)
+    times = manifest.get("times", {})
+    if not isinstance(times, dict) or not all(type(t) is int for t in times.values()):
+        raise SnapshotCorruptedError(f"{what}: the signed file times are malformed")
     if not os.path.isdir(src) or os.path.islink(src):
         raise SnapshotCorruptedError(f"{what}: the workspace directory {src} is missing")
-    dst = os.path.join(sessiondir.session_dir(), f"ws-load-{os.urandom(6).hex()}")
+    dst = dst or os.path.join(sessiondir.session_dir(), f"ws-load-{os.urandom(6).hex()}")
     tmp = dst + ".tmp"
     try:
         sessiondir.private_mkdir(tmp)
@@ -231,6 +243,10 @@ def unpack(src: str, manifest: dict, what: str) -> str:
                 raise SnapshotCorruptedError(f"{what}: workspace file {rel} fails its sha256 check")
         for rel, want in manifest["files"].items():
             os.chmod(os.path.join(tmp, rel), int(want["mode"]) & 0o7777)
+        # times last, deepest first: setting an entry's time leaves its directory's alone
+        for rel in sorted(times, key=lambda r: (r.count("/"), r), reverse=True):
+            if rel in got["files"] or rel in got["links"] or rel in got["dirs"]:
+                os.utime(os.path.join(tmp, rel), ns=(times[rel], times[rel]), follow_symlinks=False)
         for rel in sorted(manifest.get("dirs", {}), key=len, reverse=True):
             os.chmod(os.path.join(tmp, rel), int(manifest["dirs"][rel]) & 0o7777)
         os.rename(tmp, dst)
