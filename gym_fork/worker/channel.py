@@ -38,7 +38,7 @@ OK = 0
 ERR = 1
 # (2 is gym_fork.worker.output's OUTPUT: the env's prints and warnings, ahead of a reply)
 READY = 3  # a frozen snapshot's unsolicited (READY, copy's host pid): its channel follows (SCM_RIGHTS)
-PACKED_VERSION = 1  # the packed step frames this module reads and writes
+PACKED_VERSION = 2  # the packed step frames this module reads and writes (2: scalar-dict schemas)
 
 _HEADER = struct.Struct("!Q")
 _PACKED = 1 << 63  # header flag: the payload is a packed step frame, not a pickle
@@ -325,10 +325,56 @@ def _pack_int(x: int, parts: list) -> None:
         _pack_pickle(x, parts)
 
 
+# An ``info`` of scalars only (MuJoCo's ``x_position``, ``reward_ctrl``, ...) travels as one
+# *schema* -- its keys and each value's type, cached on both sides -- and one struct of values:
+# a fifth of what the key-by-key frame below costs to pack and unpack (~2 vs ~17 us for
+# HalfCheetah's four).  The types whose values struct carries bit for bit (float32 through a double
+# and back, except a NaN, whose payload a double might not keep: such a dict goes key by key).
+_SCHEMA_TYPES: dict[type, tuple[bytes, str, Any]] = {
+    float: (b"f", "d", None), np.float64: (b"g", "d", np.float64), np.float32: (b"h", "f", np.float32),
+    int: (b"i", "q", None), np.int64: (b"j", "q", np.int64), bool: (b"T", "?", None), np.bool_: (b"b", "?", np.bool_),
+}
+_SCHEMA_DECODE = {code: (fmt, conv) for code, fmt, conv in _SCHEMA_TYPES.values()}
+_DICT_SCHEMAS: dict[tuple, Any] = {}  # (keys, types) -> (frame head, Struct, float32 positions) or False
+_SCHEMA_LAYOUTS: dict[bytes, tuple] = {}  # schema bytes -> (keys, Struct, converters)
+_SCHEMA_CACHE_MAX = 256
+
+
+def _dict_schema(key: tuple) -> Any:
+    keys, types = key
+    if len(keys) > 64 or not all(type(k) is str and len(k) < 1 << 14 for k in keys) \
+            or not all(t in _SCHEMA_TYPES for t in types):
+        return False
+    desc = b"".join(_U16.pack(len(kb)) + kb + _SCHEMA_TYPES[t][0] for kb, t in zip((k.encode() for k in keys), types))
+    st = struct.Struct("<" + "".join(_SCHEMA_TYPES[t][1] for t in types))
+    f32 = tuple(i for i, t in enumerate(types) if t is np.float32)
+    return b"K" + _U16.pack(len(desc)) + desc, st, f32
+
+
 def _pack_dict(x: dict, parts: list) -> None:
     if not x:
         parts.append(b"d")
-    elif (len(x) < 1 << 16 and all(type(k) is str and len(k) < 1 << 14 for k in x)
+        return
+    key = (tuple(x), tuple(map(type, x.values())))
+    schema = _DICT_SCHEMAS.get(key)
+    if schema is None:
+        schema = _dict_schema(key)
+        if len(_DICT_SCHEMAS) < _SCHEMA_CACHE_MAX:
+            _DICT_SCHEMAS[key] = schema
+    if schema is not False:
+        head, st, f32 = schema
+        vals = tuple(x.values())
+        if not f32 or all(vals[i] == vals[i] for i in f32):  # no float32 NaN
+            try:
+                parts.append(head + st.pack(*vals))
+                return
+            except (struct.error, OverflowError):  # an int beyond 64 bits
+                pass
+    _pack_dict_keys(x, parts)
+
+
+def _pack_dict_keys(x: dict, parts: list) -> None:
+    if (len(x) < 1 << 16 and all(type(k) is str and len(k) < 1 << 14 for k in x)
           and any(isinstance(v, (np.generic, np.ndarray)) for v in x.values())):
         parts.append(b"D" + _U16.pack(len(x)))
         for k, v in x.items():
@@ -421,6 +467,32 @@ def _unpack_dict(view: memoryview, pos: int) -> tuple[Any, int]:
     return out, pos
 
 
+def _unpack_schema_dict(view: memoryview, pos: int) -> tuple[Any, int]:
+    (n,) = _U16.unpack_from(view, pos)
+    desc = bytes(view[pos + 2:pos + 2 + n])
+    layout = _SCHEMA_LAYOUTS.get(desc)
+    if layout is None:
+        keys, fmt, convs, i = [], "<", [], 0
+        try:
+            while i < n:
+                (k,) = _U16.unpack_from(desc, i)
+                keys.append(desc[i + 2:i + 2 + k].decode())
+                f, conv = _SCHEMA_DECODE[desc[i + 2 + k:i + 3 + k]]
+                fmt += f
+                convs.append(conv)
+                i += 3 + k
+        except (KeyError, struct.error, UnicodeDecodeError):
+            raise ChannelClosed("corrupt packed frame (dict schema)") from None
+        layout = (tuple(keys), struct.Struct(fmt), tuple(convs) if any(convs) else None)
+        if len(_SCHEMA_LAYOUTS) < _SCHEMA_CACHE_MAX:
+            _SCHEMA_LAYOUTS[desc] = layout
+    keys, st, convs = layout
+    vals = st.unpack_from(view, pos + 2 + n)
+    if convs is not None:
+        vals = [v if c is None else c(v) for c, v in zip(convs, vals)]
+    return dict(zip(keys, vals)), pos + 2 + n + st.size
+
+
 def _unpack_pickle(view: memoryview, pos: int) -> tuple[Any, int]:
     (n,) = _U32.unpack_from(view, pos)
     pos += 4
@@ -436,6 +508,7 @@ _UNPACKERS: dict[int, Any] = {
     ord("N"): lambda view, pos: (None, pos),
     ord("d"): lambda view, pos: ({}, pos),
     ord("D"): _unpack_dict,
+    ord("K"): _unpack_schema_dict,
     ord("s"): _unpack_scalar,
     ord("g"): lambda view, pos: (np.float64(_F64.unpack_from(view, pos)[0]), pos + 8),
     ord("j"): lambda view, pos: (np.int64(_I64.unpack_from(view, pos)[0]), pos + 8),

@@ -77,6 +77,16 @@ RESULTS = [
      {"x_position": np.float64(1.0), "reward_ctrl": np.float64(-0.1), "é": np.zeros((2, 2), np.float32),
       "nested": {"a": np.int64(1), "b": [1, 2]}, "plain": 3, "none": None}),
     (np.zeros(1), 0.0, False, False, {1: np.float64(1.0), "k": np.float64(2.0)}),  # a non-str key: pickled
+    # dicts of scalars only: one schema and one struct of values (types and bits kept, key order too)
+    (np.zeros(17), np.float64(0.5), False, False,
+     {"x_position": np.float64(-0.0), "reward_ctrl": np.float32(-0.28), "ok": np.bool_(True), "n": np.int64(-(1 << 63)),
+      "t": 1.5, "i": (1 << 63) - 1, "b": False, "ü": np.float64(float("inf"))}),
+    (np.zeros(1), 0.0, False, False, {"f": np.frombuffer(bytes.fromhex("0100000000f8ff7f"), np.float64)[0]}),
+    (np.zeros(1), 0.0, False, False, {"big": 1 << 64, "x": np.float64(1.0)}),  # beyond int64: key by key
+    (np.zeros(1), 0.0, False, False,  # a float32 NaN (its payload might not survive a double): key by key
+     {"nan32": np.frombuffer(bytes.fromhex("0100c07f"), np.float32)[0], "x": np.float32(2.0)}),
+    (np.zeros(1), 0.0, False, False, {"b": 1.0, "a": np.float64(2.0)}),  # the same keys, another order
+    (np.zeros(1), 0.0, False, False, {"a": np.float64(2.0), "b": 1.0}),
 ]
 
 
@@ -160,6 +170,22 @@ def test_corrupt_packed_frame_is_channel_closed(pair):
     ctl.sock.sendall(HEADER.pack(2 | (1 << 63)) + b"Zz")
     with pytest.raises(ChannelClosed, match="corrupt packed frame"):
         wrk.recv()
+
+
+def test_scalar_dicts_travel_as_one_schema():
+    """An info of scalars packs as ``K`` + schema + one struct (not key by key), and a schema whose
+    type code is unknown is a corrupt frame, not a crash."""
+    from gym_fork.worker.channel import _pack_dict, _unpack
+
+    parts: list = [b""]
+    _pack_dict({"x": np.float64(1.0), "c": np.float32(0.5)}, parts)
+    frame = b"".join(parts[1:])
+    assert frame[:1] == b"K" and len(parts) == 2
+    assert same(_unpack(memoryview(frame), 0)[0], {"x": np.float64(1.0), "c": np.float32(0.5)})
+    bad = bytearray(frame)
+    bad[bad.index(b"x") + 1] = ord("?")  # the type code after the key "x"
+    with pytest.raises(ChannelClosed, match="dict schema"):
+        _unpack(memoryview(bytes(bad)), 0)
 
 
 def test_values_survive_bit_for_bit():
