@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 import re
 import shutil
 import subprocess
@@ -175,7 +176,52 @@ def new_client(binary: str):
 
     c = pycriu.criu()
     c.use_binary(binary)
+    c._comm = _safe_comm(type(c._comm))(binary)
     return c
+
+
+_SAFE_COMM: Any = None
+
+
+def _safe_comm(base: type) -> type:
+    """pycriu's ``swrk`` launcher, made safe in a threaded process: its forked child runs Python
+    until it execs criu, and if that exec fails (e.g. ETXTBSY) the exception would carry the
+    child -- a copy of this whole process, restore threads and all -- back into our code, while
+    the parent waits for a criu that never comes.  Here the child always ends in exec or
+    ``_exit(127)`` (the parent then reads EOF at once)."""
+    global _SAFE_COMM
+    if _SAFE_COMM is not None:
+        return _SAFE_COMM
+    import socket as _socket
+    import struct
+
+    class SafeBinComm(base):  # type: ignore[misc, valid-type]
+        def connect(self, daemon: bool) -> Any:
+            css = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+            os.set_inheritable(css[0].fileno(), True)
+            self.daemon = daemon
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    if daemon:
+                        if os.fork() != 0:
+                            os._exit(0)
+                        os.setsid()
+                    for fd in (0, 1, 2):
+                        os.close(fd)
+                    css[0].send(struct.pack("i", os.getpid()))
+                    os.execv(self.comm, [self.comm, "swrk", "%d" % css[0].fileno()])
+                finally:
+                    os._exit(127)
+            if daemon:
+                os.waitpid(pid, 0)
+            css[0].close()
+            self.swrk = struct.unpack("i", css[1].recv(4))[0]
+            self.sk = css[1]
+            return self.sk
+
+    _SAFE_COMM = SafeBinComm
+    return SafeBinComm
 
 
 def log_tail(path: str, lines: int = 8) -> str:

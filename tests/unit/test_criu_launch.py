@@ -1,0 +1,89 @@
+"""Launching criu from a threaded controller: concurrent restores each fork a criu, so what is
+exec'd must never be a file being written (ETXTBSY), and a failed exec in pycriu's forked
+child must end that child instead of letting a copy of the controller run on."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from gym_fork.backends.criu import _criu_via
+from gym_fork.criu.status import new_client
+
+
+def test_a_script_held_open_for_writing_cannot_be_executed(tmp_path):
+    """The failure mode itself: a fork in another thread holds the new script open (ETXTBSY)."""
+    script = tmp_path / "criu-private"
+    fd = os.open(script, os.O_WRONLY | os.O_CREAT, 0o700)
+    os.write(fd, b"#!/bin/sh\necho ran\n")
+    try:
+        with pytest.raises(OSError) as e:
+            subprocess.run([str(script)], check=True)
+        assert e.value.errno == errno.ETXTBSY
+    finally:
+        os.close(fd)
+
+
+def test_criu_via_runs_while_its_per_call_files_are_held_open(tmp_path):
+    path = _criu_via(str(tmp_path / "criu-private"), 'exec /bin/echo via "$@"\n')
+    assert os.path.islink(path)
+    held = [os.open(path + ".conf", os.O_WRONLY | os.O_APPEND)]  # what a concurrent fork inherits
+    try:
+        out = subprocess.run([path, "swrk", "7"], capture_output=True, text=True, check=True)
+        assert out.stdout == "via swrk 7\n"
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_a_criu_that_cannot_be_executed_fails_at_once_and_leaves_no_copy(tmp_path):
+    not_exec = tmp_path / "criu"
+    not_exec.write_text("not a program\n")  # mode 0644: execv fails with EACCES in the child
+    before = _children()
+    errors: list[BaseException] = []
+    me, ran_on = os.getpid(), tmp_path / "ran-on"
+
+    def call() -> None:
+        try:
+            new_client(str(not_exec)).check()
+        except BaseException as e:  # noqa: BLE001 - any error will do; a hang will not
+            errors.append(e)
+        if os.getpid() != me:  # pycriu's child came back here: a copy of this process runs on
+            ran_on.write_text(str(os.getpid()))
+            os._exit(0)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "pycriu waited for a criu that was never executed"
+    assert errors
+    for _ in range(100):  # the child is gone (exec'd or _exit-ed) ...
+        if _children() == before:
+            break
+        time.sleep(0.05)
+    assert _children() == before
+    assert not ran_on.exists(), "the forked child ran the caller's code after its exec failed"
+
+
+def _children() -> set[int]:
+    out: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out.update(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    return {p for p in out if _state(p) not in ("Z", None)}
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
