@@ -67,7 +67,13 @@ def step(env, a) -> tuple:
     return (obs, r, term, trunc, info)
 
 
-def check_exact_and_isolated(factory, n_steps: int = 12, **opts) -> None:
+def check_exact_and_isolated(factory, n_steps: int = 12, *, mechanism: str | None = None,
+                             on_branches=None, on_restored=None, **opts) -> None:
+    """Snapshot after a prefix; two branches step interleaved with the original (shared state
+    would show as a divergence); two restores replay both action paths bit-identically; nothing
+    is left behind. ``mechanism``: the payload type the snapshot must be; ``on_branches(env,
+    kids)`` and ``on_restored(env)`` add checks after the branches ran and after the last restore
+    (which replayed the second branch's actions)."""
     env = gym_fork.ForkableEnv(factory, **opts)
     pids: set[int] = set()
     kids: list = []
@@ -77,6 +83,8 @@ def check_exact_and_isolated(factory, n_steps: int = 12, **opts) -> None:
         for _ in range(5):
             env.step(env.action_space.sample())
         snap = env.snapshot()
+        if mechanism is not None:
+            assert type(snap._payload).__name__ == mechanism
         xs = [env.action_space.sample() for _ in range(n_steps)]
         ys = [(int(a) + 1) % 4 for a in xs]
         kids = env.fork(snap, 2)
@@ -88,12 +96,16 @@ def check_exact_and_isolated(factory, n_steps: int = 12, **opts) -> None:
         assert_same_traj(orig, bx)
         pids |= _tree(env.worker_pid) | _tree(kids[0].worker_pid) | _tree(kids[1].worker_pid)
         assert len({env.worker_pid, kids[0].worker_pid, kids[1].worker_pid}) == 3
+        if on_branches is not None:
+            on_branches(env, kids)
         env.restore(snap)
         assert_same_traj(orig, [step(env, x) for x in xs])
         pids |= _tree(env.worker_pid)
         env.restore(snap)
         assert_same_traj(by, [step(env, y) for y in ys])
         assert snap.backend == "criu"
+        if on_restored is not None:
+            on_restored(env)
     finally:
         for k in kids:
             k.close()

@@ -19,7 +19,7 @@ import agent_envs
 import gym_fork
 from gym_fork.errors import BackendUnavailableError, UncapturableStateError, UncapturedFilesError, UnsupportedEnvError
 from gym_fork.snapshots import sessiondir
-from test_agent_envs import _tree, assert_gone, step
+from test_agent_envs import check_exact_and_isolated, step
 
 pytestmark = pytest.mark.criu
 
@@ -47,43 +47,21 @@ def test_files_in_private_dirs_are_exact_and_isolated(tmp_path, hold, fork_tier,
     (app / "README").write_text("template\n")
     before = _files(str(app))
     existing = _copies()
-    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(app), hold, True),
-                               private_dirs=[str(app)], fork_tier=fork_tier)
-    kids: list = []
-    pids: set[int] = set()
-    try:
-        env.action_space.seed(3)
-        env.reset(seed=7)
-        for _ in range(4):
-            env.step(env.action_space.sample())
-        snap = env.snapshot()
-        assert type(snap._payload).__name__ == mechanism
-        xs = [env.action_space.sample() for _ in range(8)]
-        ys = [(int(a) + 1) % 4 for a in xs]
-        kids = env.fork(snap, 2)
-        orig, bx, by = [], [], []
-        for x, y in zip(xs, ys):  # interleaved: one shared directory would make them diverge
-            bx.append(step(kids[0], x))
-            orig.append(step(env, x))
-            by.append(step(kids[1], y))
-        assert_same_traj(orig, bx)
+    other: dict = {}
+
+    def branches(env, kids) -> None:
         views = [env.private_dir_view(str(app))] + [k.private_dir_view(str(app)) for k in kids]
         assert len(set(views)) == 3 and str(app) not in views
         assert _files(views[0]) == _files(views[1])  # same actions, same files
         assert _files(views[0]) != _files(views[2])  # the other branch wrote its own
-        pids |= _tree(env.worker_pid) | _tree(kids[0].worker_pid) | _tree(kids[1].worker_pid)
-        env.restore(snap)
-        assert_same_traj(orig, [step(env, x) for x in xs])
-        pids |= _tree(env.worker_pid)
-        env.restore(snap)
-        assert_same_traj(by, [step(env, y) for y in ys])
-        assert _files(env.private_dir_view(str(app))) == _files(views[2])
+        other["files"] = _files(views[2])
+
+    def restored(env) -> None:  # the second branch's actions replayed: its files, exactly
+        assert _files(env.private_dir_view(str(app))) == other["files"]
         assert _files(str(app)) == before  # the real directory is the template, never written
-    finally:
-        for k in kids:
-            k.close()
-        env.close()
-    assert_gone(pids)
+
+    check_exact_and_isolated(functools.partial(agent_envs.app_dir, str(app), hold, True), 8, mechanism=mechanism,
+                             on_branches=branches, on_restored=restored, private_dirs=[str(app)], fork_tier=fork_tier)
     assert _copies() <= existing, "private copies left behind"
 
 
@@ -351,7 +329,6 @@ def test_what_cannot_carry_private_files_says_so(tmp_path):
 def test_redis_listening_on_a_socket_path_in_a_private_dir(tmp_path):
     """Without private_dirs a bound socket path is refused (test_agent_envs); in a private directory
     every copy's redis-server binds its own copy of the path, so clients never cross."""
-    from test_agent_envs import check_exact_and_isolated
 
     run = tmp_path / "run"
     run.mkdir()
