@@ -85,6 +85,7 @@ RESULTS = [
     (np.zeros(1), 0.0, False, False, {"big": 1 << 64, "x": np.float64(1.0)}),  # beyond int64: key by key
     (np.zeros(1), 0.0, False, False,  # a float32 NaN (its payload might not survive a double): key by key
      {"nan32": np.frombuffer(bytes.fromhex("0100c07f"), np.float32)[0], "x": np.float32(2.0)}),
+    (np.zeros(1), 0.0, False, False, {"k" * 16000 + str(i): 1.0 for i in range(8)}),  # schema too long: key by key
     (np.zeros(1), 0.0, False, False, {"b": 1.0, "a": np.float64(2.0)}),  # the same keys, another order
     (np.zeros(1), 0.0, False, False, {"a": np.float64(2.0), "b": 1.0}),
 ]
