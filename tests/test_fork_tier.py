@@ -195,6 +195,37 @@ def test_fork_snapshot_memory_is_copy_on_write():
         env.close()
 
 
+def test_restores_in_a_burst_keep_finding_ready_copies(monkeypatch):
+    """Tree search restores one snapshot again and again with a few steps between: the frozen
+    snapshot notices the burst and keeps ready copies coming at once (not after 20 ms of quiet),
+    so most restores take one instead of cloning on demand -- each exact."""
+    from gym_fork.backends import criu
+
+    took = {"ready": 0, "clone": 0}
+    take = criu.CriuBackend._take_ready
+
+    def counting(payload):
+        h = take(payload)
+        took["ready" if h is not None else "clone"] += 1
+        return h
+
+    monkeypatch.setattr(criu.CriuBackend, "_take_ready", staticmethod(counting))
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=2)
+        run_actions(env, [1, 2, 3, 0] * 3)
+        snap = env.snapshot()
+        acts = [2, 2, 1, 3, 0]
+        expected = run_actions(env, acts)
+        for _ in range(24):
+            env.restore(snap)
+            assert_same_traj(run_actions(env, acts), expected)
+            time.sleep(0.005)  # the learner's own work between restores
+        assert took["ready"] >= 12, took  # without burst mode: 1 of 24
+    finally:
+        env.close()
+
+
 def test_a_restore_takes_the_ready_copy_and_its_memory_counts_for_the_snapshot():
     """A frozen snapshot offers a ready copy unasked; restore() runs on exactly that process, the
     next ready copy appears, and a snapshot's memory_bytes() includes its ready copy's."""

@@ -41,6 +41,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 # Single-threaded numerics: smaller images, and fork() stays safe (see ARCHITECTURE.md).
@@ -296,24 +297,32 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     only between requests.  The copy has already written the answer to a ``hello`` into its
     channel, so a restore that finds a ready copy costs the controller no round trip at all.
     The controller says ``taken`` (no reply) when it uses one, and the next is forked once this
-    channel has been quiet for :data:`READY_DELAY_S`.  ``clone`` forks a copy on demand (none
+    channel has been quiet for :data:`READY_DELAY_S` -- or at once, keeping :data:`BURST_READY`,
+    while copies are used less than :data:`BURST_S` apart (restores in a burst).  ``clone`` forks a copy on demand (none
     was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
-    offered = False  # a ready copy's channel was handed out and not taken yet
+    offered = 0  # ready copies whose channels were handed out and not taken yet
     failed = 0
+    # Restores in a burst (tree search: restore, a few steps, restore again) would each find the
+    # ready copy gone and clone on demand (~4 ms instead of ~1): when copies are taken or cloned
+    # less than BURST_S apart, keep BURST_READY of them and fork the next at once, not after quiet.
+    last_taken = -1.0
+    burst = False
     # whose touched pages a ready copy faults in ahead (gym_fork.worker.prefault): the copy
     # used last (the controller names it). Not before the first restore: most snapshots are
     # never restored, and learning and faulting cost tens of ms of CPU.
     learn_from: int | None = None
+    plan, learned = prefault.Plan(), None  # in a burst, the plan learned last serves again
     while True:
-        if not offered and failed < 3 and not _readable(chan, READY_DELAY_S):
+        if offered < (BURST_READY if burst else 1) and failed < 3 and not _readable(chan, 0 if burst else READY_DELAY_S):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
             try:
-                plan = prefault.learn(learn_from) if learn_from else prefault.Plan()
+                if learn_from and learn_from != learned and not (burst and learned):
+                    plan, learned = prefault.learn(learn_from), learn_from
                 _offer_ready_copy(chan, server, plan)
-                offered = True
+                offered += 1
             except ChannelClosed:
                 os._exit(0)
             except Exception:  # noqa: BLE001 - e.g. ENOMEM: clone requests fork on demand
@@ -324,8 +333,12 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
             os._exit(0)
         if cmd == "exit":
             os._exit(0)
+        if cmd in ("taken", "clone"):  # a copy was put to use: restores come in a burst?
+            now = time.monotonic()
+            burst = now - last_taken < BURST_S
+            last_taken = now
         if cmd == "taken":  # a notice, not a request: no reply; args: the copy's host pid
-            offered = False
+            offered = max(0, offered - 1)
             learn_from = args[0] if args else learn_from
             continue
         try:
@@ -354,6 +367,9 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
 
 #: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
 READY_DELAY_S = 0.02
+#: ready copies taken less than this apart are a burst: then BURST_READY are kept, forked at once
+BURST_S = 0.1
+BURST_READY = 2
 
 
 def _readable(chan: Channel, timeout: float) -> bool:
