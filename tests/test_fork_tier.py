@@ -221,7 +221,7 @@ def test_restores_in_a_burst_keep_finding_ready_copies(monkeypatch):
             env.restore(snap)
             assert_same_traj(run_actions(env, acts), expected)
             time.sleep(0.005)  # the learner's own work between restores
-        assert took["ready"] >= 12, took  # without burst mode: 1 of 24
+        assert took["ready"] >= 12, took  # without burst mode: 0-1 of 24
     finally:
         env.close()
 
