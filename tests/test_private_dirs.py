@@ -285,6 +285,25 @@ def test_damaged_private_files_in_a_bundle_are_refused(tmp_path):
         env.close()
 
 
+def test_a_device_node_in_a_private_dir_is_not_saved(tmp_path):
+    import stat
+
+    app = tmp_path / "app"
+    app.mkdir()
+    env = _started(app)
+    try:
+        os.mknod(os.path.join(env.private_dir_view(str(app)), "null"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        snap = env.snapshot()
+        with pytest.raises(UnsupportedEnvError, match=r"device nodes \(.*/app/null\)"):
+            snap.save(str(tmp_path / "bundle"))
+        assert not os.path.exists(tmp_path / "bundle")
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("bundle")]  # no half-written bundle
+        env.restore(snap)  # the snapshot itself is fine
+        env.step(1)
+    finally:
+        env.close()
+
+
 def test_store_keeps_private_dirs_and_a_new_process_loads_them(tmp_path):
     app = tmp_path / "app"
     app.mkdir()

@@ -196,14 +196,16 @@ def pack(snap, dest: str) -> list[dict]:
     sessiondir.private_mkdir(dest)
     for i, d in enumerate(snap.private_dirs_paths):
         src = os.path.join(snap.private_dirs, str(i))
-        man = workspace._walk(src)
         fifos, devices = {}, []
-        for rel in man["other"]:
-            st = os.lstat(os.path.join(src, rel))
-            if stat.S_ISFIFO(st.st_mode):
-                fifos[rel] = {"mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
-            elif not stat.S_ISSOCK(st.st_mode):  # a socket node: its server binds it again
-                devices.append(os.path.join(d, rel))
+        for top, dirs, names in os.walk(src):  # what is neither file, directory nor link
+            for name in dirs + names:
+                st = os.lstat(os.path.join(top, name))
+                rel = os.path.relpath(os.path.join(top, name), src)
+                if stat.S_ISFIFO(st.st_mode):
+                    fifos[rel] = {"mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
+                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                    devices.append(os.path.join(d, rel))
+                # a socket node is left behind: its server binds the path again
         if devices:
             raise UnsupportedEnvError(f"snapshot {snap.id} cannot be saved: its private directory {d} holds "
                                       f"device nodes ({', '.join(devices[:3])}), whose state is the device's")
