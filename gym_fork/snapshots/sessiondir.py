@@ -29,7 +29,8 @@ from gym_fork.snapshots import reclaim
 from gym_fork.snapshots.files import is_no_space, no_space, open_regular, read_bounded
 
 MANIFEST = "MANIFEST.json"
-_NOT_IMAGES = re.compile(r"(\.log|^stats-.*|^" + re.escape(MANIFEST) + r")$")
+# logs, CRIU's stats, the manifest, and hidden files (a manifest being rewritten: .MANIFEST.json.PID)
+_NOT_IMAGES = re.compile(r"(\.log|^stats-.*|^\..*|^" + re.escape(MANIFEST) + r")$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would accept a trailing newline
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # fullmatch: no "/", no "..", no "\n"
 _MANIFEST_LIMIT = 64 << 20
