@@ -195,6 +195,36 @@ def test_fork_snapshot_memory_is_copy_on_write():
         env.close()
 
 
+def test_a_persisted_snapshot_of_an_env_with_children_leaves_the_fork_tier_in_place(tmp_path):
+    """Persisting a copy-on-write snapshot of an env that starts processes dumps a copy promoted
+    to a namespace of its own; released, that copy retires into a reaper orphaned to the worker.
+    The worker's next scans must know it as gym_fork's (it was taken for a child of the env's:
+    the env's snapshots became CRIU dumps, which then failed on its nested PID namespace)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import functools
+
+    import agent_envs
+
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.app_dir, str(tmp_path), False, True),
+                               untracked_paths=[str(tmp_path)])
+    try:
+        env.reset(seed=0)
+        run_actions(env, [0, 1, 2])
+        first = env.snapshot()
+        first.persist()
+        env.step(1)
+        second = env.snapshot()
+        first.release()
+        second.release()
+        for a in (2, 3, 0):  # scans right after: the reaper is still starting up
+            env.step(a)
+            snap = env.snapshot()
+            assert type(snap._payload).__name__ == "ForkPayload"
+            snap.release()
+    finally:
+        env.close()
+
+
 def test_restores_in_a_burst_keep_finding_ready_copies(monkeypatch):
     """Tree search restores one snapshot again and again with a few steps between: the frozen
     snapshot notices the burst and keeps ready copies coming at once (not after 20 ms of quiet),

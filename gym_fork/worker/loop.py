@@ -58,8 +58,14 @@ from gym_fork.worker import files, fswatch  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
+# A retired namespace init becomes this reaper. A worker whose child it may be (a promoted copy,
+# orphaned to the worker's namespace) must not take it for a process of the env's own: exec names
+# it "python", so it takes gym_fork's name back (PR_SET_NAME), and until it has, its command line
+# (resources.REAPER_MARK) says what it is.
 REAPER = (
-    "import os\n"
+    f"# {resources.REAPER_MARK.decode()}\n"
+    "import ctypes, os\n"
+    "ctypes.CDLL(None).prctl(15, b'gym_fork-fork', 0, 0, 0)\n"
     "while True:\n"
     "    try: os.wait()\n"
     "    except ChildProcessError: break\n"

@@ -52,6 +52,7 @@ GHOST_LIMIT = 64 << 20
 #: what gym_fork's fork-tier processes call themselves (``/proc/PID/comm``), so a scan can tell
 #: them from the env's own child processes
 FORK_COMM = b"gym_fork-fork"
+REAPER_MARK = b"gym_fork reaper"  # in the command line of a retired namespace init (gym_fork.worker.loop)
 
 _HARMLESS_DEVICES = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"})
 _CRIU_ANON = {
@@ -178,6 +179,15 @@ def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int] | None:
     return name, state, local
 
 
+def _is_reaper(pid: int) -> bool:
+    """Whether ``pid`` is a retired namespace init of gym_fork's (its command line says so)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return REAPER_MARK in f.read(4096)
+    except OSError:
+        return False
+
+
 def _ns_depth(pid: int) -> int:
     """How many PID namespaces ``pid`` (a host pid) is in (1: the host's only)."""
     try:
@@ -235,7 +245,8 @@ def classify_children(kids: list[int], forked: set[int] | frozenset[int]) -> tup
         if st is None:  # gone (e.g. a zombie reaped just now)
             continue
         name, state, local = st
-        if local in forked or (name == FORK_COMM and (orphans_ours or _ns_depth(pid) > level + 1)):
+        if local in forked or (name == FORK_COMM and (orphans_ours or _ns_depth(pid) > level + 1)) \
+                or (orphans_ours and _is_reaper(pid) and _ns_depth(pid) > level + 1):
             # (a copy that is PID 1 of a namespace of its own, orphaned to us, lives one namespace
             # deeper: the env's own forked children share ours, even when they inherit our name)
             fork.append((pid, local, state == b"Z"))
