@@ -202,6 +202,16 @@ def _started(app, **opts):
     return env
 
 
+@pytest.fixture
+def app_env(tmp_path):
+    """An app-directory env in ``tmp_path/app`` (private), decorated and a few steps in."""
+    app = tmp_path / "app"
+    app.mkdir()
+    env = _started(app)
+    yield app, env
+    env.close()
+
+
 CHILD = """
 import json, sys
 import gym_fork
@@ -260,48 +270,37 @@ def test_saved_snapshot_carries_its_private_dirs_to_a_fresh_interpreter(tmp_path
         env.close()
 
 
-def test_damaged_private_files_in_a_bundle_are_refused(tmp_path):
+def test_damaged_private_files_in_a_bundle_are_refused(tmp_path, app_env):
     from gym_fork.errors import SnapshotCorruptedError
 
-    app = tmp_path / "app"
-    app.mkdir()
-    env = _started(app)
-    try:
-        path = env.snapshot().save(str(tmp_path / "bundle"))
-        victim = os.path.join(path, "private_dirs", "0", "step-1.txt")
-        os.chmod(victim, 0o600)
-        with open(victim, "a") as f:
-            f.write("x")
-        with pytest.raises(SnapshotCorruptedError, match="sha256"):
-            gym_fork.load_snapshot(path)
-        os.truncate(victim, os.path.getsize(victim) - 1)
-        gym_fork.load_snapshot(path).release()  # intact again
-        with open(os.path.join(path, "private_dirs", "0", "extra.txt"), "w") as f:
-            f.write("planted")
-        with pytest.raises(SnapshotCorruptedError, match="differ from the signed list"):
-            gym_fork.load_snapshot(path)
-        env.step(1)  # untouched
-    finally:
-        env.close()
+    _app, env = app_env
+    path = env.snapshot().save(str(tmp_path / "bundle"))
+    victim = os.path.join(path, "private_dirs", "0", "step-1.txt")
+    os.chmod(victim, 0o600)
+    with open(victim, "a") as f:
+        f.write("x")
+    with pytest.raises(SnapshotCorruptedError, match="sha256"):
+        gym_fork.load_snapshot(path)
+    os.truncate(victim, os.path.getsize(victim) - 1)
+    gym_fork.load_snapshot(path).release()  # intact again
+    with open(os.path.join(path, "private_dirs", "0", "extra.txt"), "w") as f:
+        f.write("planted")
+    with pytest.raises(SnapshotCorruptedError, match="differ from the signed list"):
+        gym_fork.load_snapshot(path)
+    env.step(1)  # untouched
 
 
-def test_a_device_node_in_a_private_dir_is_not_saved(tmp_path):
+def test_a_device_node_in_a_private_dir_is_not_saved(tmp_path, app_env):
     import stat
 
-    app = tmp_path / "app"
-    app.mkdir()
-    env = _started(app)
-    try:
-        os.mknod(os.path.join(env.private_dir_view(str(app)), "null"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
-        snap = env.snapshot()
-        with pytest.raises(UnsupportedEnvError, match=r"device nodes \(.*/app/null\)"):
-            snap.save(str(tmp_path / "bundle"))
-        assert not os.path.exists(tmp_path / "bundle")
-        assert not [n for n in os.listdir(tmp_path) if n.startswith("bundle")]  # no half-written bundle
-        env.restore(snap)  # the snapshot itself is fine
-        env.step(1)
-    finally:
-        env.close()
+    app, env = app_env
+    os.mknod(os.path.join(env.private_dir_view(str(app)), "null"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    snap = env.snapshot()
+    with pytest.raises(UnsupportedEnvError, match=r"device nodes \(.*/app/null\)"):
+        snap.save(str(tmp_path / "bundle"))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("bundle")]  # no half-written bundle
+    env.restore(snap)  # the snapshot itself is fine
+    env.step(1)
 
 
 def test_store_keeps_private_dirs_and_a_new_process_loads_them(tmp_path):
