@@ -121,11 +121,7 @@ class ForkPayload:
             self.chan.send((cmd, ()))
             if fd is not None:
                 send_fds(self.chan.sock, b"F", [fd])
-            while True:
-                reply = self.chan.recv()
-                if reply[0] != READY:
-                    break
-                self._keep_offer(reply[1])
+            reply = self._reply()
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
                                   f"during {cmd!r}") from e
@@ -147,15 +143,20 @@ class ForkPayload:
                     self.chan.send(("clone", ()))
                     send_fds(self.chan.sock, b"F", [fd])
                 for _fd in fds:
-                    reply = self.chan.recv()
-                    while reply[0] == READY:
-                        self._keep_offer(reply[1])
-                        reply = self.chan.recv()
+                    reply = self._reply()
                     out.append(reply[1] if reply[0] == OK else remote_exception(*reply[1:]))
             except (ChannelClosed, OSError) as e:
                 raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
                                       "during 'clone'") from e
             return out
+
+    def _reply(self) -> tuple:
+        """The reply to the oldest request in flight; ready copies offered meanwhile are kept."""
+        reply = self.chan.recv()
+        while reply[0] == READY:
+            self._keep_offer(reply[1])
+            reply = self.chan.recv()
+        return reply
 
     def _keep_offer(self, pid: int | None) -> None:
         _msg, fds = recv_fds(self.chan.sock, 1)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import Any
 
 MIN_MAJOR = 4
 _CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/local/bin/criu", "/usr/bin/criu")

@@ -190,13 +190,13 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
         def trailer(digests: dict) -> dict:
             image = dumper.result
             known = os.path.join(image.path, sessiondir.MANIFEST)  # images dumped earlier: must still match
-            if os.path.exists(known) and sessiondir.verify(image.path, digests=True)["files"] != digests:
+            if os.path.exists(known) and not sessiondir.streamed_as_dumped(image.path, digests):
                 raise ValueError("the snapshot's images changed on disk since they were dumped")
             # signed for this session only: no replay elsewhere
             return sign_meta(bundle_meta(snap, **image_meta(image), images=digests, session=hello["nonce"]), key)
 
         t0 = time.monotonic()
-        # images that exist already (persisted) are checked against their sha256 manifest
+        # images that exist already (persisted) are checked against their manifest after streaming
         try:
             reply, nbytes = send_images(
                 sock, {"op": "env", "env_id": snap.env_id, "steps": snap.steps}, into, target, trailer,

@@ -254,7 +254,7 @@ def adopt(snap, src: str, entries: list[dict] | None, what: str) -> None:
             dst = os.path.join(root, str(i))
             workspace.unpack(os.path.join(src, str(i)), e["files"], f"{what}, private directory {e['path']}", dst)
             for rel, f in e["fifos"].items():
-                fifo = os.path.join(dst, workspace._check_rel(rel))
+                fifo = os.path.join(dst, workspace.check_rel(rel))
                 os.mkfifo(fifo)
                 os.chmod(fifo, f["mode"] & 0o7777)  # not the umask's
                 os.utime(fifo, ns=(f["mtime_ns"], f["mtime_ns"]))

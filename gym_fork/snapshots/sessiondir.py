@@ -269,6 +269,22 @@ def verify(dirpath: str, full: bool = True, *, digests: bool = False, rehash: bo
     return man
 
 
+def streamed_as_dumped(dirpath: str, streamed: dict) -> bool:
+    """Whether the image files of our ``dirpath``, hashed while they were streamed (``streamed``:
+    name -> {size, digest}), are the ones its manifest lists, unchanged: the same names and sizes,
+    each image this process dumped still the same file (identity, :func:`verify`), and any
+    recorded sha256 equal to the streamed one.  Nothing is read again."""
+    try:
+        files = verify(dirpath, full=False)["files"]
+    except SnapshotCorruptedError:
+        return False
+    if set(files) != set(streamed):
+        return False
+    return all(w.get("size") == streamed[n].get("size")
+               and ("sha256" not in w or hmac.compare_digest(str(w["sha256"]), str(streamed[n].get("sha256"))))
+               for n, w in files.items())
+
+
 def copy_verified(src: str, files: dict, dest: str, what: str, *, full: bool = True,
                   ignore_extra: bool = False) -> int:
     """Copy the image files that a *signed* list names from ``src`` (a bundle's or a store

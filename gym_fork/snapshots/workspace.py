@@ -157,7 +157,7 @@ def attach(snap, ws: Workspace) -> None:
 # persisted.
 
 
-def _check_rel(rel: str) -> str:
+def check_rel(rel: str) -> str:
     if (not rel or rel.startswith("/") or "\0" in rel or os.path.normpath(rel) != rel
             or rel.split(os.sep)[0] == ".."):
         raise SnapshotCorruptedError(f"workspace entry {rel!r} is not a plain relative path")
@@ -218,7 +218,7 @@ def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
 
     Raises SnapshotCorruptedError when anything differs (the copy is removed)."""
     for rel in [*manifest.get("files", {}), *manifest.get("dirs", {}), *manifest.get("links", {})]:
-        _check_rel(rel)
+        check_rel(rel)
     times = manifest.get("times", {})
     if not isinstance(times, dict) or not all(type(t) is int for t in times.values()):
         raise SnapshotCorruptedError(f"{what}: the signed file times are malformed")

@@ -304,8 +304,8 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     channel, so a restore that finds a ready copy costs the controller no round trip at all.
     The controller says ``taken`` (no reply) when it uses one, and the next is forked once this
     channel has been quiet for :data:`READY_DELAY_S` -- or at once, keeping :data:`BURST_READY`,
-    while copies are used less than :data:`BURST_S` apart (restores in a burst).  ``clone`` forks a copy on demand (none
-    was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
+    while copies are used less than :data:`BURST_S` apart (restores in a burst).  ``clone``
+    forks a copy on demand (none was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
     offered = 0  # ready copies whose channels were handed out and not taken yet
@@ -313,7 +313,7 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     # Restores in a burst (tree search: restore, a few steps, restore again) would each find the
     # ready copy gone and clone on demand (~4 ms instead of ~1): when copies are taken or cloned
     # less than BURST_S apart, keep BURST_READY of them and fork the next at once, not after quiet.
-    last_taken = -1.0
+    last_use = -1.0
     burst = False
     # whose touched pages a ready copy faults in ahead (gym_fork.worker.prefault): the copy
     # used last (the controller names it). Not before the first restore: most snapshots are
@@ -321,7 +321,8 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     learn_from: int | None = None
     plan, learned = prefault.Plan(), None  # in a burst, the plan learned last serves again
     while True:
-        if offered < (BURST_READY if burst else 1) and failed < 3 and not _readable(chan, 0 if burst else READY_DELAY_S):
+        wanted, quiet = (BURST_READY, 0.0) if burst else (1, READY_DELAY_S)
+        if offered < wanted and failed < 3 and not _readable(chan, quiet):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
             try:
@@ -341,8 +342,8 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
             os._exit(0)
         if cmd in ("taken", "clone"):  # a copy was put to use: restores come in a burst?
             now = time.monotonic()
-            burst = now - last_taken < BURST_S
-            last_taken = now
+            burst = now - last_use < BURST_S
+            last_use = now
         if cmd == "taken":  # a notice, not a request: no reply; args: the copy's host pid
             offered = max(0, offered - 1)
             learn_from = args[0] if args else learn_from
@@ -373,7 +374,7 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
 
 #: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
 READY_DELAY_S = 0.02
-#: ready copies taken less than this apart are a burst: then BURST_READY are kept, forked at once
+#: copies taken or cloned less than this apart are a burst: then BURST_READY are kept, forked at once
 BURST_S = 0.1
 BURST_READY = 2
 
