@@ -24,6 +24,12 @@ hits them alike):
   above which branching from a snapshot beats replaying ``reset(seed) + D + 100`` steps per
   branch in process, from the measured costs: D* = (T_branch / 16 - t_reset) / t_step - 100.
 * **ForkableVecEnv(4)** (CartPole): µs per batch step vs ``SubprocVecEnv(4)``.
+* **step between policy calls** (CartPole, ``--gap-us`` of learner work, default 300 µs, before
+  each step -- an SB3 ``MlpPolicy`` forward pass costs about that here): µs per step, the step
+  timed alone. The tight loop above flatters every mode: a process woken after a pause and caches
+  cooled by the learner's work cost more than back-to-back steps do, in-process too.
+* **PPO learn()** (CartPole, 4096 steps, ``n_steps=512``): the learner's own number, steps per
+  second, env in process (``DummyVecEnv``), in a ``ForkableEnv`` and in ``SubprocVecEnv(1)``.
 
 Only gym_fork's public API is used, so the same script measures an older checkout too::
 
@@ -166,6 +172,76 @@ def bench_steps(env_id: str, n_steps: int, reps: int) -> dict:
         sub.close()
         inproc.close()
     return {k: {"median_us": med(v) * 1e6, "samples_us": [x * 1e6 for x in v]} for k, v in samples.items()}
+
+
+def busy_wait(seconds: float) -> None:
+    """The learner's work between steps (a policy's forward pass), as a busy loop."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def gap_loop(step: Callable, reset: Callable | None, actions: list, gap_s: float) -> float:
+    """Median seconds of one step when ``gap_s`` of learner work comes before each."""
+    out = []
+    with NoGC():
+        for a in actions:
+            busy_wait(gap_s)
+            t0 = time.perf_counter()
+            res = step(a)
+            out.append(time.perf_counter() - t0)
+            if reset is not None and (res[2] or res[3]):
+                reset()
+    return statistics.median(out)
+
+
+def bench_gap_steps(env_id: str, n_steps: int, reps: int, gap_s: float) -> dict:
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    acts = actions_for(env_id, n_steps + WARM_STEPS)
+    run_acts = acts[WARM_STEPS:]
+    inproc = make_plain(env_id)
+    fenv = gym_fork.ForkableEnv(env_id)
+    sub = SubprocVecEnv([lambda: make_plain(env_id)], start_method="forkserver")
+    samples: dict[str, list[float]] = {"inproc": [], "gym_fork": [], "subproc": []}
+    try:
+        warm(inproc, acts)
+        warm(fenv, acts)
+        sub.reset()
+        for _ in range(reps):
+            samples["inproc"].append(gap_loop(inproc.step, inproc.reset, run_acts, gap_s))
+            samples["gym_fork"].append(gap_loop(fenv.step, fenv.reset, run_acts, gap_s))
+            samples["subproc"].append(gap_loop(lambda a: sub.step(np.array([a])), None, run_acts, gap_s))
+    finally:
+        fenv.close()
+        sub.close()
+        inproc.close()
+    return {k: {"median_us": med(v) * 1e6, "samples_us": [x * 1e6 for x in v]} for k, v in samples.items()}
+
+
+def bench_ppo(env_id: str, total: int, reps: int) -> dict:
+    """PPO learn() steps per second with the env in process, in a ForkableEnv, in SubprocVecEnv(1)."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
+
+    makers = {
+        "inproc": lambda: DummyVecEnv([lambda: make_plain(env_id)]),
+        "gym_fork": lambda: gym_fork.ForkableEnv(env_id),
+        "subproc": lambda: SubprocVecEnv([lambda: make_plain(env_id)], start_method="forkserver"),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in makers}
+    for _ in range(reps):
+        for mode, make in makers.items():
+            env = make()
+            try:
+                model = PPO("MlpPolicy", env, n_steps=512, batch_size=64, n_epochs=4, device="cpu", seed=SEED)
+                model.learn(512)  # warm: the first rollout and update
+                t0 = time.perf_counter()
+                model.learn(total, reset_num_timesteps=False)
+                samples[mode].append(total / (time.perf_counter() - t0))
+            finally:
+                env.close()
+    return {k: {"median_steps_per_s": med(v), "samples": v} for k, v in samples.items()}
 
 
 def bench_vec(env_id: str, n_envs: int, n_steps: int, reps: int) -> dict | None:
@@ -434,6 +510,17 @@ def table(r: dict) -> list[list[str]]:
                      f"{max(d, 0):.0f} steps", "—",
                      f"branching {be['branch_s']:.2f} s; in-proc step {be['inproc_step_us']:.0f} µs",
                      "≤ 100 steps", "≤ 20 steps", verdict(d <= 100)])
+    gs = r.get("gap_steps")
+    if gs:
+        i, g, p = gs["inproc"]["median_us"], gs["gym_fork"]["median_us"], gs["subproc"]["median_us"]
+        rows.append([f"CartPole step after {r['gap_us']:.0f} µs of learner work", us(i), us(g), us(p),
+                     f"{rx(g, i)} in-proc, {rx(g, p)} Subproc; +{g - i:.0f} µs",
+                     "overhead ≤ 40 µs", "≤ 15 µs", verdict(g - i <= 40)])
+    pp = r.get("ppo")
+    if pp:
+        i, g, p = (pp[k]["median_steps_per_s"] for k in ("inproc", "gym_fork", "subproc"))
+        rows.append(["PPO CartPole learn(), steps/s", f"{i:.0f}", f"{g:.0f}", f"{p:.0f}",
+                     f"{rx(g, i)} in-proc, {rx(g, p)} Subproc", "—", "—", "—"])
     v = r.get("vec")
     if v:
         g, p = v["gym_fork"]["median_us"], v["subproc"]["median_us"]
@@ -467,8 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions (~40 s)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per cell (default 7, quick 3)")
-    ap.add_argument("--only", default="steps,snapshot,pong,break_even,vec",
-                    help="comma-separated parts: steps,snapshot,pong,break_even,vec")
+    ap.add_argument("--only", default="steps,gap,snapshot,pong,break_even,vec,ppo",
+                    help="comma-separated parts: steps,gap,snapshot,pong,break_even,vec,ppo")
+    ap.add_argument("--gap-us", type=float, default=300.0,
+                    help="learner work before each step in the 'gap' part, µs (default 300)")
     ap.add_argument("--json", dest="json_path", default=None, help="write all numbers to this file")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
@@ -482,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
         for env_id in ("CartPole-v1", "LunarLander-v3", "HalfCheetah-v5"):
             progress(f"steps {env_id}")
             r["steps"][env_id] = bench_steps(env_id, n_steps, reps)
+    if "gap" in parts:
+        progress(f"steps CartPole-v1 after {args.gap_us:.0f} µs of learner work")
+        r["gap_us"] = args.gap_us
+        r["gap_steps"] = bench_gap_steps("CartPole-v1", n_steps // 2, reps, args.gap_us * 1e-6)
     if "snapshot" in parts:
         for tier, ft in (("fork", True), ("criu", False)):
             progress(f"snapshot/restore LunarLander, {tier}")
@@ -496,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         progress("ForkableVecEnv")
         r["vec_n"] = 4
         r["vec"] = bench_vec("CartPole-v1", 4, n_steps // 2, reps)
+    if "ppo" in parts:
+        progress("PPO CartPole learn()")
+        r["ppo"] = bench_ppo("CartPole-v1", 1024 if args.quick else 4096, max(3, reps // 2))
     r["loadavg_end"] = list(os.getloadavg())
     print_md(table(r))
     print(f"\nmedians of {reps} repetitions; load average {r['loadavg_start'][0]:.2f} -> "

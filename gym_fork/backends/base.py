@@ -14,12 +14,13 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from typing import Any
 
 from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
-from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, send_fds, step_parts
+from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, SpinWait, send_fds, spin_cap, step_parts
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
 
@@ -111,6 +112,8 @@ class RemoteHandle(Handle):
         self._sync_steps = 0
         # steps take _step(): packed frames, no ring and none to be offered (the usual case)
         self._fast_steps = False
+        # how long _step polls for the reply before sleeping (only while steps come back fast)
+        self._spin = SpinWait(spin_cap("GYM_FORK_SPIN_US", 100))
 
     #: steps made through :meth:`request` before a ring is offered (when rings are wanted)
     RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "8"))
@@ -132,14 +135,16 @@ class RemoteHandle(Handle):
         """A step, as ``send("step", action)`` + ``receive()`` do it, without their general cases:
         the worker reads packed frames and there is no ring (one request and one reply on the
         socket; the reply is read in one system call where it is all there)."""
-        chan = self.chan
+        chan, spin = self.chan, self._spin
         self._cmd = "step"
+        t0 = time.perf_counter()
         try:
             chan.send_step(action)
             self._pending = True
-            reply = chan.recv_reply()
+            reply = chan.recv_reply(spin.budget)  # polls first where steps come back fast
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during 'step': {self.exit_status()}") from e
+        spin.observe(time.perf_counter() - t0)
         self._pending = False
         if reply[0] == OK:
             return reply[1]

@@ -51,7 +51,7 @@ os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import (  # noqa: E402
-    ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, reply_parts, send_fds)
+    ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, SpinWait, recv_fds, reply_parts, send_fds, spin_cap)
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files, fswatch  # noqa: E402
@@ -151,10 +151,18 @@ def serve(chan: Channel, server: EnvServer) -> None:
     requests are announced there and steps travel through it (:mod:`gym_fork.worker.ring`)."""
     ring: Ring | None = None
     step = server.cmd_step
+    # Poll for the next request before sleeping while requests follow replies fast (a learner
+    # stepping in a tight loop; SpinWait learns it): a wake-up costs more than CartPole's step.
+    spin, clock, replied = SpinWait(spin_cap("GYM_FORK_WORKER_SPIN_US", 500)), time.perf_counter, 0.0
     while True:
         try:
             if ring is None:
-                cmd, args = chan.recv()
+                if replied:
+                    cmd, args = chan.recv(spin.budget)
+                    spin.observe(clock() - replied)
+                    replied = 0.0
+                else:
+                    cmd, args = chan.recv()
                 in_ring = False
             else:
                 (cmd, args), in_ring = ring.wait_request(chan)
@@ -178,6 +186,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 return
             except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
                 chan.send(_error_reply(exc))
+            replied = clock()
             continue
         if cmd == "close":
             try:

@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from gym_fork.worker.channel import ERR, OK, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
+from gym_fork.worker.channel import (
+    ERR, OK, Channel, ChannelClosed, SpinWait, recv_fds, send_fds, socket_inode, spin_cap)
 
 HEADER = struct.Struct("!Q")  # the frame header: 8-byte big-endian payload length
 
@@ -167,3 +168,61 @@ def test_socket_inode_names_the_socket(pair):
     ino = socket_inode(a.fileno())
     assert ino == os.fstat(a.fileno()).st_ino
     assert ino != socket_inode(b.fileno())  # each end is its own socket inode
+
+
+# --- polling before sleeping (SpinWait) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.0002, 0.02])  # within the poll, just after it, long after
+def test_a_polling_read_gets_every_message_whether_it_comes_within_the_poll_or_after(pair, delay):
+    a, b = pair
+    tx, rx = Channel(a), Channel(b)
+
+    def later():
+        time.sleep(delay)
+        tx.send_step(np.int64(7))
+        tx.send((OK, "after"))
+
+    t = _in_thread(later)
+    assert rx.recv(0.001) == ("step", (np.int64(7),))
+    assert rx.recv_reply(0.001) == (OK, "after")
+    t.join()
+
+
+def test_a_peer_closing_while_the_reader_polls_is_channel_closed(pair):
+    a, b = pair
+    rx = Channel(b)
+    t = _in_thread(lambda: (time.sleep(0.001), a.close()))
+    with pytest.raises(ChannelClosed):
+        rx.recv_reply(0.05)
+    t.join()
+
+
+def test_spin_wait_polls_only_while_messages_come_fast_and_never_beyond_its_cap():
+    w = SpinWait(cap=100e-6)
+    assert w.budget == 0.0  # nothing seen yet: sleep
+    for _ in range(50):
+        w.observe(20e-6)
+    assert w.budget == pytest.approx(40e-6, rel=0.01)
+    for _ in range(50):
+        w.observe(90e-6)  # under the cap, but twice it is not
+    assert w.budget == pytest.approx(100e-6)
+    w.observe(10.0)  # the learner trained for 10 s: one long wait stops the polling at once
+    assert w.budget == 0.0
+    for _ in range(50):
+        w.observe(20e-6)
+    assert w.budget > 0.0  # and short waits bring it back
+    never = SpinWait(cap=0.0)
+    never.observe(1e-6)
+    assert never.budget == 0.0
+
+
+def test_spin_cap_reads_microseconds_and_falls_back_on_nonsense(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_SPIN_US", "0")
+    assert spin_cap("GYM_FORK_SPIN_US", 100) == 0.0
+    monkeypatch.setenv("GYM_FORK_SPIN_US", "250")
+    assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(250e-6)
+    monkeypatch.setenv("GYM_FORK_SPIN_US", "fast")
+    assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
+    monkeypatch.delenv("GYM_FORK_SPIN_US")
+    assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
