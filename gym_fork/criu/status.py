@@ -196,7 +196,11 @@ def _safe_comm(base: type) -> type:
     import struct
 
     class SafeBinComm(base):  # type: ignore[misc, valid-type]
+        _proc: Any = None
+
         def connect(self, daemon: bool) -> Any:
+            if not daemon:
+                return self._spawn()
             css = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
             os.set_inheritable(css[0].fileno(), True)
             self.daemon = daemon
@@ -219,6 +223,34 @@ def _safe_comm(base: type) -> type:
             self.swrk = struct.unpack("i", css[1].recv(4))[0]
             self.sk = css[1]
             return self.sk
+
+        def _spawn(self) -> Any:
+            # vfork + exec (subprocess), not fork: a fork copies the page tables of the whole
+            # learner (torch and all), several ms on a virtual machine, on every dump and restore
+            import subprocess
+
+            ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+            os.set_inheritable(theirs.fileno(), True)
+            try:
+                # close_fds=False: criu gets what the caller made inheritable (the images dir, the
+                # channels named in inherit_fd), as a fork + exec would give it
+                self._proc = subprocess.Popen(
+                    [self.comm, "swrk", str(theirs.fileno())], close_fds=False,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            self.swrk = self._proc.pid
+            self.sk = ours
+            return ours
+
+        def disconnect(self) -> None:
+            if self._proc is None:
+                return super().disconnect()
+            self.sk.close()
+            self._proc.wait()
 
     _SAFE_COMM = SafeBinComm
     return SafeBinComm

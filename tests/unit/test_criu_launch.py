@@ -87,3 +87,26 @@ def _state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+def test_criu_gets_exactly_the_descriptors_made_inheritable_and_is_reaped(tmp_path):
+    """criu is started with vfork + exec (no copy of the learner's page tables): it must still
+    get the descriptors a dump or restore hands it (images dir, inherit_fd channels: made
+    inheritable) and nothing else of ours, and be waited for."""
+    seen = tmp_path / "fds"
+    fake = tmp_path / "criu"
+    fake.write_text(f"#!/bin/sh\nls /proc/$$/fd > {seen}\nexit 3\n")
+    fake.chmod(0o700)
+    given = os.open(tmp_path, os.O_DIRECTORY)
+    private = os.open(tmp_path, os.O_DIRECTORY)
+    os.set_inheritable(given, True)
+    before = _children()
+    try:
+        with pytest.raises(Exception):  # criu exits without an answer
+            new_client(str(fake)).check()
+    finally:
+        os.close(given)
+        os.close(private)
+    fds = {int(x) for x in seen.read_text().split()}
+    assert given in fds and private not in fds
+    assert _children() == before
