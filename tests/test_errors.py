@@ -8,6 +8,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -213,6 +214,37 @@ def test_worker_restored_then_killed(env):
     os.kill(env.worker_pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError, match="SIGKILL"):
         env.step(0)
+
+
+class _SlowOnOne(gym.Env):
+    """Steps in microseconds, except action 1, which takes 0.5 s."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if action == 1:
+            time.sleep(0.5)
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+def test_worker_killed_while_the_controller_polls_for_its_reply_says_how():
+    e = gym_fork.ForkableEnv(_SlowOnOne)
+    try:
+        e.reset(seed=0)
+        for _ in range(200):  # fast steps: the controller polls before it sleeps
+            e.step(0)
+        assert e._handle._spin.budget > 0
+        killer = threading.Timer(0.05, os.kill, (e.worker_pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(WorkerDiedError, match="SIGKILL"):
+            e.step(1)
+        killer.join()
+    finally:
+        e.close()
 
 
 class _HoldsForeignSocket(gym.Env):
