@@ -50,7 +50,13 @@ _JOIN_MAX = 4096  # packed frames up to this size are joined and sent with one s
 
 
 def spin_cap(var: str, default_us: float) -> float:
-    """The polling cap in seconds from the environment variable ``var`` (microseconds; 0: never poll)."""
+    """The polling cap in seconds from the environment variable ``var`` (microseconds; 0: never
+    poll). 0 where this process may run on one CPU only: the peer could not answer while it polls."""
+    try:
+        if len(os.sched_getaffinity(0)) < 2:
+            return 0.0
+    except (AttributeError, OSError):
+        pass
     try:
         return max(0.0, float(os.environ.get(var, default_us))) * 1e-6
     except ValueError:

@@ -218,6 +218,7 @@ def test_spin_wait_polls_only_while_messages_come_fast_and_never_beyond_its_cap(
 
 
 def test_spin_cap_reads_microseconds_and_falls_back_on_nonsense(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("GYM_FORK_SPIN_US", "0")
     assert spin_cap("GYM_FORK_SPIN_US", 100) == 0.0
     monkeypatch.setenv("GYM_FORK_SPIN_US", "250")
@@ -226,3 +227,9 @@ def test_spin_cap_reads_microseconds_and_falls_back_on_nonsense(monkeypatch):
     assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
     monkeypatch.delenv("GYM_FORK_SPIN_US")
     assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
+
+
+def test_spin_cap_is_zero_on_a_single_cpu(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_SPIN_US", "250")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert spin_cap("GYM_FORK_SPIN_US", 100) == 0.0
