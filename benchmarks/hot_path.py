@@ -150,32 +150,6 @@ def plain_step_s(env: gym.Env, actions: list, n: int = 30) -> float:
 
 
 # --- rows ------------------------------------------------------------------------------------------
-def bench_steps(env_id: str, n_steps: int, reps: int) -> dict:
-    from stable_baselines3.common.vec_env import SubprocVecEnv
-
-    acts = actions_for(env_id, n_steps + WARM_STEPS)
-    run_acts = acts[WARM_STEPS:]
-    inproc = make_plain(env_id)
-    fenv = gym_fork.ForkableEnv(env_id)
-    sub = SubprocVecEnv([lambda: make_plain(env_id)], start_method="forkserver")
-    batches = [np.array([a]) for a in run_acts]
-    samples: dict[str, list[float]] = {"inproc": [], "gym_fork": [], "subproc": []}
-    try:
-        warm(inproc, acts)
-        warm(fenv, acts)
-        sub.reset()
-        vec_loop(sub, batches[:WARM_STEPS])
-        for _ in range(reps):
-            samples["inproc"].append(step_loop(inproc, run_acts))
-            samples["gym_fork"].append(step_loop(fenv, run_acts))
-            samples["subproc"].append(vec_loop(sub, batches))
-    finally:
-        fenv.close()
-        sub.close()
-        inproc.close()
-    return {k: {"median_us": med(v) * 1e6, "samples_us": [x * 1e6 for x in v]} for k, v in samples.items()}
-
-
 def busy_wait(seconds: float) -> None:
     """The learner's work between steps (a policy's forward pass), as a busy loop."""
     end = time.perf_counter() + seconds
@@ -197,7 +171,10 @@ def gap_loop(step: Callable, reset: Callable | None, actions: list, gap_s: float
     return statistics.median(out)
 
 
-def bench_gap_steps(env_id: str, n_steps: int, reps: int, gap_s: float) -> dict:
+def bench_steps(env_id: str, n_steps: int, reps: int, gap_s: float | None = None) -> dict:
+    """µs per step in process, in a ForkableEnv and in SubprocVecEnv(1), interleaved rep by rep:
+    back to back (``gap_s=None``: seconds per step over the whole loop) or with ``gap_s`` of
+    learner work before each step (the median step, timed alone)."""
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
     acts = actions_for(env_id, n_steps + WARM_STEPS)
@@ -205,15 +182,22 @@ def bench_gap_steps(env_id: str, n_steps: int, reps: int, gap_s: float) -> dict:
     inproc = make_plain(env_id)
     fenv = gym_fork.ForkableEnv(env_id)
     sub = SubprocVecEnv([lambda: make_plain(env_id)], start_method="forkserver")
+    batches = [np.array([a]) for a in run_acts]
     samples: dict[str, list[float]] = {"inproc": [], "gym_fork": [], "subproc": []}
     try:
         warm(inproc, acts)
         warm(fenv, acts)
         sub.reset()
+        vec_loop(sub, batches[:WARM_STEPS])
         for _ in range(reps):
-            samples["inproc"].append(gap_loop(inproc.step, inproc.reset, run_acts, gap_s))
-            samples["gym_fork"].append(gap_loop(fenv.step, fenv.reset, run_acts, gap_s))
-            samples["subproc"].append(gap_loop(lambda a: sub.step(np.array([a])), None, run_acts, gap_s))
+            if gap_s is None:
+                samples["inproc"].append(step_loop(inproc, run_acts))
+                samples["gym_fork"].append(step_loop(fenv, run_acts))
+                samples["subproc"].append(vec_loop(sub, batches))
+            else:
+                samples["inproc"].append(gap_loop(inproc.step, inproc.reset, run_acts, gap_s))
+                samples["gym_fork"].append(gap_loop(fenv.step, fenv.reset, run_acts, gap_s))
+                samples["subproc"].append(gap_loop(sub.step, None, batches, gap_s))
     finally:
         fenv.close()
         sub.close()
@@ -586,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     if "gap" in parts:
         progress(f"steps CartPole-v1 after {args.gap_us:.0f} µs of learner work")
         r["gap_us"] = args.gap_us
-        r["gap_steps"] = bench_gap_steps("CartPole-v1", n_steps // 2, reps, args.gap_us * 1e-6)
+        r["gap_steps"] = bench_steps("CartPole-v1", n_steps // 2, reps, args.gap_us * 1e-6)
     if "snapshot" in parts:
         for tier, ft in (("fork", True), ("criu", False)):
             progress(f"snapshot/restore LunarLander, {tier}")
