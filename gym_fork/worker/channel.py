@@ -57,9 +57,16 @@ def spin_cap(var: str, default_us: float) -> float:
             return 0.0
     except (AttributeError, OSError):
         pass
+    raw = os.environ.get(var)
+    if raw is None:
+        return default_us * 1e-6
     try:
-        return max(0.0, float(os.environ.get(var, default_us))) * 1e-6
+        return max(0.0, float(raw)) * 1e-6
     except ValueError:
+        import warnings
+
+        warnings.warn(f"{var}={raw!r} is not a number of microseconds; using {default_us:g} "
+                      f"(set it to 0 to turn polling off)", RuntimeWarning, stacklevel=2)
         return default_us * 1e-6
 
 

@@ -217,14 +217,15 @@ def test_spin_wait_polls_only_while_messages_come_fast_and_never_beyond_its_cap(
     assert never.budget == 0.0
 
 
-def test_spin_cap_reads_microseconds_and_falls_back_on_nonsense(monkeypatch):
+def test_spin_cap_reads_microseconds_and_warns_on_nonsense(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("GYM_FORK_SPIN_US", "0")
     assert spin_cap("GYM_FORK_SPIN_US", 100) == 0.0
     monkeypatch.setenv("GYM_FORK_SPIN_US", "250")
     assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(250e-6)
     monkeypatch.setenv("GYM_FORK_SPIN_US", "fast")
-    assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
+    with pytest.warns(RuntimeWarning, match="GYM_FORK_SPIN_US='fast' is not a number"):
+        assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
     monkeypatch.delenv("GYM_FORK_SPIN_US")
     assert spin_cap("GYM_FORK_SPIN_US", 100) == pytest.approx(100e-6)
 
