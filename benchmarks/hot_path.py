@@ -21,10 +21,12 @@ hits them alike):
 * **Pong**: ALE's own ``cloneState()`` / ``restoreState()`` in one process vs a fork-tier
   ``restore()`` (+ step − step); 16 closed-loop branches x 100 steps from depth 300: a native
   restore loop in one process (``restoreState`` + 100 ``env.step`` per branch, the policy
-  called on every observation) vs ``snapshot()`` + ``gym_fork.explore()``.
+  called on every observation) vs ``snapshot()`` + ``gym_fork.explore()``, with the policy in
+  the learner (a round trip per step) and inside the branches' workers (``policy_in_worker=True``).
 * **break-even depth** (LunarLander, 16 closed-loop branches x 100 steps): the prefix depth D
   above which branching from a snapshot beats replaying ``reset(seed) + D + 100`` steps per
-  branch in process, from the measured costs: D* = (T_branch / 16 - t_reset) / t_step - 100.
+  branch in process, from the measured costs: D* = (T_branch / 16 - t_reset) / t_step - 100;
+  also with the policy inside the workers.
 * **ForkableVecEnv(4)** (CartPole): µs per batch step vs ``SubprocVecEnv(4)``.
 * **step between policy calls** (CartPole, ``--gap-us`` of learner work, default 300 µs, before
   each step -- an SB3 ``MlpPolicy`` forward pass costs about that here): µs per step, the step
@@ -328,6 +330,32 @@ class Planned:
         return self.branches[i][t]
 
 
+class Replay:
+    """:class:`Planned` for one branch, as a policy run inside that branch's worker
+    (``explore(..., policy_in_worker=True)``): it too looks at every observation."""
+
+    def __init__(self, actions: list):
+        self.actions, self.t = actions, 0
+
+    def __call__(self, obs: Any) -> Any:
+        _ = obs[0]
+        self.t += 1
+        return self.actions[self.t - 1]
+
+
+def in_worker_supported() -> bool:
+    """Whether the gym_fork measured has ``explore(..., policy_in_worker=True)`` (an older
+    checkout measured with this script has not: its rows stay empty)."""
+    import inspect
+
+    return "policy_in_worker" in inspect.signature(gym_fork.explore).parameters
+
+
+def explore_in_workers(fenv: Any, snap: Any, branches: list) -> None:
+    gym_fork.explore(fenv, snap, [Replay(b) for b in branches], n_branches=len(branches), horizon=H,
+                     rng="same", stop_at_done=False, progress=False, policy_in_worker=True)
+
+
 def bench_pong(reps: int) -> dict:
     env_id = "ALE/Pong-v5"
     rng = np.random.default_rng(1)
@@ -385,17 +413,25 @@ def bench_pong(reps: int) -> dict:
                              stop_at_done=False, progress=False)
             snap.release()
 
+        def forked_in_workers() -> None:
+            snap = fenv.snapshot()
+            explore_in_workers(fenv, snap, branches)
+            snap.release()
+
         obs0 = warm(plain, prefix, PONG_DEPTH)
         st0 = ale.cloneState()
-        nat, frk = [], []
+        nat, frk, frw = [], [], []
+        modes = [(native, nat), (forked, frk)] + ([(forked_in_workers, frw)] if in_worker_supported() else [])
         for _ in range(reps):
-            for fn, xs in ((native, nat), (forked, frk)):
+            for fn, xs in modes:
                 with NoGC():
                     t0 = time.perf_counter()
                     fn()
                     xs.append(time.perf_counter() - t0)
         out["native_branches_s"], out["explore_branches_s"] = med(nat), med(frk)
         out["native_samples_s"], out["explore_samples_s"] = nat, frk
+        if frw:
+            out["explore_in_workers_s"], out["explore_in_workers_samples_s"] = med(frw), frw
     finally:
         fenv.close()
         plain.close()
@@ -411,7 +447,7 @@ def bench_break_even(reps: int) -> dict:
     fenv = forkable(env_id, fork_tier=True)
     try:
         warm(fenv, prefix, WARM_STEPS)
-        branch_t = []
+        branch_t, branch_w = [], []
         for _ in range(reps):
             with NoGC():
                 t0 = time.perf_counter()
@@ -420,6 +456,13 @@ def bench_break_even(reps: int) -> dict:
                                  stop_at_done=False, progress=False)
                 branch_t.append(time.perf_counter() - t0)
             snap.release()
+            if in_worker_supported():
+                with NoGC():
+                    t0 = time.perf_counter()
+                    snap = fenv.snapshot()
+                    explore_in_workers(fenv, snap, branches)
+                    branch_w.append(time.perf_counter() - t0)
+                snap.release()
         reset_t, step_t = [], []
         for _ in range(reps):
             with NoGC():
@@ -440,8 +483,13 @@ def bench_break_even(reps: int) -> dict:
         plain.close()
     tb, tr, ts = med(branch_t), med(reset_t), med(step_t)
     depth = (tb / K - tr) / ts - H
-    return {"branch_s": tb, "reset_ms": tr * 1e3, "inproc_step_us": ts * 1e6, "break_even_depth": depth,
-            "branch_samples_s": branch_t}
+    out = {"branch_s": tb, "reset_ms": tr * 1e3, "inproc_step_us": ts * 1e6, "break_even_depth": depth,
+           "branch_samples_s": branch_t}
+    if branch_w:
+        out["branch_in_workers_s"] = med(branch_w)
+        out["break_even_depth_in_workers"] = (med(branch_w) / K - tr) / ts - H
+        out["branch_in_workers_samples_s"] = branch_w
+    return out
 
 
 # --- table -----------------------------------------------------------------------------------------
@@ -499,6 +547,11 @@ def table(r: dict) -> list[list[str]]:
         rows.append([f"Pong: {K} closed-loop branches x {H} steps from depth {PONG_DEPTH}",
                      f"native restore loop {n:.2f} s", f"explore() {e:.2f} s", "—",
                      f"{n / e:.2f}× faster than native", "≥ 1.5× faster", "—", verdict(n / e >= 1.5)])
+        w = pg.get("explore_in_workers_s")
+        if w:
+            rows.append(["Pong: the same, the policy in the workers (policy_in_worker=True)",
+                         f"native restore loop {n:.2f} s", f"explore() {w:.2f} s", "—",
+                         f"{n / w:.2f}× faster than native", "≥ 1.5× faster", "—", verdict(n / w >= 1.5)])
     be = r.get("break_even")
     if be:
         d = be["break_even_depth"]
@@ -506,6 +559,11 @@ def table(r: dict) -> list[list[str]]:
                      f"{max(d, 0):.0f} steps", "—",
                      f"branching {be['branch_s']:.2f} s; in-proc step {be['inproc_step_us']:.0f} µs",
                      "≤ 100 steps", "≤ 20 steps", verdict(d <= 100)])
+        dw = be.get("break_even_depth_in_workers")
+        if dw is not None:
+            rows.append(["Break-even depth, the policy in the workers (policy_in_worker=True)", "—",
+                         f"{max(dw, 0):.0f} steps", "—", f"branching {be['branch_in_workers_s']:.2f} s",
+                         "≤ 100 steps", "≤ 20 steps", verdict(dw <= 100)])
     gs = r.get("gap_steps")
     if gs:
         i, g, p = gs["inproc"]["median_us"], gs["gym_fork"]["median_us"], gs["subproc"]["median_us"]

@@ -87,6 +87,13 @@ class WorkerError(GymForkError):
         self.remote_traceback = remote_traceback
 
 
+class PolicyError(GymForkError):
+    """A policy run inside the env's worker (``rollout(policy=...)``,
+    ``explore(..., policy_in_worker=True)``) raised. It arrives as a :class:`WorkerError` that is
+    also a PolicyError; the message names the step and the policy's exception, and
+    ``remote_traceback`` holds both tracebacks. The worker and the env are unchanged by it."""
+
+
 class CriuError(GymForkError):
     """CRIU itself failed; the message quotes the end of its log."""
 

@@ -15,7 +15,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from gym_fork.errors import EnvNotShippableError
+from gym_fork.errors import EnvNotShippableError, PolicyError
 from gym_fork.worker import checker, files, fswatch, mounts, refs, registry
 from gym_fork.worker.channel import PACKED_VERSION
 
@@ -80,6 +80,25 @@ def make_source(env: Any, env_kwargs: dict | None = None, wrappers: Any = None) 
     return ("registered", regs, source) if regs else source
 
 
+def pickle_policy(policy: Any) -> bytes:
+    """``policy`` (a callable ``obs -> action``) as bytes the worker unpickles into its own copy
+    (:meth:`EnvServer.cmd_policy_rollout`). Raises TypeError naming what to pass instead."""
+    if hasattr(policy, "predict") and hasattr(policy, "policy"):
+        raise TypeError(
+            "a Stable-Baselines3 model cannot run inside the env's worker (it would import torch into "
+            "every copy); run it in the learner, batched: explore(env, snap, model) without "
+            "policy_in_worker=True")
+    if not callable(policy):
+        raise TypeError(f"policy must be a callable obs -> action, not {type(policy).__name__}")
+    try:
+        return cloudpickle.dumps(policy)
+    except Exception as e:  # noqa: BLE001 - any pickling failure means the same thing here
+        raise TypeError(
+            f"cannot send the policy {policy!r} to the worker process ({type(e).__name__}: {e}). Use a "
+            "module-level function, a lambda or an object that pickles (closing over picklable values "
+            "only), or run the policy in the learner (policy_in_worker=False).") from e
+
+
 def _source(env: Any, env_kwargs: dict | None) -> EnvSource:
     if isinstance(env, str):
         return ("id", env, dict(env_kwargs or {}))
@@ -136,6 +155,7 @@ class EnvServer:
         self.last_obs: Any = None
         self.last_info: dict = {}
         self.steps = 0  # steps since the last reset
+        self.rollout_actions: list = []  # the steps the latest rollout completed
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
         method: Callable | None = getattr(self, "cmd_" + cmd, None)
@@ -153,11 +173,34 @@ class EnvServer:
     def cmd_rollout(self, actions: list, stop_at_done: bool) -> dict:
         """Step through ``actions`` here in the worker: one round trip for a whole open-loop
         branch. At an episode end it stops, or (``stop_at_done=False``) resets and goes on."""
+        queued = iter(actions)
+        return self._rollout(lambda _obs: next(queued), len(actions), stop_at_done)
+
+    def cmd_policy_rollout(self, policy_blob: bytes, steps: int, stop_at_done: bool) -> dict:
+        """Run a closed-loop branch here in the worker: ``policy(obs) -> action`` (cloudpickled by
+        the controller, unpickled into this process's own copy) picks every action from the
+        observation it sees, for up to ``steps`` steps -- no round trip per step. The reply also
+        says which ``actions`` the policy took, so the controller's action log stays exact."""
+        policy = cloudpickle.loads(policy_blob)
+        return self._rollout(policy, steps, stop_at_done)
+
+    def _rollout(self, choose: Callable[[Any], Any], steps: int, stop_at_done: bool) -> dict:
+        # kept on self: when the policy or the env raises midway, the controller asks for them
+        # (cmd_rollout_progress) so that its step count and action log match what happened
+        self.rollout_actions = actions = []
         rewards: list[float] = []
         done: tuple[bool, bool] = (False, False)
         obs, info = self.last_obs, self.last_info
-        for a in actions:
+        seen = obs  # what the policy decides from: after an auto-reset, the new episode's start
+        for t in range(steps):
+            try:
+                a = choose(seen)
+            except Exception as e:  # noqa: BLE001 - said as the policy's, not the env's
+                raise PolicyError(f"the policy raised {type(e).__name__}: {e} (at step {t} of the rollout, "
+                                  "inside the env's worker)") from e
             obs, r, term, trunc, info = self.cmd_step(a)
+            actions.append(a)
+            seen = obs
             rewards.append(float(r))
             if term or trunc:
                 done = (bool(term), bool(trunc))
@@ -165,8 +208,14 @@ class EnvServer:
                     break
                 self.last_obs, self.last_info = self.env.reset()
                 self.steps = 0
+                seen = self.last_obs
+        # final_obs / final_info: the last step's, also when that step ended an episode
         return {"rewards": rewards, "terminated": done[0], "truncated": done[1], "final_obs": obs,
-                "final_info": info, "steps": self.steps}
+                "final_info": info, "steps": self.steps, "actions": actions}
+
+    def cmd_rollout_progress(self) -> dict:
+        """After a rollout raised: the actions whose steps completed and the step count now."""
+        return {"actions": list(self.rollout_actions), "steps": self.steps}
 
     def cmd_reset(self, seed: int | None, options: dict | None) -> tuple:
         obs, info = self.env.reset(seed=seed, options=options)

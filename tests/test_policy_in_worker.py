@@ -1,0 +1,206 @@
+"""Closed-loop branches whose policy runs inside the env's worker: ``ForkableEnv.rollout(policy=)``
+and ``explore(..., policy_in_worker=True)`` must equal the same policy run here, step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import same
+
+import gym_fork
+from gym_fork.errors import PolicyError, WorkerError
+
+
+def lean(obs) -> int:
+    """A deterministic closed-loop CartPole policy: push towards where the pole leans (it drops the
+    pole after ~40 steps, so branches cross episode ends)."""
+    return int(obs[2] > 0)
+
+
+class Noisy:
+    """A stochastic policy with its own generator (one per branch)."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, obs) -> int:
+        return int(self.rng.random() < 0.5 + 0.4 * np.tanh(obs[2] * 10))
+
+
+class FailsAt:
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, obs) -> int:
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyError("no action for this state")
+        return 0
+
+
+def stepped(env, policy, steps: int, stop_at_done: bool) -> dict:
+    """The rollout, one ``step()`` call per action, the policy run here."""
+    actions, rewards, ended, last = [], [], (False, False), None
+    obs = env._request("last")[0]  # the observation the env last returned
+    for _ in range(steps):
+        a = policy(obs)
+        actions.append(a)
+        last = env.step(a)
+        rewards.append(float(last[1]))
+        obs = last[0]
+        if last[2] or last[3]:
+            ended = (bool(last[2]), bool(last[3]))
+            if stop_at_done:
+                break
+            obs, _ = env.reset()
+    return {"actions": actions, "rewards": rewards, "terminated": ended[0], "truncated": ended[1],
+            "final_obs": last[0], "final_info": last[4], "steps": env.steps}
+
+
+@pytest.mark.parametrize("stop_at_done", [True, False])
+def test_rollout_with_a_policy_in_the_worker_equals_stepping_it_here(stop_at_done):
+    env = gym_fork.make("LunarLander-v3")
+    try:
+        env.reset(seed=3)
+        root = env.snapshot()
+
+        def policy(obs):  # closes over a value; the worker gets its own copy
+            return int(np.argmax(np.abs(obs[:4]))) % 4
+
+        fast = env.rollout(policy=policy, steps=400, stop_at_done=stop_at_done)
+        after_fast = env.step(1)
+        snap_fast = env.snapshot()
+        env.restore(root)
+        slow = stepped(env, policy, 400, stop_at_done)
+        after_slow = env.step(1)
+        snap_slow = env.snapshot()
+        assert fast.keys() == slow.keys()
+        for key in fast:
+            assert same(fast[key], slow[key]), key
+        assert same(after_fast, after_slow)  # the env went on from the same state
+        assert snap_fast.steps == snap_slow.steps and snap_fast.actions == snap_slow.actions
+        assert snap_fast.parent_id == snap_slow.parent_id
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("fork_tier", [True, False])
+@pytest.mark.parametrize("stop_at_done", [True, False])
+def test_explore_with_the_policy_in_the_workers_equals_the_learner_side_loop(fork_tier, stop_at_done):
+    env = gym_fork.make("CartPole-v1", fork_tier=fork_tier)
+    try:
+        env.reset(seed=0)
+        for _ in range(5):
+            env.step(0)
+        root = env.snapshot()
+        here = gym_fork.explore(env, root, lean, n_branches=3, horizon=300, rng="same", stop_at_done=stop_at_done,
+                                return_snapshots=True)
+        there = gym_fork.explore(env, root, lean, n_branches=3, horizon=300, rng="same",
+                                 stop_at_done=stop_at_done, return_snapshots=True, policy_in_worker=True)
+        for a, b in zip(here.branches, there.branches):
+            assert a.actions == b.actions and a.rewards == b.rewards and a.length > 9
+            assert (a.terminated, a.truncated) == (b.terminated, b.truncated)
+            assert same(a.final_obs, b.final_obs) and same(a.final_info, b.final_info)
+            assert a.snapshot.steps == b.snapshot.steps and a.snapshot.actions == b.snapshot.actions
+            ka, kb = env.fork(a.snapshot, 1)[0], env.fork(b.snapshot, 1)[0]
+            try:  # the branches' end states are the same states
+                assert same(ka.step(1), kb.step(1))
+            finally:
+                ka.close()
+                kb.close()
+        if not stop_at_done:  # the policy went on from the reset observation after episode ends
+            assert all(b.length == 300 for b in there.branches) and there.branches[0].terminated
+    finally:
+        env.close()
+
+
+def test_one_policy_per_branch_each_with_its_own_generator():
+    env = gym_fork.make("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        runs = [gym_fork.explore(env, root, [Noisy(s) for s in range(4)], n_branches=4, horizon=40, rng="same",
+                                 policy_in_worker=True) for _ in range(2)]
+        assert [b.actions for b in runs[0].branches] == [b.actions for b in runs[1].branches]  # reproducible
+        assert len({tuple(b.actions) for b in runs[0].branches}) == 4  # and different per branch
+        shared = Noisy(7)
+        before = shared.rng.bit_generator.state
+        one = gym_fork.explore(env, root, shared, n_branches=3, horizon=40, rng="same", policy_in_worker=True)
+        # one policy object: every branch steps its own copy of it, so all draw the same numbers,
+        # and the learner's object is not advanced
+        assert len({tuple(b.actions) for b in one.branches}) == 1
+        assert shared.rng.bit_generator.state == before
+    finally:
+        env.close()
+
+
+def test_a_policy_that_raises_in_the_worker_says_so_and_the_env_accounts_for_the_steps_taken():
+    env = gym_fork.make("CartPole-v1")
+    ref = gym_fork.make("CartPole-v1")
+    try:
+        for e in (env, ref):
+            e.reset(seed=1)
+        root = env.snapshot()
+        with pytest.raises(PolicyError, match=r"KeyError: 'no action for this state' \(at step 6") as info:
+            env.rollout(policy=FailsAt(7), steps=50)
+        assert isinstance(info.value, WorkerError)
+        assert 'raise KeyError("no action for this state")' in info.value.remote_traceback  # the policy's line
+        for _ in range(6):
+            ref.step(0)
+        assert env.steps == 6 and env.snapshot().actions == [0] * 6  # the 6 steps it did take
+        assert same(env.step(1), ref.step(1))  # and the env is where those 6 steps left it
+        with pytest.raises(PolicyError, match="at step 2"):
+            gym_fork.explore(env, root, [FailsAt(99), FailsAt(3)], n_branches=2, horizon=20,
+                             policy_in_worker=True)
+        assert env.steps == 7  # explore never touches the env itself
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_policies_that_cannot_run_in_the_worker_are_refused_before_anything_runs():
+    import threading
+
+    from stable_baselines3 import PPO
+
+    env = gym_fork.make("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        lock = threading.Lock()
+        with pytest.raises(TypeError, match="cannot send the policy .* to the worker process"):
+            env.rollout(policy=lambda obs: 0 if lock else 1, steps=5)
+        with pytest.raises(TypeError, match="policy must be a callable"):
+            env.rollout(policy=3, steps=5)
+        with pytest.raises(ValueError, match="needs steps=N"):
+            env.rollout(policy=lean)
+        with pytest.raises(ValueError, match="either open-loop `actions` or a `policy`"):
+            env.rollout([0, 1], policy=lean, steps=2)
+        with pytest.raises(ValueError, match="`steps` goes with a `policy`"):
+            env.rollout([0, 1], steps=2)
+        model = PPO("MlpPolicy", "CartPole-v1", n_steps=64)
+        with pytest.raises(TypeError, match="Stable-Baselines3 model cannot run inside"):
+            gym_fork.explore(env, None, model, n_branches=2, horizon=5, policy_in_worker=True)
+        with pytest.raises(ValueError, match="one per branch \\(3\\), got 2"):
+            gym_fork.explore(env, None, [lean, lean], n_branches=3, horizon=5, policy_in_worker=True)
+        with pytest.raises(ValueError, match="needs a policy"):
+            gym_fork.explore(env, None, None, n_branches=2, horizon=5, actions=[[0], [1]], policy_in_worker=True)
+        assert env.steps == 0  # nothing ran
+        env.step(0)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("fork_tier", [True, False])
+def test_when_one_branch_fails_explore_stops_the_others_instead_of_waiting_for_them(fork_tier):
+    env = gym_fork.make("CartPole-v1", fork_tier=fork_tier)
+    try:
+        env.reset(seed=1)
+        # the other branches would step for hours (10**9 steps, auto-resetting): the test ends
+        # only if explore() stops them when branch 0's policy raises, rather than waiting
+        with pytest.raises(PolicyError) as info:
+            gym_fork.explore(env, None, [FailsAt(2), FailsAt(0), FailsAt(0)], n_branches=3, horizon=10**9,
+                             stop_at_done=False, policy_in_worker=True, progress=False)
+        assert "(in explore()'s branch 0)" in info.value.__notes__
+        assert env.step(0)[0].shape == (4,) and env.steps == 1  # the env itself is untouched
+    finally:
+        env.close()
