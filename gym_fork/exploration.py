@@ -179,6 +179,12 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
     return ExploreResult(root, branches, time.perf_counter() - t0)
 
 
+def check_in_worker_policy(policy: Any, n_branches: int) -> None:
+    """Raise what :func:`explore` with ``policy_in_worker=True`` would, before anything starts
+    (for callers that ship the policy elsewhere first, such as the Ray pool)."""
+    _per_branch(policy, n_branches)
+
+
 def _per_branch(policy: Any, n_branches: int) -> list[bytes]:
     """The pickled policy of every branch (one pickle when all branches share one policy)."""
     if isinstance(policy, (list, tuple)):

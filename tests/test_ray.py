@@ -136,6 +136,37 @@ def test_branches_bit_identical_on_every_node(pool, lander):
         assert i["roots"] == [snap.id]
 
 
+class Offset:
+    """A per-branch closed-loop policy (for ``policy_in_worker=True``)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, obs) -> int:
+        return (crc_policy(obs) + self.k) % 4
+
+
+def test_policy_in_the_workers_gives_the_local_branches_on_every_node(pool, lander):
+    env, snap = lander
+    seeds = [21, 22, 23, 24]
+    policies = [Offset(k) for k in range(4)]
+    local = gym_fork.explore(env, snap, policies, n_branches=4, horizon=60, rng="reseed", seeds=seeds,
+                             policy_in_worker=True)
+    remote = pool.explore(snap, policies, n_branches=4, horizon=60, rng="reseed", seeds=seeds,
+                          branches_per_call=1, policy_in_worker=True)
+    assert set(remote.node_of.values()) == set(pool.nodes) and not remote.failed
+    for a, b in zip(remote.branches, local.branches):
+        assert_same_branch(a, b)
+    # and the same as the learner-side loop with branch i's policy
+    here = gym_fork.explore(env, snap, Offset(2), n_branches=1, horizon=60, rng="reseed", seeds=[23])
+    here.branches[0].index = 2
+    assert_same_branch(remote.branches[2], here.branches[0])
+    with pytest.raises(ValueError, match="cannot be combined with policy_in_worker"):
+        pool.explore(snap, policies, n_branches=4, horizon=5, record_obs=True, policy_in_worker=True)
+    with pytest.raises(TypeError, match="needs policy_in_worker=True"):
+        pool.explore(snap, policies, n_branches=4, horizon=5)
+
+
 def test_sb3_policy_weights_shipped(pool):
     sb3 = pytest.importorskip("stable_baselines3")
     env = gym_fork.make("CartPole-v1")

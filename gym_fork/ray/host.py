@@ -263,12 +263,10 @@ class BranchHost:
             mod, cls, data = obj
             model_cls = getattr(importlib.import_module(mod), cls)
             p = model_cls.load(io.BytesIO(data), device="cpu")
-        elif type(obj).__name__ == "_Pickled":
-            import cloudpickle
-
-            p = cloudpickle.loads(obj.data)
+        elif isinstance(obj, list):  # one per branch
+            p = [_unpickled(x) for x in obj]
         else:
-            p = obj
+            p = _unpickled(obj)
         with self._lock:
             self._policies[k] = p
             while len(self._policies) > 4:
@@ -277,7 +275,8 @@ class BranchHost:
 
     # --- branches -------------------------------------------------------------------------------
     def run(self, key: str, refs: list, policy: tuple, indices: list[int], seeds: list[int] | None,
-            horizon: int, rng: str, stop_at_done: bool, deterministic: bool, record_obs: bool = False) -> dict:
+            horizon: int, rng: str, stop_at_done: bool, deterministic: bool, record_obs: bool = False,
+            policy_in_worker: bool = False) -> dict:
         """Run the branches ``indices`` (their seeds) from snapshot ``key``; same semantics as
         :func:`gym_fork.explore` on this node's restored copy."""
         from gym_fork.exploration import explore
@@ -288,11 +287,13 @@ class BranchHost:
             t0 = time.perf_counter()
             root = self._root(key, refs)
             pol = self._policy(policy)
+            if isinstance(pol, list):  # one policy per branch: these branches' own
+                pol = [pol[i] for i in indices]
             rec = _Recorder(pol, deterministic) if record_obs else None
             t1 = time.perf_counter()
             res = explore(root.env, root.fork_snap, rec or pol, n_branches=len(indices), horizon=horizon,
                           rng=rng, seeds=seeds, stop_at_done=stop_at_done, deterministic=deterministic,
-                          progress=False)
+                          progress=False, policy_in_worker=policy_in_worker)
             t2 = time.perf_counter()
             if rec is not None:  # the observation each action was chosen for, per branch
                 for b in res.branches:
@@ -320,6 +321,15 @@ class BranchHost:
             except Exception:  # noqa: BLE001 - best effort; the directory goes below anyway
                 pass
         shutil.rmtree(self.session, ignore_errors=True)
+
+
+def _unpickled(obj: Any) -> Any:
+    """A policy as the driver shipped it: cloudpickled by value (``pool._Pickled``) or as is."""
+    if type(obj).__name__ == "_Pickled":
+        import cloudpickle
+
+        return cloudpickle.loads(obj.data)
+    return obj
 
 
 class _Recorder:

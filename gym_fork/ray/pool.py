@@ -27,7 +27,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from gym_fork.exploration import ExploreResult
+from gym_fork.exploration import ExploreResult, check_in_worker_policy
 from gym_fork.env import check_rng
 from gym_fork.errors import BranchesFailedError
 from gym_fork.ray.errors import cause, first_line
@@ -173,7 +173,8 @@ class RayBranchPool:
                 rng: Literal["same", "reseed"] = "reseed", seeds: Sequence[int] | None = None,
                 stop_at_done: bool = True, deterministic: bool = False,
                 branches_per_call: int | None = None, max_in_flight: int | None = None,
-                on_error: Literal["raise", "return"] = "raise", record_obs: bool = False) -> PoolExploreResult:
+                on_error: Literal["raise", "return"] = "raise", record_obs: bool = False,
+                policy_in_worker: bool = False) -> PoolExploreResult:
         """:func:`gym_fork.explore` over the cluster: the same arguments, the same branches.
 
         Branch ``i`` runs exactly as local ``explore``'s branch ``i`` would (same snapshot, same
@@ -192,6 +193,9 @@ class RayBranchPool:
                 ``result.failed`` listing the others.
             record_obs: also return, as ``branch.observations``, the observation each action
                 was chosen for (what :class:`gym_fork.sb3.BranchExplorationCallback` needs).
+            policy_in_worker: as for :func:`gym_fork.explore`: the policy (a picklable callable,
+                or a list of ``n_branches`` of them) runs inside each branch's worker on its node,
+                one round trip per branch instead of one per step.
         """
         if self._closed:
             raise RuntimeError("this RayBranchPool was closed")
@@ -200,6 +204,13 @@ class RayBranchPool:
         check_rng(rng, seeds, n_branches, "n_branches")
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
+        if policy_in_worker:
+            if record_obs:
+                raise ValueError("record_obs=True records what the learner-side policy was asked; "
+                                 "it cannot be combined with policy_in_worker=True")
+            check_in_worker_policy(policy, n_branches)
+        elif isinstance(policy, (list, tuple)):
+            raise TypeError("a list of policies (one per branch) needs policy_in_worker=True")
         nodes = self.nodes
         if not nodes:
             raise RuntimeError(f"no host of this pool is alive: {self._dead}")
@@ -221,7 +232,7 @@ class RayBranchPool:
         def submit(node: str, idx: list[int]) -> None:
             sd = None if seeds is None else [int(seeds[i]) for i in idx]
             call = self._hosts[node].run.remote(snapshot.id, [ref], pol, idx, sd, horizon, rng,
-                                                stop_at_done, deterministic, record_obs)
+                                                stop_at_done, deterministic, record_obs, policy_in_worker)
             pending[call] = (node, idx, time.perf_counter())
 
         def fail(node: str, idx: list[int], why: str) -> None:
@@ -279,6 +290,8 @@ class RayBranchPool:
         return result
 
     def _ship_policy(self, policy: Any) -> tuple:
+        if isinstance(policy, (list, tuple)):  # one per branch (policy_in_worker=True, checked)
+            return ("callable", [ray.put([_by_value(p) for p in policy])])
         if hasattr(policy, "predict") and hasattr(policy, "policy") and hasattr(policy, "save"):
             buf = io.BytesIO()
             policy.save(buf)
