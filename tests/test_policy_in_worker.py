@@ -204,3 +204,39 @@ def test_when_one_branch_fails_explore_stops_the_others_instead_of_waiting_for_t
         assert env.step(0)[0].shape == (4,) and env.steps == 1  # the env itself is untouched
     finally:
         env.close()
+
+
+def test_a_worker_stops_its_long_rollout_when_its_controller_dies():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys, time, gym_fork\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_policy_in_worker import FailsAt\n"
+        "env = gym_fork.make('CartPole-v1', fork_tier=False)\n"
+        "env.reset(seed=0)\n"
+        "env.rollout_send(policy=FailsAt(0), steps=10**9, stop_at_done=False)  # hours of steps\n"
+        "print(env.worker_pid, flush=True)\n"
+        "time.sleep(0.3)\n"
+        "os._exit(0)  # the controller dies mid-rollout\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout.split()[0])
+
+    def running() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    for _ in range(200):  # it looks every 64 steps (~1 ms here) whether anyone still waits
+        if not running():
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the worker went on with its rollout after its controller died")

@@ -147,6 +147,14 @@ def _refuse_ezpickle_instance(env: gym.Env) -> None:
         layer = layer.env
 
 
+#: a rollout looks every this many steps whether its controller is still waiting (one select())
+ABANDON_CHECK_EVERY = 64
+
+
+class RolloutAbandoned(Exception):
+    """The controller closed the channel (or asked to retire) while a rollout ran: it ends."""
+
+
 class EnvServer:
     """Executes protocol commands on one env and remembers the latest (obs, info)."""
 
@@ -156,6 +164,9 @@ class EnvServer:
         self.last_info: dict = {}
         self.steps = 0  # steps since the last reset
         self.rollout_actions: list = []  # the steps the latest rollout completed
+        # set by the serving loop: whether the controller stopped waiting (closed the channel, or
+        # sent anything: mid-request that can only be a retire) -- a long rollout ends then
+        self.abandoned: Callable[[], bool] = lambda: False
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
         method: Callable | None = getattr(self, "cmd_" + cmd, None)
@@ -193,6 +204,8 @@ class EnvServer:
         obs, info = self.last_obs, self.last_info
         seen = obs  # what the policy decides from: after an auto-reset, the new episode's start
         for t in range(steps):
+            if t % ABANDON_CHECK_EVERY == ABANDON_CHECK_EVERY - 1 and self.abandoned():
+                raise RolloutAbandoned(f"the controller stopped waiting for this rollout (after {t} steps)")
             try:
                 a = choose(seen)
             except Exception as e:  # noqa: BLE001 - said as the policy's, not the env's

@@ -151,6 +151,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
     requests are announced there and steps travel through it (:mod:`gym_fork.worker.ring`)."""
     ring: Ring | None = None
     step = server.cmd_step
+    server.abandoned = lambda: _readable(chan, 0.0)  # mid-request: EOF, or a retire (never a request)
     # Poll for the next request before sleeping while requests follow replies fast (a learner
     # stepping in a tight loop; SpinWait learns it): a wake-up costs more than CartPole's step.
     spin, clock, replied = SpinWait(spin_cap("GYM_FORK_WORKER_SPIN_US", 500)), time.perf_counter, 0.0
