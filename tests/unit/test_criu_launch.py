@@ -95,10 +95,14 @@ def test_criu_gets_exactly_the_descriptors_made_inheritable_and_is_reaped(tmp_pa
     inheritable) and nothing else of ours, and be waited for."""
     seen = tmp_path / "fds"
     fake = tmp_path / "criu"
-    fake.write_text(f"#!/bin/sh\nls /proc/$$/fd > {seen}\nexit 3\n")
+    # what each of its descriptors points to (numbers alone would be ambiguous: the shell opens
+    # its script at the lowest free number from 10, which may be one our process used)
+    fake.write_text(f"#!/bin/sh\nfor f in /proc/$$/fd/*; do readlink $f; done > {seen}\nexit 3\n")
     fake.chmod(0o700)
-    given = os.open(tmp_path, os.O_DIRECTORY)
-    private = os.open(tmp_path, os.O_DIRECTORY)
+    (tmp_path / "given").mkdir()
+    (tmp_path / "private").mkdir()
+    given = os.open(tmp_path / "given", os.O_DIRECTORY)
+    private = os.open(tmp_path / "private", os.O_DIRECTORY)
     os.set_inheritable(given, True)
     before = _children()
     try:
@@ -107,6 +111,6 @@ def test_criu_gets_exactly_the_descriptors_made_inheritable_and_is_reaped(tmp_pa
     finally:
         os.close(given)
         os.close(private)
-    fds = {int(x) for x in seen.read_text().split()}
-    assert given in fds and private not in fds
+    targets = set(seen.read_text().split())
+    assert str(tmp_path / "given") in targets and str(tmp_path / "private") not in targets
     assert _children() == before
