@@ -104,6 +104,44 @@ def test_no_leaks_after_close():
     assert not os.path.exists(image), "close() must delete persisted images"
 
 
+def _inheritable_fds() -> dict[int, str]:
+    out = {}
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if os.get_inheritable(fd):
+                out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own descriptor, closed meanwhile
+    return out
+
+
+def test_programs_the_controller_starts_inherit_no_worker_channel():
+    """Descriptors gym_fork receives (ready copies' channels, from frozen snapshots) are
+    close-on-exec like all others: a program the learner starts (criu, ``os.system``) must not
+    hold a worker's channel open -- the worker would then never see its controller go."""
+
+    before = _inheritable_fds()
+    env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        s = env.snapshot()
+        for i in range(3):  # restores take ready copies, whose channels arrive by SCM_RIGHTS
+            env.step(i % 2)
+            time.sleep(0.05)
+            env.restore(s)
+        kids = env.fork(s, 2)
+        s.persist()
+        gym_fork.explore(env, s, lambda o: 0, n_branches=2, horizon=3)
+        assert _inheritable_fds() == before
+        seen = subprocess.run(["sh", "-c", "ls -l /proc/$$/fd"], close_fds=False, capture_output=True,
+                              text=True).stdout
+        assert "socket:" not in seen, seen
+        for k in kids:
+            k.close()
+    finally:
+        env.close()
+
+
 def test_forks_outlive_their_parent():
     env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
     env.reset(seed=0)

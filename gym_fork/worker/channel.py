@@ -627,7 +627,11 @@ def send_fds(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
 
 
 def recv_fds(sock: socket.socket, maxfds: int = 4) -> tuple[bytes, list[int]]:
-    msg, anc, _flags, _addr = sock.recvmsg(1024, socket.CMSG_SPACE(maxfds * 4))
+    """A message and the descriptors that came with it, close-on-exec like every descriptor
+    Python opens (received ones are not, by default: then every program this process starts --
+    criu, a user's ``os.system`` -- would hold workers' channels open, and a worker would not see
+    its controller go)."""
+    msg, anc, _flags, _addr = sock.recvmsg(1024, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
