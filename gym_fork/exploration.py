@@ -1,8 +1,10 @@
 """Exploring many futures from one saved state: :func:`explore`.
 
-Branches are forks of one snapshot (``ForkableEnv.fork``), stepped in lockstep: every step, all
-live branches' actions are sent first and the replies collected after, so the worker processes
-compute concurrently while the controller evaluates the policy.
+Branches are forks of one snapshot (``ForkableEnv.fork``). With the policy in the learner they
+are stepped in lockstep: every step, all live branches' actions are sent first and the replies
+collected after, so the worker processes compute concurrently while the controller evaluates the
+policy (batched: the path for SB3 models). Open-loop ``actions`` and ``policy_in_worker=True``
+run each branch's whole rollout inside its worker instead: one round trip per branch.
 """
 
 from __future__ import annotations
@@ -119,8 +121,12 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             branches draw the same numbers. SB3 models stay in the learner (batched).
 
     Raises:
-        TypeError: ``n_branches`` or ``horizon`` is not an int.
+        TypeError: ``n_branches`` or ``horizon`` is not an int; with ``policy_in_worker=True``, a
+            policy that does not pickle, or an SB3 model.
+        ValueError: both or neither of ``policy`` and ``actions``; a list of policies or action
+            sequences of the wrong length.
         CapacityError: more branches than fit (the message has the numbers and the override).
+        PolicyError: a policy run in a worker raised (the other branches are stopped).
 
     Example:
         >>> import gym_fork
