@@ -84,10 +84,11 @@ def test_rollout_with_a_policy_in_the_worker_equals_stepping_it_here(stop_at_don
         env.close()
 
 
-@pytest.mark.parametrize("fork_tier", [True, False])
+@pytest.mark.parametrize("kind", [{"fork_tier": True}, {"fork_tier": False}, {"backend": "pickle"}],
+                         ids=["fork-tier", "criu", "pickle"])
 @pytest.mark.parametrize("stop_at_done", [True, False])
-def test_explore_with_the_policy_in_the_workers_equals_the_learner_side_loop(fork_tier, stop_at_done):
-    env = gym_fork.make("CartPole-v1", fork_tier=fork_tier)
+def test_explore_with_the_policy_in_the_workers_equals_the_learner_side_loop(kind, stop_at_done):
+    env = gym_fork.make("CartPole-v1", **kind)
     try:
         env.reset(seed=0)
         for _ in range(5):
