@@ -329,6 +329,9 @@ class ForkableEnv(gym.Wrapper):
         Raises:
             ValueError: neither or both of ``actions`` and ``policy``; ``policy`` without ``steps``.
             TypeError: ``policy`` is not callable or cannot be pickled.
+            PolicyError: the policy raised in the worker (a :class:`WorkerError` too; the env
+                raising is a WorkerError as for :meth:`step`). The steps taken before it count:
+                :attr:`steps` and the snapshots' action log match what the worker did.
 
         Example:
             >>> import gym_fork
