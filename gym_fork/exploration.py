@@ -10,6 +10,7 @@ run each branch's whole rollout inside its worker instead: one round trip per br
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
@@ -118,7 +119,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             2-vCPU VM, 16 closed-loop Pong branches ran 1.4x faster than round trips per step.
             Every branch steps its own unpickled copy (``policy`` here is not changed), so a
             stochastic policy needs one generator per branch -- pass a list of policies -- or all
-            branches draw the same numbers. SB3 models stay in the learner (batched).
+            branches draw the same numbers (a UserWarning says so when the one policy holds a
+            generator). SB3 models stay in the learner (batched).
 
     Raises:
         TypeError: ``n_branches`` or ``horizon`` is not an int; with ``policy_in_worker=True``, a
@@ -197,7 +199,31 @@ def _per_branch(policy: Any, n_branches: int) -> list[bytes]:
         if len(policy) != n_branches:
             raise ValueError(f"a list of policies needs one per branch ({n_branches}), got {len(policy)}")
         return [pickle_policy(p) for p in policy]
+    if n_branches > 1 and _holds_generator(policy):
+        warnings.warn(
+            f"explore(policy_in_worker=True): every branch gets a copy of the same {type(policy).__name__}, "
+            "random generator included, so all branches draw the same numbers. Pass one policy per "
+            "branch, each with its own seed (a list of n_branches policies).", UserWarning, stacklevel=3)
     return [pickle_policy(policy)] * n_branches
+
+
+def _holds_generator(policy: Any) -> bool:
+    """Whether ``policy`` keeps a random generator of its own (an attribute or a closed-over
+    variable): NumPy's ``Generator`` / ``RandomState`` or a ``random.Random``."""
+    import random
+
+    kinds = (np.random.Generator, np.random.RandomState, random.Random)
+    values = list(getattr(policy, "__dict__", {}).values())
+    values += [c.cell_contents for c in (getattr(policy, "__closure__", None) or ()) if _filled(c)]
+    return any(isinstance(v, kinds) for v in values)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _run_open_loop(kids: list, branches: list[Branch], actions: Sequence[Sequence[Any]], horizon: int,

@@ -126,11 +126,22 @@ def test_one_policy_per_branch_each_with_its_own_generator():
         assert len({tuple(b.actions) for b in runs[0].branches}) == 4  # and different per branch
         shared = Noisy(7)
         before = shared.rng.bit_generator.state
-        one = gym_fork.explore(env, root, shared, n_branches=3, horizon=40, rng="same", policy_in_worker=True)
+        with pytest.warns(UserWarning, match="all branches draw the same numbers"):
+            one = gym_fork.explore(env, root, shared, n_branches=3, horizon=40, rng="same", policy_in_worker=True)
         # one policy object: every branch steps its own copy of it, so all draw the same numbers,
         # and the learner's object is not advanced
         assert len({tuple(b.actions) for b in one.branches}) == 1
         assert shared.rng.bit_generator.state == before
+        gen = np.random.default_rng(0)
+        with pytest.warns(UserWarning, match="same numbers"):  # a generator closed over, too
+            gym_fork.explore(env, root, lambda o: int(gen.random() < 0.5), n_branches=2, horizon=5,
+                             policy_in_worker=True)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one policy per branch, or a deterministic one: no warning
+            gym_fork.explore(env, root, [Noisy(1), Noisy(2)], n_branches=2, horizon=5, policy_in_worker=True)
+            gym_fork.explore(env, root, lean, n_branches=2, horizon=5, policy_in_worker=True)
     finally:
         env.close()
 
