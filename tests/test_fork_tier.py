@@ -119,7 +119,6 @@ def test_programs_the_controller_starts_inherit_no_worker_channel():
     """Descriptors gym_fork receives (ready copies' channels, from frozen snapshots) are
     close-on-exec like all others: a program the learner starts (criu, ``os.system``) must not
     hold a worker's channel open -- the worker would then never see its controller go."""
-
     before = _inheritable_fds()
     env = gym_fork.make("CartPole-v1", backend="criu", fork_tier=True)
     try:
