@@ -60,8 +60,22 @@ def _clean(agent) -> None:
     deadline = time.monotonic() + 10  # a transfer cut by the source is dropped when the agent notices
     while (agent.children() or received()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert agent.children() == []
+    assert agent.children() == [], "left on the agent: " + "; ".join(_describe(p) for p in agent.children())
     assert received() == []
+
+
+def _describe(pid: int) -> str:
+    """What a leftover process is (for the failure message): its command line, state and children."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        kids = subprocess.run(["ps", "-o", "pid=,stat=,args=", "--ppid", str(pid)], capture_output=True,
+                              text=True).stdout.strip().replace("\n", " | ")
+    except OSError as e:
+        return f"{pid} ({e})"
+    return f"{pid} [{state}] {cmd!r} children: {kids or 'none'}"
 
 
 def test_migrate_mid_episode_bit_identical_across_netns(netnodes):
