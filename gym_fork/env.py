@@ -23,7 +23,7 @@ from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
-                             UncapturedFilesError, UnsupportedEnvError, WorkerError)
+                             UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
@@ -192,6 +192,7 @@ class ForkableEnv(gym.Wrapper):
         self._steps = 0
         self._parent_id: str | None = None
         self._actions: list | None = [] if record_actions else None
+        self._pending_rollout: list | None = None  # an open-loop rollout's actions, until its reply
         self._snapshots: weakref.WeakValueDictionary[str, Snapshot] = weakref.WeakValueDictionary()
         # Stop the worker even if the user forgets close(): the finalizer sees the current handle.
         self._box = [handle]
@@ -356,7 +357,8 @@ class ForkableEnv(gym.Wrapper):
         if policy is None:
             if steps is not None:
                 raise ValueError("`steps` goes with a `policy`; open-loop `actions` run len(actions) steps")
-            self._handle.send("rollout", list(actions), stop_at_done)
+            self._pending_rollout = list(actions)
+            self._handle.send("rollout", self._pending_rollout, stop_at_done)
         else:
             if steps is None:
                 raise ValueError("rollout(policy=...) needs steps=N: how many steps to run at most")
@@ -367,6 +369,7 @@ class ForkableEnv(gym.Wrapper):
         of its branches)."""
         if self._closed:
             raise EnvClosedError("rollout() on a closed ForkableEnv; create a new one")
+        self._pending_rollout = None
         self._handle.send("policy_rollout", policy_blob, steps, stop_at_done)
 
     def rollout_receive(self) -> dict:
@@ -374,9 +377,18 @@ class ForkableEnv(gym.Wrapper):
         step count and action log still account for the steps the worker took before it."""
         try:
             out = self._handle.receive()
-        except WorkerError:
-            self._account_rollout(self._request("rollout_progress"))
+        except (WorkerDiedError, EnvClosedError):
             raise
+        except Exception:  # the policy or the env raised (a WorkerError, or itself in process)
+            try:
+                progress = self._request("rollout_progress")
+            except Exception:  # noqa: BLE001 - a worker of an older gym_fork (restored from its images)
+                progress = None
+            if progress is not None:
+                self._account_rollout(progress)
+            raise
+        if "actions" not in out:  # an older worker's open-loop reply: the actions we sent
+            out["actions"] = (self._pending_rollout or [])[:len(out["rewards"])]
         self._account_rollout(out)
         return out
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from gym_fork.backends import capacity
 from gym_fork.env import ForkableEnv
-from gym_fork.errors import WorkerError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import pickle_policy
 
@@ -252,7 +251,7 @@ def _run_in_workers(kids: list, branches: list[Branch], policies: list[bytes], h
 def _receive(kid: ForkableEnv, b: Branch) -> dict:
     try:
         return kid.rollout_receive()
-    except WorkerError as e:
+    except Exception as e:
         e.add_note(f"(in explore()'s branch {b.index})")
         raise
 

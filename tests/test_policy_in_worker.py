@@ -146,8 +146,9 @@ def test_one_policy_per_branch_each_with_its_own_generator():
         env.close()
 
 
-def test_a_policy_that_raises_in_the_worker_says_so_and_the_env_accounts_for_the_steps_taken():
-    env = gym_fork.make("CartPole-v1")
+@pytest.mark.parametrize("kind", [{}, {"backend": "pickle"}], ids=["worker", "in-process"])
+def test_a_policy_that_raises_in_the_worker_says_so_and_the_env_accounts_for_the_steps_taken(kind):
+    env = gym_fork.make("CartPole-v1", **kind)
     ref = gym_fork.make("CartPole-v1")
     try:
         for e in (env, ref):
@@ -155,8 +156,11 @@ def test_a_policy_that_raises_in_the_worker_says_so_and_the_env_accounts_for_the
         root = env.snapshot()
         with pytest.raises(PolicyError, match=r"KeyError: 'no action for this state' \(at step 6") as info:
             env.rollout(policy=FailsAt(7), steps=50)
-        assert isinstance(info.value, WorkerError)
-        assert 'raise KeyError("no action for this state")' in info.value.remote_traceback  # the policy's line
+        if kind:  # in process: the PolicyError itself, the policy's exception its cause
+            assert isinstance(info.value.__cause__, KeyError)
+        else:
+            assert isinstance(info.value, WorkerError)
+            assert 'raise KeyError("no action for this state")' in info.value.remote_traceback  # the policy's line
         for _ in range(6):
             ref.step(0)
         assert env.steps == 6 and env.snapshot().actions == [0] * 6  # the 6 steps it did take
@@ -252,3 +256,29 @@ def test_a_worker_stops_its_long_rollout_when_its_controller_dies():
     else:
         os.kill(pid, 9)
         pytest.fail("the worker went on with its rollout after its controller died")
+
+
+def test_an_older_worker_without_rollout_actions_or_progress_still_keeps_the_counts(monkeypatch):
+    """A worker restored from an older gym_fork's images runs that version's code: its rollout
+    replies carry no ``actions`` and it knows no ``rollout_progress``. (The pickle backend runs
+    the env's server in this process, so the older behaviour can be put in place here.)"""
+    from gym_fork.worker.commands import EnvServer
+
+    new_rollout = EnvServer.cmd_rollout
+
+    def old_rollout(self, actions, stop_at_done):
+        out = new_rollout(self, actions, stop_at_done)
+        del out["actions"]
+        return out
+
+    monkeypatch.setattr(EnvServer, "cmd_rollout", old_rollout)
+    monkeypatch.delattr(EnvServer, "cmd_rollout_progress")
+    env = gym_fork.make("CartPole-v1", backend="pickle")
+    try:
+        env.reset(seed=0)
+        out = env.rollout([0, 1, 0, 1, 1])
+        assert env.steps == 5 and env.snapshot().actions == [0, 1, 0, 1, 1] and out["actions"] == [0, 1, 0, 1, 1]
+        with pytest.raises(AssertionError, match="invalid"):  # the env's error, though its progress is unknown
+            env.rollout([0, 7, 1])
+    finally:
+        env.close()
