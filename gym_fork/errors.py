@@ -91,7 +91,8 @@ class PolicyError(GymForkError):
     """A policy run inside the env's worker (``rollout(policy=...)``,
     ``explore(..., policy_in_worker=True)``) raised. It arrives as a :class:`WorkerError` that is
     also a PolicyError; the message names the step and the policy's exception, and
-    ``remote_traceback`` holds both tracebacks. The worker and the env are unchanged by it."""
+    ``remote_traceback`` holds both tracebacks. The steps taken before it stand: the env's step
+    count and action log account for them."""
 
 
 class CriuError(GymForkError):

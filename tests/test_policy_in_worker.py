@@ -3,6 +3,7 @@ and ``explore(..., policy_in_worker=True)`` must equal the same policy run here,
 
 from __future__ import annotations
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from conftest import same
@@ -280,5 +281,41 @@ def test_an_older_worker_without_rollout_actions_or_progress_still_keeps_the_cou
         assert env.steps == 5 and env.snapshot().actions == [0, 1, 0, 1, 1] and out["actions"] == [0, 1, 0, 1, 1]
         with pytest.raises(AssertionError, match="invalid"):  # the env's error, though its progress is unknown
             env.rollout([0, 7, 1])
+    finally:
+        env.close()
+
+
+class StateBuffer(gym.Env):
+    """Returns its own state array as the observation (no copy), as some envs do."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (2,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.state = np.zeros(2)
+        return self.state, {}
+
+    def step(self, action):
+        self.state[0] += 1.0
+        self.state[1] += action
+        return self.state, float(self.state[0]), False, False, {}
+
+
+def normalise_in_place(obs) -> int:
+    obs -= 1.0  # what many preprocessing policies do
+    return 1
+
+
+def test_a_policy_that_changes_its_observation_in_place_does_not_change_the_env():
+    env = gym_fork.ForkableEnv(StateBuffer)
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        here = gym_fork.explore(env, root, normalise_in_place, n_branches=1, horizon=5, rng="same")
+        there = gym_fork.explore(env, root, normalise_in_place, n_branches=1, horizon=5, rng="same",
+                                 policy_in_worker=True)
+        assert here.branches[0].rewards == there.branches[0].rewards == [1.0, 2.0, 3.0, 4.0, 5.0]
+        assert same(here.branches[0].final_obs, there.branches[0].final_obs)
     finally:
         env.close()

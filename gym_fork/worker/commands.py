@@ -8,6 +8,7 @@ class means every backend steps the env through exactly the same code.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Callable
 
@@ -155,6 +156,13 @@ class RolloutAbandoned(Exception):
     """The controller closed the channel (or asked to retire) while a rollout ran: it ends."""
 
 
+def _own_copy(obs: Any) -> Any:
+    """A copy of an observation for a policy to keep or change (arrays copied, the rest deep-copied)."""
+    if type(obs) is np.ndarray:
+        return obs.copy()
+    return copy.deepcopy(obs)
+
+
 class EnvServer:
     """Executes protocol commands on one env and remembers the latest (obs, info)."""
 
@@ -193,7 +201,9 @@ class EnvServer:
         observation it sees, for up to ``steps`` steps -- no round trip per step. The reply also
         says which ``actions`` the policy took, so the controller's action log stays exact."""
         policy = cloudpickle.loads(policy_blob)
-        return self._rollout(policy, steps, stop_at_done)
+        # each observation is the policy's own copy, as in the learner: a policy that normalises
+        # in place must not write into an array the env keeps (some return their state buffer)
+        return self._rollout(lambda obs: policy(_own_copy(obs)), steps, stop_at_done)
 
     def _rollout(self, choose: Callable[[Any], Any], steps: int, stop_at_done: bool) -> dict:
         # kept on self: when the policy or the env raises midway, the controller asks for them
