@@ -19,7 +19,7 @@ import numpy as np
 from gym_fork.backends import capacity
 from gym_fork.env import ForkableEnv
 from gym_fork.snapshots.snapshot import Snapshot
-from gym_fork.worker.commands import pickle_policy
+from gym_fork.worker.commands import is_sb3_model, pickle_policy
 
 Policy = Callable[[Any], Any]
 
@@ -71,7 +71,7 @@ class ExploreResult:
 
 def as_policy(policy: Any, deterministic: bool = False) -> Callable[[list], list]:
     """A batch policy ``[obs] -> [action]`` from a callable ``obs -> action`` or an SB3 model."""
-    if hasattr(policy, "predict") and hasattr(policy, "policy"):
+    if is_sb3_model(policy):
         def batch(obs_list: list) -> list:
             acts, _ = policy.predict(np.stack(obs_list), deterministic=deterministic)
             return list(acts)

@@ -39,6 +39,15 @@ class FailsAt:
         return 0
 
 
+@pytest.fixture
+def cartpole():
+    """A CartPole ForkableEnv, reset with seed 0; closed after the test."""
+    env = gym_fork.make("CartPole-v1")
+    env.reset(seed=0)
+    yield env
+    env.close()
+
+
 def stepped(env, policy, steps: int, stop_at_done: bool) -> dict:
     """The rollout, one ``step()`` call per action, the policy run here."""
     actions, rewards, ended, last = [], [], (False, False), None
@@ -116,35 +125,31 @@ def test_explore_with_the_policy_in_the_workers_equals_the_learner_side_loop(kin
         env.close()
 
 
-def test_one_policy_per_branch_each_with_its_own_generator():
-    env = gym_fork.make("CartPole-v1")
-    try:
-        env.reset(seed=0)
-        root = env.snapshot()
-        runs = [gym_fork.explore(env, root, [Noisy(s) for s in range(4)], n_branches=4, horizon=40, rng="same",
-                                 policy_in_worker=True) for _ in range(2)]
-        assert [b.actions for b in runs[0].branches] == [b.actions for b in runs[1].branches]  # reproducible
-        assert len({tuple(b.actions) for b in runs[0].branches}) == 4  # and different per branch
-        shared = Noisy(7)
-        before = shared.rng.bit_generator.state
-        with pytest.warns(UserWarning, match="all branches draw the same numbers"):
-            one = gym_fork.explore(env, root, shared, n_branches=3, horizon=40, rng="same", policy_in_worker=True)
-        # one policy object: every branch steps its own copy of it, so all draw the same numbers,
-        # and the learner's object is not advanced
-        assert len({tuple(b.actions) for b in one.branches}) == 1
-        assert shared.rng.bit_generator.state == before
-        gen = np.random.default_rng(0)
-        with pytest.warns(UserWarning, match="same numbers"):  # a generator closed over, too
-            gym_fork.explore(env, root, lambda o: int(gen.random() < 0.5), n_branches=2, horizon=5,
-                             policy_in_worker=True)
-        import warnings
+def test_one_policy_per_branch_each_with_its_own_generator(cartpole):
+    env = cartpole
+    root = env.snapshot()
+    runs = [gym_fork.explore(env, root, [Noisy(s) for s in range(4)], n_branches=4, horizon=40, rng="same",
+                             policy_in_worker=True) for _ in range(2)]
+    assert [b.actions for b in runs[0].branches] == [b.actions for b in runs[1].branches]  # reproducible
+    assert len({tuple(b.actions) for b in runs[0].branches}) == 4  # and different per branch
+    shared = Noisy(7)
+    before = shared.rng.bit_generator.state
+    with pytest.warns(UserWarning, match="all branches draw the same numbers"):
+        one = gym_fork.explore(env, root, shared, n_branches=3, horizon=40, rng="same", policy_in_worker=True)
+    # one policy object: every branch steps its own copy of it, so all draw the same numbers,
+    # and the learner's object is not advanced
+    assert len({tuple(b.actions) for b in one.branches}) == 1
+    assert shared.rng.bit_generator.state == before
+    gen = np.random.default_rng(0)
+    with pytest.warns(UserWarning, match="same numbers"):  # a generator closed over, too
+        gym_fork.explore(env, root, lambda o: int(gen.random() < 0.5), n_branches=2, horizon=5,
+                         policy_in_worker=True)
+    import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # one policy per branch, or a deterministic one: no warning
-            gym_fork.explore(env, root, [Noisy(1), Noisy(2)], n_branches=2, horizon=5, policy_in_worker=True)
-            gym_fork.explore(env, root, lean, n_branches=2, horizon=5, policy_in_worker=True)
-    finally:
-        env.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one policy per branch, or a deterministic one: no warning
+        gym_fork.explore(env, root, [Noisy(1), Noisy(2)], n_branches=2, horizon=5, policy_in_worker=True)
+        gym_fork.explore(env, root, lean, n_branches=2, horizon=5, policy_in_worker=True)
 
 
 @pytest.mark.parametrize("kind", [{}, {"backend": "pickle"}], ids=["worker", "in-process"])
@@ -175,36 +180,32 @@ def test_a_policy_that_raises_in_the_worker_says_so_and_the_env_accounts_for_the
         ref.close()
 
 
-def test_policies_that_cannot_run_in_the_worker_are_refused_before_anything_runs():
+def test_policies_that_cannot_run_in_the_worker_are_refused_before_anything_runs(cartpole):
     import threading
 
     from stable_baselines3 import PPO
 
-    env = gym_fork.make("CartPole-v1")
-    try:
-        env.reset(seed=0)
-        lock = threading.Lock()
-        with pytest.raises(TypeError, match="cannot send the policy .* to the worker process"):
-            env.rollout(policy=lambda obs: 0 if lock else 1, steps=5)
-        with pytest.raises(TypeError, match="policy must be a callable"):
-            env.rollout(policy=3, steps=5)
-        with pytest.raises(ValueError, match="needs steps=N"):
-            env.rollout(policy=lean)
-        with pytest.raises(ValueError, match="either open-loop `actions` or a `policy`"):
-            env.rollout([0, 1], policy=lean, steps=2)
-        with pytest.raises(ValueError, match="`steps` goes with a `policy`"):
-            env.rollout([0, 1], steps=2)
-        model = PPO("MlpPolicy", "CartPole-v1", n_steps=64)
-        with pytest.raises(TypeError, match="Stable-Baselines3 model cannot run inside"):
-            gym_fork.explore(env, None, model, n_branches=2, horizon=5, policy_in_worker=True)
-        with pytest.raises(ValueError, match="one per branch \\(3\\), got 2"):
-            gym_fork.explore(env, None, [lean, lean], n_branches=3, horizon=5, policy_in_worker=True)
-        with pytest.raises(ValueError, match="needs a policy"):
-            gym_fork.explore(env, None, None, n_branches=2, horizon=5, actions=[[0], [1]], policy_in_worker=True)
-        assert env.steps == 0  # nothing ran
-        env.step(0)
-    finally:
-        env.close()
+    env = cartpole
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="cannot send the policy .* to the worker process"):
+        env.rollout(policy=lambda obs: 0 if lock else 1, steps=5)
+    with pytest.raises(TypeError, match="policy must be a callable"):
+        env.rollout(policy=3, steps=5)
+    with pytest.raises(ValueError, match="needs steps=N"):
+        env.rollout(policy=lean)
+    with pytest.raises(ValueError, match="either open-loop `actions` or a `policy`"):
+        env.rollout([0, 1], policy=lean, steps=2)
+    with pytest.raises(ValueError, match="`steps` goes with a `policy`"):
+        env.rollout([0, 1], steps=2)
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64)
+    with pytest.raises(TypeError, match="Stable-Baselines3 model cannot run inside"):
+        gym_fork.explore(env, None, model, n_branches=2, horizon=5, policy_in_worker=True)
+    with pytest.raises(ValueError, match="one per branch \\(3\\), got 2"):
+        gym_fork.explore(env, None, [lean, lean], n_branches=3, horizon=5, policy_in_worker=True)
+    with pytest.raises(ValueError, match="needs a policy"):
+        gym_fork.explore(env, None, None, n_branches=2, horizon=5, actions=[[0], [1]], policy_in_worker=True)
+    assert env.steps == 0  # nothing ran
+    env.step(0)
 
 
 @pytest.mark.parametrize("fork_tier", [True, False])

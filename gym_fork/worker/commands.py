@@ -81,10 +81,16 @@ def make_source(env: Any, env_kwargs: dict | None = None, wrappers: Any = None) 
     return ("registered", regs, source) if regs else source
 
 
+def is_sb3_model(obj: Any) -> bool:
+    """Whether ``obj`` is used as a Stable-Baselines3 model (``predict`` and a ``policy``), without
+    importing SB3."""
+    return hasattr(obj, "predict") and hasattr(obj, "policy")
+
+
 def pickle_policy(policy: Any) -> bytes:
     """``policy`` (a callable ``obs -> action``) as bytes the worker unpickles into its own copy
     (:meth:`EnvServer.cmd_policy_rollout`). Raises TypeError naming what to pass instead."""
-    if hasattr(policy, "predict") and hasattr(policy, "policy"):
+    if is_sb3_model(policy):
         raise TypeError(
             "a Stable-Baselines3 model cannot run inside the env's worker (it would import torch into "
             "every copy); run it in the learner, batched: explore(env, snap, model) without "
