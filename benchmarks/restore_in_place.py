@@ -17,7 +17,8 @@ branches of ``--horizon`` seeded random steps, each followed by a restore; every
 observations and rewards are hashed and compared with a replay from ``reset()`` (bit-exact or the
 run fails). The same branches go through a ``ForkableEnv`` (fork tier): ``restore(snap)`` and the
 branch. Printed: medians per run of restore + first step − a plain step (the learner-visible cost,
-as ``hot_path.py`` measures it), the in-place restore's parts, and the ratio. Tests never run this.
+as ``hot_path.py`` measures it), the in-place restore's parts, the ratio, and restore + the whole
+branch (in place the env also steps in process, so that column mixes both effects). Tests never run this.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def _draw(space: gym.Space, rng: np.random.Generator):
     return rng.uniform(space.low, space.high).astype(space.dtype)
 
 
-def run_branch(step, actions: list) -> tuple[bytes, float]:
-    """Step a branch; returns its digest and the first step's time (s)."""
+def run_branch(step, actions: list) -> tuple[bytes, float, float]:
+    """Step a branch; returns its digest, the first step's time and the whole branch's (s)."""
     h = hashlib.sha256()
     first = 0.0
+    t0 = time.perf_counter()
     for i, a in enumerate(actions):
         t = time.perf_counter()
         obs, rew, term, trunc, _ = step(a)
@@ -81,7 +83,7 @@ def run_branch(step, actions: list) -> tuple[bytes, float]:
         h.update(struct.pack("d", float(rew)))
         if term or trunc:
             break
-    return h.digest(), first
+    return h.digest(), first, time.perf_counter() - t0
 
 
 def plain_step_time(env: gym.Env, space: gym.Space, n: int = 300) -> float:
@@ -124,9 +126,9 @@ def child(args: argparse.Namespace) -> None:
     else:
         parts, restore_ns = None, None
     if done < args.branches + 1:  # line 0: the branch right after the snapshot (no restore before it)
-        digest, first = run_branch(env.step, branch_actions(env.action_space, max(done - 1, 0), args.horizon))
+        digest, first, whole = run_branch(env.step, branch_actions(env.action_space, max(done - 1, 0), args.horizon))
         with open(log, "a") as f:
-            f.write(json.dumps({"digest": digest.hex(), "first": first, "restore_ns": restore_ns,
+            f.write(json.dumps({"digest": digest.hex(), "first": first, "whole": whole, "restore_ns": restore_ns,
                                 "parts": parts, "plain": plain}) + "\n")
         with open(log + ".t", "w") as f:
             f.write(str(time.perf_counter_ns()))
@@ -159,8 +161,9 @@ def fork_tier_run(args: argparse.Namespace) -> list[dict]:
             t = time.perf_counter()
             env.restore(snap)
             restore_s = time.perf_counter() - t
-            digest, first = run_branch(env.step, branch_actions(env.action_space, k, args.horizon))
-            out.append({"digest": digest.hex(), "first": first, "restore_s": restore_s, "plain": plain})
+            digest, first, whole = run_branch(env.step, branch_actions(env.action_space, k, args.horizon))
+            out.append({"digest": digest.hex(), "first": first, "whole": whole, "restore_s": restore_s,
+                        "plain": plain})
         return out
     finally:
         env.close()
@@ -213,6 +216,8 @@ def main() -> None:
                 "unmapped": max(b["parts"][5] for b in ip),
                 "first_ip": med(b["first"] for b in ip), "first_ft": med(b["first"] for b in ft),
                 "plain_ip": plain_ip, "plain_ft": plain_ft,
+                "loop_ip": med(b["restore_ns"] / 1e9 + b["whole"] for b in ip),
+                "loop_ft": med(b["restore_s"] + b["whole"] for b in ft),
             })
             print(f"[restore_in_place] run {run + 1}/{args.runs}: {2 * args.branches} branches bit-identical "
                   "to the replay", file=sys.stderr, flush=True)
@@ -221,13 +226,15 @@ def main() -> None:
     print(f"\n{args.env}: restore()+first step − plain step, medians over {args.branches} branches "
           f"of {args.horizon} steps from depth {args.depth}\n")
     print("| run | in place | fork tier `restore()` | in place / fork tier | in place: layout / written-page "
-          "scan / staging | pages copied | first step after: in place / fork tier | plain step: in process / ForkableEnv |")
-    print("|---|---|---|---|---|---|---|---|")
+          "scan / staging | pages copied | first step after: in place / fork tier | plain step: in process / ForkableEnv "
+          "| restore + whole branch: in place / fork tier |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows, 1):
         print(f"| {i} | {ms(r['in_place'])} | {ms(r['fork_tier'])} | {r['in_place'] / r['fork_tier']:.2f}x | "
               f"{ms(r['maps'])} / {ms(r['scan'])} / {ms(r['stage'])} | {r['pages']:.0f} "
               f"({r['unmapped']} new mappings unmapped) | {us(r['first_ip'])} / {us(r['first_ft'])} | "
-              f"{us(r['plain_ip'])} / {us(r['plain_ft'])} |")
+              f"{us(r['plain_ip'])} / {us(r['plain_ft'])} | {ms(r['loop_ip'])} / {ms(r['loop_ft'])} "
+              f"({r['loop_ip'] / r['loop_ft']:.2f}x) |")
 
 
 if __name__ == "__main__":
