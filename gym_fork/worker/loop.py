@@ -473,7 +473,9 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
                 chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
             except OSError:
                 os._exit(0)  # the controller went away
-            prefault.apply(plan)  # its first step must not fault on every page it touches
+            # Its first step must not fault on every page it touches -- unless that step is
+            # already waiting (restores in a burst): then it serves at once.
+            prefault.apply(plan, stop=lambda: _readable(chan, 0))
             serve(chan, server)
             os._exit(0)
         frozen_chan.send((READY, host))  # its memory counts for the snapshot

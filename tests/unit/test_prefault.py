@@ -94,3 +94,31 @@ def test_a_gone_process_teaches_nothing():
     plan = prefault.learn(pid)
     assert plan.read == [] and plan.write == []
     assert prefault.apply(plan) == 0
+
+
+def test_apply_stops_when_asked_and_leaves_the_rest_shared_and_unchanged():
+    """A ready copy taken before it finished faulting in (restores a few ms apart) must serve at
+    once: apply() asks ``stop`` between calls and leaves what is left."""
+    pages = 4096  # 16 MB: far more than one call's worth (STEP_PAGES)
+    buf = mmap.mmap(-1, pages * prefault.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:: prefault.PAGE] = np.arange(pages) % 251
+    base = arr.ctypes.data
+    plan = prefault.Plan(write=[(base, base + pages * prefault.PAGE)])
+
+    def copy(stop) -> bytes:
+        asked = []
+
+        def ask() -> bool:
+            asked.append(1)
+            return stop
+
+        n = prefault.apply(plan, stop=ask)
+        own = sum(bool(_pagemap_entry(os.getpid(), base + p * prefault.PAGE) & prefault._EXCLUSIVE) for p in range(pages))
+        same = bool((arr[:: prefault.PAGE] == np.arange(pages) % 251).all())
+        return repr((n, own, len(asked), same)).encode()
+
+    n, own, asked, same = eval(_run_in_child(lambda: copy(True)))  # noqa: S307 - our own child's repr
+    assert asked == 1 and n < pages and own == n and same  # stopped at the first question
+    n, own, asked, same = eval(_run_in_child(lambda: copy(False)))  # noqa: S307
+    assert n == pages and own == pages and same  # never told to stop: all of it
