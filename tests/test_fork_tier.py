@@ -333,3 +333,29 @@ def test_a_restore_takes_the_ready_copy_and_its_memory_counts_for_the_snapshot()
     finally:
         env.close()
         ref.close()
+
+
+def test_a_restored_copy_steps_at_its_predecessors_pace_from_its_first_step(monkeypatch):
+    """A learner that restores every few steps must not sleep through each copy's first dozen
+    steps while the new handle learns again that replies come fast: the copy's handle takes over
+    the polling its predecessor had learned, and the fast step path at once (no ring wanted)."""
+    from gym_fork.worker.channel import SpinWait
+
+    monkeypatch.delenv("GYM_FORK_RING", raising=False)
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.step(0)
+        obs_before = env.step(1)[0]
+        old = env._handle
+        old._spin = SpinWait(100e-6, 30e-6)  # as learned over steps that came back in 30 µs
+        env.restore(snap)
+        new = env._handle
+        assert new is not old
+        assert new._spin.avg == pytest.approx(old._spin.avg) and new._spin.budget > 0.0
+        env.step(0)
+        assert new._fast_steps  # the first step already took the fast path's decision
+        assert np.array_equal(env.step(1)[0], obs_before)  # and the branch is the same
+    finally:
+        env.close()

@@ -124,12 +124,22 @@ class RemoteHandle(Handle):
                 return self._step(args[0])
             if self.ring is None and self._sync_steps <= self.RING_AFTER:
                 self._sync_steps += 1
-                if self._sync_steps > self.RING_AFTER:
-                    if self.packed and rings.wanted():
+                ring_wanted = rings.wanted()
+                if self._sync_steps > self.RING_AFTER or not ring_wanted:  # no ring: fast at once
+                    self._sync_steps = self.RING_AFTER + 1
+                    if self.packed and ring_wanted:
                         self._open_ring()
                     self._fast_steps = self.packed and self.ring is None
         self.send(cmd, *args)
         return self.receive()
+
+    def adopt_pace(self, other: Any) -> None:
+        """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a
+        restored copy steps like its predecessor, and a learner that restores every few steps
+        would otherwise sleep through each copy's first dozen steps while it learns again."""
+        spin = getattr(other, "_spin", None)
+        if spin is not None:
+            self._spin = SpinWait(self._spin.cap, spin.avg)
 
     def _step(self, action: Any) -> Any:
         """A step, as ``send("step", action)`` + ``receive()`` do it, without their general cases:

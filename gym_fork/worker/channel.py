@@ -91,18 +91,24 @@ class SpinWait:
         ...     w.observe(5e-3)  # the learner trains between messages
         >>> w.budget
         0.0
+        >>> round(SpinWait(cap=100e-6, avg=30e-6).budget * 1e6)  # a copy that goes on at its predecessor's pace
+        60
     """
 
     __slots__ = ("cap", "avg", "budget")
 
-    def __init__(self, cap: float):
+    def __init__(self, cap: float, avg: float | None = None):
         self.cap = cap
-        self.avg = 4.0 * cap  # no polling until waits have been seen to be short
+        self.avg = 4.0 * cap  # no polling until waits have been seen to be short ...
         self.budget = 0.0
+        if avg is not None:  # ... unless a predecessor's pace is known (a restored copy)
+            self._set(min(avg, 4.0 * cap))
 
     def observe(self, wait: float) -> None:
+        self._set(self.avg + (min(wait, 4.0 * self.cap) - self.avg) * 0.25)
+
+    def _set(self, avg: float) -> None:
         cap = self.cap
-        avg = self.avg + (min(wait, 4.0 * cap) - self.avg) * 0.25
         self.avg = avg
         self.budget = 2.0 * avg if avg < cap else 0.0
         if self.budget > cap:

@@ -181,6 +181,9 @@ class EnvServer:
         # set by the serving loop: whether the controller stopped waiting (closed the channel, or
         # sent anything: mid-request that can only be a retire) -- a long rollout ends then
         self.abandoned: Callable[[], bool] = lambda: False
+        # the serving loop's average wait for the next request when it took a fork-tier
+        # snapshot: the snapshot's copies start polling at that pace (worker.channel.SpinWait)
+        self.pace: float | None = None
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
         method: Callable | None = getattr(self, "cmd_" + cmd, None)

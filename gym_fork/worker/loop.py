@@ -154,7 +154,9 @@ def serve(chan: Channel, server: EnvServer) -> None:
     server.abandoned = lambda: _readable(chan, 0.0)  # mid-request: EOF, or a retire (never a request)
     # Poll for the next request before sleeping while requests follow replies fast (a learner
     # stepping in a tight loop; SpinWait learns it): a wake-up costs more than CartPole's step.
-    spin, clock, replied = SpinWait(spin_cap("GYM_FORK_WORKER_SPIN_US", 500)), time.perf_counter, 0.0
+    # A copy starts at the pace its snapshot's worker had learned (server.pace, set before forking).
+    spin = SpinWait(spin_cap("GYM_FORK_WORKER_SPIN_US", 500), server.pace)
+    clock, replied = time.perf_counter, 0.0
     while True:
         try:
             if ring is None:
@@ -204,6 +206,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
         drop_ring = False  # a CRIU dump may follow this reply: no image may hold the ring
         try:
             if cmd == "fork_snapshot":
+                server.pace = spin.avg  # its copies go on at this pace
                 fd = _recv_one_fd(chan)
                 try:
                     # What fork() cannot copy (threads, children, shared descriptors): then no
