@@ -332,16 +332,18 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     # used last (the controller names it). Not before the first restore: most snapshots are
     # never restored, and learning and faulting cost tens of ms of CPU.
     learn_from: int | None = None
-    plan, learned = prefault.Plan(), None  # in a burst, the plan learned last serves again
+    plan, learned = prefault.Plan(), None
     while True:
         wanted, quiet = (BURST_READY, 0.0) if burst else (1, READY_DELAY_S)
         if offered < wanted and failed < 3 and not _readable(chan, quiet):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
             try:
-                if learn_from and learn_from != learned and not (burst and learned):
+                if learn_from and learn_from != learned and not burst:
                     plan, learned = prefault.learn(learn_from), learn_from
-                _offer_ready_copy(chan, server, plan)
+                # In a burst a copy is taken within milliseconds: faulting in would only take
+                # CPU from the learner and the copy in use (measured: restore + 5 steps 0.77x).
+                _offer_ready_copy(chan, server, prefault.Plan() if burst else plan)
                 offered += 1
             except ChannelClosed:
                 os._exit(0)

@@ -160,6 +160,8 @@ def apply(plan: Plan, stop: Callable[[], bool] | None = None) -> int:
     global _ok, _libc
     if not _ok or not (plan.read or plan.write) or os.environ.get("GYM_FORK_PREFAULT") == "0":
         return 0
+    if stop is not None and stop():  # reading this process's mappings alone takes ~1 ms
+        return 0
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
