@@ -332,18 +332,16 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     # used last (the controller names it). Not before the first restore: most snapshots are
     # never restored, and learning and faulting cost tens of ms of CPU.
     learn_from: int | None = None
-    plan, learned = prefault.Plan(), None
+    plan, learned = prefault.Plan(), None  # in a burst, the plan learned last serves again
     while True:
         wanted, quiet = (BURST_READY, 0.0) if burst else (1, READY_DELAY_S)
         if offered < wanted and failed < 3 and not _readable(chan, quiet):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
             try:
-                if learn_from and learn_from != learned and not burst:
+                if learn_from and learn_from != learned and not (burst and learned):
                     plan, learned = prefault.learn(learn_from), learn_from
-                # In a burst a copy is taken within milliseconds: faulting in would only take
-                # CPU from the learner and the copy in use (measured: restore + 5 steps 0.77x).
-                _offer_ready_copy(chan, server, prefault.Plan() if burst else plan)
+                _offer_ready_copy(chan, server, plan)
                 offered += 1
             except ChannelClosed:
                 os._exit(0)
@@ -389,6 +387,8 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
 
 #: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
 READY_DELAY_S = 0.02
+#: how long a ready copy waits for its first request before it faults in its plan
+PREFAULT_AFTER_S = 0.005
 #: copies taken or cloned less than this apart are a burst: then BURST_READY are kept, forked at once
 BURST_S = 0.1
 BURST_READY = 2
@@ -478,9 +478,11 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
                 chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
             except OSError:
                 os._exit(0)  # the controller went away
-            # Its first step must not fault on every page it touches -- unless that step is
-            # already waiting (restores in a burst): then it serves at once.
-            prefault.apply(plan, stop=lambda: _readable(chan, 0))
+            # Its first step must not fault on every page it touches -- unless that step comes
+            # within PREFAULT_AFTER_S (restores in a search loop: faulting in would only take CPU
+            # from the learner and the copy in use) or while it faults in: then it serves at once.
+            if not _readable(chan, PREFAULT_AFTER_S):
+                prefault.apply(plan, stop=lambda: _readable(chan, 0))
             serve(chan, server)
             os._exit(0)
         frozen_chan.send((READY, host))  # its memory counts for the snapshot
