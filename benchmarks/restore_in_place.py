@@ -101,6 +101,9 @@ def child(args: argparse.Namespace) -> None:
     """Writes one JSON line per branch to fd ``args.out_fd``. Its Python state goes back to the
     snapshot at every restore, so everything that must outlive one is kept by the kernel: the
     branch counter is the output file's size, the restore's start time is written before it."""
+    from gym_fork.worker import lean
+
+    lean.install()  # as lean as a gym_fork worker (no pygame for Box2D envs): as many mappings
     lib = ctypes.PyDLL(args.lib)  # keeps the GIL: the snapshot is taken inside this call
     for name in ("ip_snapshot", "ip_restore", "ip_stat"):
         getattr(lib, name).restype = ctypes.c_long
@@ -110,6 +113,7 @@ def child(args: argparse.Namespace) -> None:
     env.reset(seed=0)
     for a in prefix_actions(env.action_space, args.depth):
         env.step(a)
+    mappings = sum(1 for _ in open("/proc/self/maps"))
     other = gym.make(args.env)  # a separate copy: the same code, warm
     other.reset(seed=1)
     plain = plain_step_time(other, env.action_space)
@@ -129,7 +133,7 @@ def child(args: argparse.Namespace) -> None:
         digest, first, whole = run_branch(env.step, branch_actions(env.action_space, max(done - 1, 0), args.horizon))
         with open(log, "a") as f:
             f.write(json.dumps({"digest": digest.hex(), "first": first, "whole": whole, "restore_ns": restore_ns,
-                                "parts": parts, "plain": plain}) + "\n")
+                                "parts": parts, "plain": plain, "mappings": mappings}) + "\n")
         with open(log + ".t", "w") as f:
             f.write(str(time.perf_counter_ns()))
         sys.exit(f"restore refused or failed ({lib.ip_restore()})")  # returns only then
@@ -213,7 +217,7 @@ def main() -> None:
                 "fork_tier": med(b["restore_s"] + b["first"] for b in ft) - plain_ft,
                 "maps": med(b["parts"][0] for b in ip) / 1e9, "scan": med(b["parts"][1] for b in ip) / 1e9,
                 "stage": med(b["parts"][2] for b in ip) / 1e9, "pages": med(b["parts"][4] for b in ip),
-                "unmapped": max(b["parts"][5] for b in ip),
+                "unmapped": max(b["parts"][5] for b in ip), "mappings": ip[0]["mappings"],
                 "first_ip": med(b["first"] for b in ip), "first_ft": med(b["first"] for b in ft),
                 "plain_ip": plain_ip, "plain_ft": plain_ft,
                 "loop_ip": med(b["restore_ns"] / 1e9 + b["whole"] for b in ip),
@@ -232,7 +236,7 @@ def main() -> None:
     for i, r in enumerate(rows, 1):
         print(f"| {i} | {ms(r['in_place'])} | {ms(r['fork_tier'])} | {r['in_place'] / r['fork_tier']:.2f}x | "
               f"{ms(r['maps'])} / {ms(r['scan'])} / {ms(r['stage'])} | {r['pages']:.0f} "
-              f"({r['unmapped']} new mappings unmapped) | {us(r['first_ip'])} / {us(r['first_ft'])} | "
+              f"({r['unmapped']} new mappings unmapped; {r['mappings']} mappings) | {us(r['first_ip'])} / {us(r['first_ft'])} | "
               f"{us(r['plain_ip'])} / {us(r['plain_ft'])} | {ms(r['loop_ip'])} / {ms(r['loop_ft'])} "
               f"({r['loop_ip'] / r['loop_ft']:.2f}x) |")
 
