@@ -855,8 +855,7 @@ class ForkableEnv(gym.Wrapper):
     def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
         """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
         old = self._swap_worker(new)
-        if hasattr(new, "adopt_pace"):
-            new.adopt_pace(old)
+        new.adopt_pace(old)
         old.kill()
         self._steps = snapshot.steps
         self._parent_id = snapshot.id

@@ -36,6 +36,10 @@ class Handle(abc.ABC):
     def kill(self) -> None:
         """Stop the env's process (or drop the in-process env) without asking it."""
 
+    def adopt_pace(self, other: "Handle") -> None:
+        """Take over what ``other``, the handle this one replaces, learned about step timing
+        (nothing to learn in process)."""
+
     def close(self) -> None:
         """Close the env politely (``env.close()``), then stop the process."""
         if self.closed:
@@ -133,7 +137,7 @@ class RemoteHandle(Handle):
         self.send(cmd, *args)
         return self.receive()
 
-    def adopt_pace(self, other: Any) -> None:
+    def adopt_pace(self, other: Handle) -> None:
         """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a
         restored copy steps like its predecessor, and a learner that restores every few steps
         would otherwise sleep through each copy's first dozen steps while it learns again."""

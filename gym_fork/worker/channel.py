@@ -102,13 +102,12 @@ class SpinWait:
         self.avg = 4.0 * cap  # no polling until waits have been seen to be short ...
         self.budget = 0.0
         if avg is not None:  # ... unless a predecessor's pace is known (a restored copy)
-            self._set(min(avg, 4.0 * cap))
+            self.avg = min(avg, 4.0 * cap)
+            self.budget = min(2.0 * self.avg, cap) if self.avg < cap else 0.0
 
-    def observe(self, wait: float) -> None:
-        self._set(self.avg + (min(wait, 4.0 * self.cap) - self.avg) * 0.25)
-
-    def _set(self, avg: float) -> None:
+    def observe(self, wait: float) -> None:  # every step, on both sides: kept inline
         cap = self.cap
+        avg = self.avg + (min(wait, 4.0 * cap) - self.avg) * 0.25
         self.avg = avg
         self.budget = 2.0 * avg if avg < cap else 0.0
         if self.budget > cap:
