@@ -42,6 +42,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent))
+from benchmarks.common import print_table  # noqa: E402
+
 RESUMED = -1000
 
 
@@ -49,7 +51,11 @@ def build(out_dir: str) -> str:
     so = os.path.join(out_dir, "restore_in_place.so")
     cmd = ["gcc", "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o", so,
            str(HERE / "restore_in_place.c")]
-    subprocess.run(cmd, check=True)
+    try:
+        subprocess.run(cmd, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"cannot build restore_in_place.c ({e}): it needs gcc and this Python's headers "
+                 f"({sysconfig.get_paths()['include']})")
     return so
 
 
@@ -227,19 +233,18 @@ def main() -> None:
                   "to the replay", file=sys.stderr, flush=True)
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
     us = lambda s: f"{s * 1e6:.0f} µs"  # noqa: E731
-    print(f"\n{args.env}: restore()+first step − plain step, medians over {args.branches} branches "
-          f"of {args.horizon} steps from depth {args.depth}\n")
-    print("| run | in place | fork tier `restore()` | in place / fork tier | in place: layout / written-page "
-          "scan / staging | pages copied | first step after: in place / fork tier | plain step: in process / ForkableEnv "
-          "| restore + whole branch: in place / fork tier |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, r in enumerate(rows, 1):
-        print(f"| {i} | {ms(r['in_place'])} | {ms(r['fork_tier'])} | {r['in_place'] / r['fork_tier']:.2f}x | "
-              f"{ms(r['maps'])} / {ms(r['scan'])} / {ms(r['stage'])} | {r['pages']:.0f} "
-              f"({r['unmapped']} new mappings unmapped; {r['mappings']} mappings) | {us(r['first_ip'])} / {us(r['first_ft'])} | "
-              f"{us(r['plain_ip'])} / {us(r['plain_ft'])} | {ms(r['loop_ip'])} / {ms(r['loop_ft'])} "
-              f"({r['loop_ip'] / r['loop_ft']:.2f}x) |")
-
+    headers = ["run", "in place", "fork tier `restore()`", "in place / fork tier",
+               "in place: layout / written-page scan / staging", "pages copied",
+               "first step after: in place / fork tier", "plain step: in process / ForkableEnv",
+               "restore + whole branch: in place / fork tier"]
+    table = [[i, ms(r["in_place"]), ms(r["fork_tier"]), f"{r['in_place'] / r['fork_tier']:.2f}x",
+              f"{ms(r['maps'])} / {ms(r['scan'])} / {ms(r['stage'])}",
+              f"{r['pages']:.0f} ({r['unmapped']} new mappings unmapped; {r['mappings']} mappings)",
+              f"{us(r['first_ip'])} / {us(r['first_ft'])}", f"{us(r['plain_ip'])} / {us(r['plain_ft'])}",
+              f"{ms(r['loop_ip'])} / {ms(r['loop_ft'])} ({r['loop_ip'] / r['loop_ft']:.2f}x)"]
+             for i, r in enumerate(rows, 1)]
+    print_table(headers, table, title=f"{args.env}: restore()+first step − plain step, medians over "
+                f"{args.branches} branches of {args.horizon} steps from depth {args.depth}")
 
 if __name__ == "__main__":
     main()
