@@ -104,6 +104,49 @@ def test_no_leaks_after_close():
     assert not os.path.exists(image), "close() must delete persisted images"
 
 
+def _children_states(pid: int) -> dict[int, str]:
+    """``{child pid: state letter}`` of a process's children (host pids, as /proc names them)."""
+    kids: dict[int, str] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            for kid in map(int, f.read().split()):
+                try:
+                    with open(f"/proc/{kid}/stat") as s:
+                        kids[kid] = s.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    pass  # reaped meanwhile
+    return kids
+
+
+def test_released_snapshots_and_their_orphaned_copies_do_not_pile_up_as_zombies():
+    """A worker that is PID 1 of its namespace adopts the ready copies of the snapshots it
+    releases (their frozen parent exits first).  Right after a fork the worker only collects
+    its own frozen snapshots (no /proc reads while the learner waits); the orphans are collected
+    by the next snapshot's scan, which reads them anyway -- so exited copies never pile up."""
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        worker = env.worker_pid
+        for i in range(6):
+            snap = env.snapshot()
+            time.sleep(0.06)  # quiet: the frozen snapshot forks its ready copy
+            env.step(i % 2)
+            snap.release()  # its frozen process exits on EOF, and then its ready copy
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and list(_children_states(worker).values()).count("Z") < 2:
+            time.sleep(0.02)  # the last frozen snapshot and its copy, orphaned to the worker
+        assert list(_children_states(worker).values()).count("Z") >= 2
+        keep = env.snapshot()  # the scan collects every exited one it finds
+        states = _children_states(worker)
+        assert "Z" not in states.values(), f"exited children left uncollected: {states}"
+        assert len(states) <= 1, states  # the new frozen snapshot (forked after the answer)
+        env.step(0)
+        env.restore(keep)
+        assert env.step(1)[0] is not None
+    finally:
+        env.close()
+
+
 def _inheritable_fds() -> dict[int, str]:
     out = {}
     for fd in map(int, os.listdir("/proc/self/fd")):

@@ -247,7 +247,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                     os._exit(0)
                 _FORKED.add(pid)
                 os.close(fd)
-                _reap_zombies()
+                resources.reap_forked(_FORKED)  # no /proc reads here: the scan collected the orphans
                 continue
             elif cmd == "ring":  # the controller's step ring: requests are announced there from now on
                 fd = _recv_one_fd(chan)

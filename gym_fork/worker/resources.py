@@ -259,20 +259,43 @@ def reap_fork_zombies(forked: set[int]) -> None:
     """Collect exited fork-tier children without blocking: frozen snapshots that were released
     (``forked``, namespace-local pids, updated in place) and clones orphaned to this namespace
     init.  The env's own children are left to the env to wait for."""
+    reap_forked(forked)
+    kids = _children("self")
+    if len(kids) != len(forked):
+        _reap_zombies_among(classify_children(kids, forked)[1], forked)
+
+
+def reap_forked(forked: set[int]) -> None:
+    """Collect the exited ones among this process's frozen snapshots (``forked``, pruned in
+    place): one ``waitpid(WNOHANG)`` each and no ``/proc`` read, so cheap enough right after a
+    fork, while the learner waits for the next step.  Orphans (clones of a released snapshot,
+    adopted by this namespace init) are left to the next scan (:func:`fork_blockers`) or
+    :func:`reap_fork_zombies`: finding them takes a ``/proc`` read per child."""
     for pid in list(forked):
         try:
             if os.waitpid(pid, os.WNOHANG)[0]:
                 forked.discard(pid)
         except ChildProcessError:
             forked.discard(pid)
-    kids = _children("self")
-    if len(kids) != len(forked):
-        for _host, local, zombie in classify_children(kids, forked)[1]:
-            if zombie and local not in forked:
-                try:
-                    os.waitpid(local, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+
+
+def _reap_zombies_among(fork_kids: list[tuple[int, int, bool]], forked: set[int] | frozenset[int]
+                        ) -> list[tuple[int, int, bool]]:
+    """Reap the zombies among fork-tier children found by :func:`classify_children`; returns
+    the others."""
+    alive = []
+    for kid in fork_kids:
+        _host, local, zombie = kid
+        if not zombie:
+            alive.append(kid)
+            continue
+        try:
+            os.waitpid(local, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        if isinstance(forked, set):
+            forked.discard(local)
+    return alive
 
 
 def _fd_flags(proc: str, fd: str) -> int:
@@ -312,6 +335,9 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
     me = host_pid()
     tids = os.listdir("/proc/self/task")
     env_kids, fork_kids = classify_children(_children("self", tids), own_children)
+    # the exited ones are read anyway: collect them here, so that nothing needs to look for them
+    # after the fork (see reap_forked), while the learner waits
+    fork_kids = _reap_zombies_among(fork_kids, own_children)
     fork_procs = [p for p, _local, _z in fork_kids]
     quick = None
     if len(tids) == 1 and not env_kids and log_files is None:
