@@ -234,3 +234,20 @@ def test_spin_cap_is_zero_on_a_single_cpu(monkeypatch):
     monkeypatch.setenv("GYM_FORK_SPIN_US", "250")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert spin_cap("GYM_FORK_SPIN_US", 100) == 0.0
+
+
+def test_a_handle_polls_for_the_reply_of_a_mujoco_sized_step_by_default(monkeypatch):
+    """A HalfCheetah step plus the round trip takes 100-200 µs here; a reply that slow must still
+    be polled for (waking the learner costs 20-50 µs more), while one from a learner-sized wait
+    (a slow env, seconds) is slept for."""
+    from gym_fork.backends.base import SPIN_US
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("GYM_FORK_SPIN_US", raising=False)
+    spin = SpinWait(spin_cap("GYM_FORK_SPIN_US", SPIN_US))
+    for _ in range(20):
+        spin.observe(180e-6)
+    assert spin.budget > 180e-6
+    for _ in range(20):
+        spin.observe(2e-3)
+    assert spin.budget == 0.0
