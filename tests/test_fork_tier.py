@@ -402,3 +402,52 @@ def test_a_restored_copy_steps_at_its_predecessors_pace_from_its_first_step(monk
         assert np.array_equal(env.step(1)[0], obs_before)  # and the branch is the same
     finally:
         env.close()
+
+
+def _has_fanotify_group(pid: int) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[fanotify]"
+                   for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def _eventually(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_ready_copy_opens_its_file_change_group_ahead_and_closes_it_when_idle():
+    """A ready copy opens its file-change group (fanotify, root only) as soon as it has answered
+    ``hello``, so a restore does not wait for it; left unused, it closes the group (an idle one
+    would queue every file change on the machine) and opens one again with its first request.
+    Either way, what the env writes after the restore is seen."""
+    from gym_fork.worker import fswatch
+
+    if not fswatch.start():
+        pytest.skip("no fanotify here (needs root): a copy has no group to open")
+    fswatch.forget()
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        payload = snap.payload()
+
+        def ready_pid():
+            payload.collect()
+            return payload.ready_pids[-1] if payload.ready_pids else None
+
+        assert _eventually(lambda: ready_pid() is not None)
+        pid = ready_pid()
+        assert _eventually(lambda: _has_fanotify_group(pid)), "the ready copy opened no group"
+        assert _eventually(lambda: not _has_fanotify_group(pid)), "an idle ready copy kept its group"
+        env.restore(snap)  # takes that copy: its first request opens the group again
+        assert env.worker_pid == pid
+        env.step(0)
+        assert _has_fanotify_group(pid)
+    finally:
+        env.close()

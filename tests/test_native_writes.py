@@ -245,6 +245,42 @@ def test_a_sibling_copys_native_writes_are_not_this_copys(tmp):
         env.close()
 
 
+def test_what_a_sibling_writes_while_a_ready_copy_waits_is_not_that_copys(tmp):
+    """A ready copy opens its group before it is used, while other copies of the env run. One of
+    them writes natively meanwhile; the ready copy, taken by a branch, reads that change from its
+    queue and must know it for a sibling's (its own process wrote nothing)."""
+    path = os.path.join(tmp, "native.log")
+    env = gym_fork.ForkableEnv(lambda: WriterEnv(path=path, how="native", start_at=10**9))
+    kids = []
+    try:
+        env.reset(seed=0)
+        kids += env.fork(env.snapshot(), 1)  # the sibling that will write
+        env.step(0)
+        snap = env.snapshot()
+        payload = snap.payload()
+        deadline = time.monotonic() + 5
+        while not payload.ready_pids and time.monotonic() < deadline:
+            time.sleep(0.02)
+            payload.collect()
+        ready = payload.ready_pids[-1]
+        time.sleep(0.05)  # it has answered hello and opened its group
+        fds = os.listdir(f"/proc/{ready}/fd")
+        assert "anon_inode:[fanotify]" in {os.readlink(f"/proc/{ready}/fd/{fd}") for fd in fds}
+        kids[0].unwrapped.start_at = 1  # in the sibling's worker only
+        kids[0].step(0)  # writes natively, while the ready copy's group is open
+        assert os.path.exists(path)
+        kids += env.fork(snap, 1)  # takes the ready copy
+        assert kids[1].worker_pid == ready
+        kids[1].step(0)
+        kids[1].snapshot()  # not refused: the write was its sibling's
+        with pytest.raises(UncapturedFilesError):
+            kids[0].snapshot()  # the sibling's own
+    finally:
+        for k in kids:
+            k.close()
+        env.close()
+
+
 def test_pickle_backend_env_that_starts_processes_is_refused_naming_the_program(tmp):
     """In the learner's process gym_fork cannot see what the env's processes write: refused."""
     path = os.path.join(tmp, "p.log")
@@ -307,15 +343,17 @@ def test_only_processes_started_after_building_make_copies_namespace_inits(in_re
         env.close()
 
 
-def test_a_ready_copy_watches_from_its_first_request(tmp):
-    """A restore takes the copy forked ahead of time; it opened no group while it waited, and
-    opens one with its first request: its writes below Python are seen all the same."""
+@pytest.mark.parametrize("wait", [0.1, 1.5])
+def test_a_ready_copy_watches_from_its_first_request(tmp, wait):
+    """A restore takes the copy forked ahead of time; that copy opened its group ahead (taken
+    after 0.1 s) or closed it again while it waited (1.5 s) and opens one with its first request:
+    its writes below Python are seen all the same."""
     path = os.path.join(tmp, "ready.log")
     env = gym_fork.ForkableEnv(lambda: WriterEnv(path=path, how="native", start_at=3))
     try:
         env.reset(seed=0)
         snap = env.snapshot()
-        time.sleep(0.3)  # the frozen snapshot forks its ready copy once things are quiet
+        time.sleep(wait)  # the frozen snapshot forks its ready copy once things are quiet
         env.restore(snap)  # takes it
         for _ in range(3):
             env.step(1)  # the third writes natively

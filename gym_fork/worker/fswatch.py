@@ -32,8 +32,9 @@ fork (:data:`spawned`).
 
 A group belongs to one process: a forked copy closes the inherited descriptor at once
 (:func:`forget`; it would otherwise read, or keep alive, its parent's queue), and a copy that
-starts serving opens its own (:func:`start`, from ``hello``; a ready copy, forked ahead and
-maybe waiting for hours, only with its first request: :func:`defer`).  A CRIU image may hold a group, but
+starts serving opens its own (:func:`start`, from ``hello``; a ready copy, forked ahead, once it
+has answered ``hello``, and closes it again when no request came for half a second -- it may wait
+for hours -- to open it with its first request: :func:`defer`, :func:`resume`).  A CRIU image may hold a group, but
 CRIU 4.1 restores it without its filesystem marks (deaf): a restored copy's ``hello`` replaces
 it with a new one, reading the mount table again (it may run on another machine).
 
