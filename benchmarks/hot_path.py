@@ -36,6 +36,14 @@ hits them alike):
   cooled by the learner's work cost more than back-to-back steps do, in-process too.
 * **PPO learn()** (CartPole, 4096 steps, ``n_steps=512``): the learner's own number, steps per
   second, env in process (``DummyVecEnv``), in a ``ForkableEnv`` and in ``SubprocVecEnv(1)``.
+* **the machine's floor** (no gym_fork code): in a process as lean as a worker holding a
+  LunarLander env after 100 steps, a bare ``os.fork()``, and the first step after it minus a
+  plain step (the copy-on-write faults of the pages that step writes): what any fork-based
+  snapshot costs the learner here, before gym_fork does anything. Also a page's first-touch
+  fault and copy-on-write fault, and a ``fork()`` of 24 MB of written memory, from a plain
+  ``mmap``. On a virtual machine whose guest page tables are shadowed by the hypervisor these
+  cost several times what they do on bare metal; the row tells whether a bar below it can be met
+  by forking at all on the machine at hand.
 
 Only gym_fork's public API is used, so the same script measures an older checkout too::
 
@@ -451,6 +459,75 @@ def bench_pong(reps: int) -> dict:
     return out
 
 
+_FLOOR_SCRIPT = r"""
+import json, mmap, os, statistics, sys, time
+from gym_fork.worker import lean
+lean.install()  # as a worker: no pygame
+import gymnasium as gym
+import numpy as np
+
+reps = int(sys.argv[1])
+env = gym.make("LunarLander-v3")
+env.reset(seed=0)
+env.action_space.seed(0)
+acts = [env.action_space.sample() for _ in range(4000)]
+it = iter(acts)
+
+def step():
+    _, _, term, trunc, _ = env.step(next(it))
+    if term or trunc:
+        env.reset()
+
+for _ in range(100):
+    step()
+fork_s, after_s, plain_s = [], [], []
+for _ in range(reps * 4):
+    for _ in range(10):
+        t = time.perf_counter(); step(); plain_s.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    fork_s.append(time.perf_counter() - t)
+    t = time.perf_counter(); step(); after_s.append(time.perf_counter() - t)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    time.sleep(0.005)
+
+pages = 6000  # ~24 MB: a LunarLander worker's private memory
+first, cow, big = [], [], []
+for _ in range(reps):
+    m = mmap.mmap(-1, pages * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(m, dtype=np.uint8)
+    t = time.perf_counter(); a[::4096] = 1; first.append((time.perf_counter() - t) / pages)
+    t = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    big.append(time.perf_counter() - t)
+    t = time.perf_counter(); a[::4096] = 2; cow.append((time.perf_counter() - t) / pages)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    del a
+    m.close()
+med = statistics.median
+print(json.dumps({"fork_ms": med(fork_s) * 1e3, "first_step_after_fork_minus_step_ms": (med(after_s) - med(plain_s)) * 1e3,
+                  "plain_step_us": med(plain_s) * 1e6, "first_touch_fault_us": med(first) * 1e6,
+                  "cow_fault_us": med(cow) * 1e6, "fork_24mb_ms": med(big) * 1e3}))
+"""
+
+
+def bench_floor(reps: int) -> dict:
+    """What forking costs on this machine, without gym_fork: see the module docstring."""
+    out = subprocess.run([sys.executable, "-c", _FLOOR_SCRIPT, str(reps)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if out.returncode != 0:
+        raise RuntimeError(f"the floor measurement failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def bench_break_even(reps: int) -> dict:
     env_id = "LunarLander-v3"
     rng = np.random.default_rng(2)
@@ -593,6 +670,19 @@ def table(r: dict) -> list[list[str]]:
         i, g, p = (pp[k]["median_steps_per_s"] for k in ("inproc", "gym_fork", "subproc"))
         rows.append(["PPO CartPole learn(), steps/s", f"{i:.0f}", f"{g:.0f}", f"{p:.0f}",
                      f"{rx(g, i)} in-proc, {rx(g, p)} Subproc", "—", "—", "—"])
+    fl = r.get("floor")
+    if fl:
+        floor = fl["fork_ms"] + fl["first_step_after_fork_minus_step_ms"]
+        snap = r["snapshot"].get("fork", {}).get("snapshot_step", {}).get("median_ms")
+        rows.append(["The machine's floor: fork() of a LunarLander process + its next step's copy-on-write "
+                     "faults, no gym_fork (vs the fork-tier snapshot()+step − step)",
+                     f"{ms(floor)} (fork {ms(fl['fork_ms'])} + faults {ms(fl['first_step_after_fork_minus_step_ms'])})",
+                     ms(snap), "—",
+                     (f"{rx(snap, floor)} the floor; " if snap else "")
+                     + f"per page: first touch {fl['first_touch_fault_us']:.1f} µs, copy-on-write "
+                     f"{fl['cow_fault_us']:.1f} µs; fork() of 24 MB {ms(fl['fork_24mb_ms'])}",
+                     "≤ 1 ms (the fork-tier bars)", "—",
+                     "reachable by fork" if floor <= 1.0 else "not by fork here"])
     v = r.get("vec")
     if v:
         g, p = v["gym_fork"]["median_us"], v["subproc"]["median_us"]
@@ -626,8 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions (~40 s)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per cell (default 7, quick 3)")
-    ap.add_argument("--only", default="steps,gap,snapshot,pong,break_even,vec,ppo",
-                    help="comma-separated parts: steps,gap,snapshot,pong,break_even,vec,ppo")
+    ap.add_argument("--only", default="steps,gap,snapshot,floor,pong,break_even,vec,ppo",
+                    help="comma-separated parts: steps,gap,snapshot,floor,pong,break_even,vec,ppo")
     ap.add_argument("--gap-us", type=float, default=300.0,
                     help="learner work before each step in the 'gap' part, µs (default 300)")
     ap.add_argument("--json", dest="json_path", default=None, help="write all numbers to this file")
@@ -651,6 +741,9 @@ def main(argv: list[str] | None = None) -> int:
         for tier, ft in (("fork", True), ("criu", False)):
             progress(f"snapshot/restore LunarLander, {tier}")
             r["snapshot"][tier] = bench_snapshot("LunarLander-v3", ft, reps * (2 if ft else 1), 0.03)
+    if "floor" in parts:
+        progress("the machine's floor: fork() and page faults, without gym_fork")
+        r["floor"] = bench_floor(reps)
     if "pong" in parts:
         progress("Pong")
         r["pong"] = bench_pong(max(3, reps // 2) if args.quick else reps)
