@@ -332,6 +332,10 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         A :class:`Scan`; ``scan.resources`` is empty when a ``fork()`` copy is exact.
     """
     global _last_clean
+    if isinstance(own_children, set):
+        # released snapshots first: one of them exited (a zombie) would send classify_children down
+        # its slow path, a /proc read per child, for a process that is gone by then
+        reap_forked(own_children)
     me = host_pid()
     tids = os.listdir("/proc/self/task")
     env_kids, fork_kids = classify_children(_children("self", tids), own_children)

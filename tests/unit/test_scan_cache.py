@@ -72,3 +72,43 @@ def test_the_fingerprint_never_hides_a_change(tmp_path):
     assert out["thread"] == ["thread"] and out["thread_gone"] == []
     assert out["shared_map"] == ["shared-memory"] and out["map_gone"] == []
     assert "child" in out["child"] and out["child_gone"] == []
+
+
+RELEASED = textwrap.dedent(r'''
+    import json, os, sys, time
+    from gym_fork.worker import resources as R
+
+    forked = set()
+    for _ in range(3):  # frozen snapshots of this process, released: they exited, unreaped
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        forked.add(pid)
+    time.sleep(0.2)
+    reads = []
+    real = R._status
+    R._status = lambda *a, **k: reads.append(a) or real(*a, **k)
+    scan = R.fork_blockers({0, 1, 2}, forked)
+    left = [p for p in forked]
+    zombies = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as f:
+            zombies += f.read().split()
+    with open(sys.argv[1], "w") as f:
+        json.dump({"status_reads": len(reads), "forked_left": left, "children_left": zombies,
+                   "fork_processes": scan.fork_processes}, f)
+''')
+
+
+def test_a_scan_collects_released_snapshots_before_looking_at_the_children(tmp_path):
+    """Frozen snapshots that were released exited and wait to be collected: the scan collects
+    them first (waitpid), so it finds no children at all and reads no process's status -- not
+    one /proc read per child for processes that are gone."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    out_path = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-c", RELEASED, str(out_path)], check=True, env=env, timeout=60,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   start_new_session=True)
+    out = json.loads(out_path.read_text())
+    assert out["forked_left"] == [] and out["children_left"] == [] and out["fork_processes"] == []
+    assert out["status_reads"] == 0
