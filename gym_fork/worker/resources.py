@@ -286,7 +286,7 @@ def _reap_zombies_among(fork_kids: list[tuple[int, int, bool]], forked: set[int]
     alive = []
     for kid in fork_kids:
         _host, local, zombie = kid
-        if not zombie:
+        if not zombie or local <= 0:  # (never waitpid(-1) or (0): the env's children are the env's)
             alive.append(kid)
             continue
         try:
@@ -327,6 +327,9 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
             snapshots it forked and has not reaped).
         log_files: ``(st_dev, st_ino)`` of files that count as the worker's log (opened
             ``O_APPEND`` by gym_fork); default: whatever fds 1 and 2 are.
+
+    Exited fork-tier children it comes across (released frozen snapshots, copies orphaned to a
+    namespace init) are collected on the way (``waitpid``), so nothing else needs to look for them.
 
     Returns:
         A :class:`Scan`; ``scan.resources`` is empty when a ``fork()`` copy is exact.
