@@ -478,21 +478,28 @@ def step():
     if term or trunc:
         env.reset()
 
+def fork_holder():  # fork() a child that only sleeps, holding the pages shared
+    t = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    return time.perf_counter() - t, pid
+
+def end(pid):
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+
 for _ in range(100):
     step()
 fork_s, after_s, plain_s = [], [], []
 for _ in range(reps * 4):
     for _ in range(10):
         t = time.perf_counter(); step(); plain_s.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(30)
-        os._exit(0)
-    fork_s.append(time.perf_counter() - t)
+    took, pid = fork_holder()
+    fork_s.append(took)
     t = time.perf_counter(); step(); after_s.append(time.perf_counter() - t)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
+    end(pid)
     time.sleep(0.005)
 
 pages = 6000  # ~24 MB: a LunarLander worker's private memory
@@ -501,15 +508,10 @@ for _ in range(reps):
     m = mmap.mmap(-1, pages * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     a = np.frombuffer(m, dtype=np.uint8)
     t = time.perf_counter(); a[::4096] = 1; first.append((time.perf_counter() - t) / pages)
-    t = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(30)
-        os._exit(0)
-    big.append(time.perf_counter() - t)
+    took, pid = fork_holder()
+    big.append(took)
     t = time.perf_counter(); a[::4096] = 2; cow.append((time.perf_counter() - t) / pages)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
+    end(pid)
     del a
     m.close()
 med = statistics.median

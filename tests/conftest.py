@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -45,6 +46,16 @@ def same(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return np.float64(a).tobytes() == np.float64(b).tobytes()
     return type(a) is type(b) and a == b
+
+
+def eventually(cond, timeout: float = 5.0, every: float = 0.01) -> bool:
+    """Whether ``cond()`` becomes true within ``timeout`` seconds (asked every ``every``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return bool(cond())
 
 
 def run_actions(env: gym.Env, actions: list) -> tuple[list, int]:

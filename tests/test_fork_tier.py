@@ -13,7 +13,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import assert_same_traj, run_actions
+from conftest import assert_same_traj, eventually, run_actions
 
 import gym_fork
 from gym_fork.errors import BackendUnavailableError
@@ -412,15 +412,6 @@ def _has_fanotify_group(pid: int) -> bool:
         return False
 
 
-def _eventually(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_a_ready_copy_opens_its_file_change_group_ahead_and_closes_it_when_idle():
     """A ready copy opens its file-change group (fanotify, root only) as soon as it has answered
     ``hello``, so a restore does not wait for it; left unused, it closes the group (an idle one
@@ -441,10 +432,10 @@ def test_a_ready_copy_opens_its_file_change_group_ahead_and_closes_it_when_idle(
             payload.collect()
             return payload.ready_pids[-1] if payload.ready_pids else None
 
-        assert _eventually(lambda: ready_pid() is not None)
+        assert eventually(lambda: ready_pid() is not None)
         pid = ready_pid()
-        assert _eventually(lambda: _has_fanotify_group(pid)), "the ready copy opened no group"
-        assert _eventually(lambda: not _has_fanotify_group(pid)), "an idle ready copy kept its group"
+        assert eventually(lambda: _has_fanotify_group(pid)), "the ready copy opened no group"
+        assert eventually(lambda: not _has_fanotify_group(pid)), "an idle ready copy kept its group"
         env.restore(snap)  # takes that copy: its first request opens the group again
         assert env.worker_pid == pid
         env.step(0)

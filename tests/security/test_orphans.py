@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import eventually
 
 from gym_fork.snapshots import reclaim
 
@@ -49,12 +50,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wait(cond, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
+    return eventually(cond, timeout, every=0.1)
 
 
 def _run(args: list[str], env: dict) -> subprocess.CompletedProcess:
