@@ -77,6 +77,7 @@ import gym_fork  # noqa: E402
 SEED = 0
 WARM_STEPS = 100
 K, H, PONG_DEPTH = 16, 100, 300
+PARTS = ("steps", "gap", "snapshot", "floor", "pong", "break_even", "vec", "ppo")
 SEARCH_STEPS = 5  # steps per branch in the snapshot part's search loop (restore, 5 steps, restore ...)
 
 
@@ -718,15 +719,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions (~40 s)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per cell (default 7, quick 3)")
-    ap.add_argument("--only", default="steps,gap,snapshot,floor,pong,break_even,vec,ppo",
-                    help="comma-separated parts: steps,gap,snapshot,floor,pong,break_even,vec,ppo")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {','.join(PARTS)}")
     ap.add_argument("--gap-us", type=float, default=300.0,
                     help="learner work before each step in the 'gap' part, µs (default 300)")
     ap.add_argument("--json", dest="json_path", default=None, help="write all numbers to this file")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
     n_steps = 300 if args.quick else 2000
-    parts = set(args.only.split(","))
+    parts = {p.strip() for p in args.only.split(",") if p.strip()}
+    unknown = parts - set(PARTS)
+    if unknown or not parts:
+        ap.error(f"--only: unknown part(s) {', '.join(sorted(unknown)) or '(none given)'}; "
+                 f"choose from {','.join(PARTS)}")
     r: dict = {"version": code_version(), "reps": reps, "n_steps": n_steps, "quick": args.quick,
                "loadavg_start": list(os.getloadavg()), "steps": {}, "snapshot": {}}
     progress(f"gym_fork from {r['version']['gym_fork']} ({r['version']['commit']}"
