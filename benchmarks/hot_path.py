@@ -25,6 +25,9 @@ hits them alike):
   restore loop in one process (``restoreState`` + 100 ``env.step`` per branch, the policy
   called on every observation) vs ``snapshot()`` + ``gym_fork.explore()``, with the policy in
   the learner (a round trip per step) and inside the branches' workers (``policy_in_worker=True``).
+  Pong's floor: the same branches in a process as lean as a worker (no gym_fork code), natively
+  and with one bare ``os.fork()`` per branch, all running at once -- the most any fork-based
+  ``explore()`` can gain over the native loop on this machine (its CPUs, its page-fault costs).
 * **break-even depth** (LunarLander, 16 closed-loop branches x 100 steps): the prefix depth D
   above which branching from a snapshot beats replaying ``reset(seed) + D + 100`` steps per
   branch in process, from the measured costs: D* = (T_branch / 16 - t_reset) / t_step - 100;
@@ -457,6 +460,7 @@ def bench_pong(reps: int) -> dict:
     finally:
         fenv.close()
         plain.close()
+    out["floor"] = bench_pong_floor(reps, prefix, branches)
     return out
 
 
@@ -520,6 +524,66 @@ print(json.dumps({"fork_ms": med(fork_s) * 1e3, "first_step_after_fork_minus_ste
                   "plain_step_us": med(plain_s) * 1e6, "first_touch_fault_us": med(first) * 1e6,
                   "cow_fault_us": med(cow) * 1e6, "fork_24mb_ms": med(big) * 1e3}))
 """
+
+
+_PONG_FLOOR_SCRIPT = r"""
+import json, os, statistics, sys, time
+from gym_fork.worker import lean
+lean.install()  # as a worker
+import ale_py
+import gymnasium as gym
+
+gym.register_envs(ale_py)
+reps, prefix, branches = int(sys.argv[1]), *json.loads(sys.argv[2])
+env = gym.make("ALE/Pong-v5")
+obs0, _ = env.reset(seed=0)
+for a in prefix:
+    obs0, *_ = env.step(a)
+ale = env.unwrapped.ale
+st0 = ale.cloneState()
+
+def branch(actions, obs):
+    for a in actions:
+        _ = obs[0]  # a policy looks at every observation
+        obs, _, term, trunc, _ = env.step(a)
+        if term or trunc:
+            obs, _ = env.reset()
+
+def native():  # one process: restoreState, then the branch
+    for actions in branches:
+        ale.restoreState(st0)
+        branch(actions, obs0)
+
+def forked():  # a bare fork() per branch, all running at once; the parent waits for them all
+    pids = []
+    for actions in branches:
+        pid = os.fork()
+        if pid == 0:
+            branch(actions, obs0)
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+nat, frk = [], []
+for _ in range(reps):
+    for fn, xs in ((native, nat), (forked, frk)):
+        t = time.perf_counter(); fn(); xs.append(time.perf_counter() - t)
+med = statistics.median
+print(json.dumps({"native_s": med(nat), "forked_s": med(frk), "native_samples_s": nat, "forked_samples_s": frk}))
+"""
+
+
+def bench_pong_floor(reps: int, prefix: list, branches: list) -> dict:
+    """Pong's ceiling for fork-based branching on this machine, without gym_fork: in a process as
+    lean as a worker, the native restore loop vs one bare ``fork()`` per branch (see the module
+    docstring)."""
+    out = subprocess.run([sys.executable, "-c", _PONG_FLOOR_SCRIPT, str(reps), json.dumps([prefix, branches])],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if out.returncode != 0:
+        raise RuntimeError(f"the Pong floor measurement failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_floor(reps: int) -> dict:
@@ -650,6 +714,15 @@ def table(r: dict) -> list[list[str]]:
             rows.append(["Pong: the same, the policy in the workers (policy_in_worker=True)",
                          f"native restore loop {n:.2f} s", f"explore() {w:.2f} s", "—",
                          f"{n / w:.2f}× faster than native", "≥ 1.5× faster", "—", verdict(n / w >= 1.5)])
+        pf = pg.get("floor")
+        if pf:
+            ceiling = pf["native_s"] / pf["forked_s"]
+            best = n / min(e, w or e)
+            rows.append([f"Pong's floor: the same {K} branches, one bare fork() each, no gym_fork (vs the faster "
+                         "explore() above)", f"native restore loop {pf['native_s']:.2f} s",
+                         f"bare forks {pf['forked_s']:.2f} s", "—",
+                         f"ceiling {ceiling:.2f}× faster than native; explore() reaches {best / ceiling:.0%} of it",
+                         "≥ 1.5× faster", "—", "reachable by fork" if ceiling >= 1.5 else "not by fork here"])
     be = r.get("break_even")
     if be:
         d = be["break_even_depth"]
