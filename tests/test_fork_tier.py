@@ -412,6 +412,50 @@ def _has_fanotify_group(pid: int) -> bool:
         return False
 
 
+def test_in_a_burst_a_copy_left_ready_delays_the_next_fork_past_the_taken_copys_first_step():
+    """Restores a few tens of ms apart (a burst) keep BURST_READY copies ready. When a restore
+    takes one and another is left, the frozen snapshot forks the replacement only after
+    BURST_QUIET_S of quiet: forked at once, it ran beside the taken copy's first step, which then
+    waited for a CPU (on 2 vCPUs, in about half of such restores)."""
+    from gym_fork.worker import loop
+
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        payload = snap.payload()
+
+        def ready() -> int:
+            payload.collect()
+            return len(payload.ready)
+
+        assert eventually(lambda: ready() == 1)
+        left_at_take, delays = [], []
+        for _ in range(30):
+            env.restore(snap)
+            took = time.monotonic()
+            env.step(0)
+            left = ready()
+            left_at_take.append(left)
+            # the replacement's offer (if it comes within the cycle: 25 ms, well under BURST_S)
+            while time.monotonic() - took < 0.025:
+                if ready() > left:
+                    if left:
+                        delays.append(time.monotonic() - took)
+                    break
+                time.sleep(0.0005)
+            time.sleep(max(0.0, 0.03 - (time.monotonic() - took)))
+        assert max(left_at_take) >= 1, f"a burst never kept a second copy ready: {left_at_take}"
+        assert delays, f"no replacement was offered while a copy was left: {left_at_take}"
+        assert min(delays) >= loop.BURST_QUIET_S, (
+            f"a copy was forked {min(delays) * 1e3:.2f} ms after a restore took one while another was "
+            f"ready (at least {loop.BURST_QUIET_S * 1e3:g} ms of quiet expected)")
+        env.step(0)
+        snap.release()
+    finally:
+        env.close()
+
+
 def test_a_ready_copy_opens_its_file_change_group_ahead_and_closes_it_when_idle():
     """A ready copy opens its file-change group (fanotify, root only) as soon as it has answered
     ``hello``, so a restore does not wait for it; left unused, it closes the group (an idle one
