@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, loade
     from gym_fork import errors
     from gym_fork.backends.bundles import load_snapshot
     from gym_fork.check import check_env
+    from gym_fork.costs import measure_costs
     from gym_fork.env import ForkableEnv, make
     from gym_fork.errors import BundleError, GymForkError
     from gym_fork.exploration import Branch, ExploreResult, explore
@@ -42,6 +43,7 @@ _PUBLIC = {
     "restore_of": "gym_fork.wrapped",
     "snapshot_of": "gym_fork.wrapped",
     "check_env": "gym_fork.check",
+    "measure_costs": "gym_fork.costs",
     # needs stable-baselines3 (and torch)
     "ForkableVecEnv": "gym_fork.vec_env",
 }
@@ -67,5 +69,5 @@ def __dir__() -> list[str]:
 
 __all__ = ["SnapshotStore", "ForkableVecEnv", "load_snapshot", "BundleError", "ForkableEnv", "make", "Snapshot",
            "GymForkError", "errors", "explore", "Branch", "ExploreResult", "snapshot_of", "restore_of",
-           "find_forkable", "check_env"]
+           "find_forkable", "check_env", "measure_costs"]
 __version__ = "0.1.0"

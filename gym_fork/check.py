@@ -110,7 +110,7 @@ def check_env(env: str | Callable[[], gym.Env] | ForkableEnv, *, backends: Seque
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
-    build = _builder(env, env_kwargs)
+    build = env_builder(env, env_kwargs)
     report = CheckReport(env=_name(env))
     report.rows.append(_gymnasium_row(build, env, skip_render_check, report))
     for name in backends:
@@ -132,7 +132,7 @@ def _name(env: Any) -> str:
     return getattr(env, "__qualname__", None) or repr(env)
 
 
-def _builder(env: Any, env_kwargs: dict | None) -> Callable[..., ForkableEnv]:
+def env_builder(env: Any, env_kwargs: dict | None) -> Callable[..., ForkableEnv]:
     """``build(**options)``: a new ForkableEnv of the env being checked."""
     if isinstance(env, ForkableEnv):
         if env._origin is None:  # built from a snapshot: its own backend, through forks
@@ -168,9 +168,9 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
     try:
         env = build()
     except BackendUnavailableError as e:
-        return Row(check, NA, _short(e))
+        return Row(check, NA, short_error(e))
     except UnsupportedEnvError as e:
-        return Row(check, REFUSES, _short(e))
+        return Row(check, REFUSES, short_error(e))
     extra: list[str] = []
     try:
         space = copy.deepcopy(env.action_space)
@@ -180,7 +180,7 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
         try:
             snap = env.snapshot()
         except (UnsupportedEnvError, UncapturableStateError) as e:
-            return Row(check, REFUSES, _short(e))
+            return Row(check, REFUSES, short_error(e))
         tail = [space.sample() for _ in range(steps)]
         runs = {"on": _drive(env, tail)}
         env.restore(snap)
@@ -197,9 +197,9 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
             else:
                 runs["save/load"] = saved
     except (UnsupportedEnvError, UncapturableStateError) as e:  # refused later, before anything
-        return Row(check, REFUSES, _short(e))  # diverged (e.g. files it wrote after the snapshot)
+        return Row(check, REFUSES, short_error(e))  # diverged (e.g. files it wrote after the snapshot)
     except Exception as e:  # noqa: BLE001 - gym_fork's errors, and the env's own (pickle: in this process)
-        return Row(check, FAIL, f"{type(e).__name__}: {_short(e)}" if not isinstance(e, GymForkError) else _short(e))
+        return Row(check, FAIL, f"{type(e).__name__}: {short_error(e)}" if not isinstance(e, GymForkError) else short_error(e))
     finally:
         env.close()
     for how, run in runs.items():
@@ -217,7 +217,7 @@ def _saved_run(snap: Any, tail: list) -> list | str:
         try:
             snap.save(path)
         except GymForkError as e:
-            return f"n/a ({_short(e)})"
+            return f"n/a ({short_error(e)})"
         env = ForkableEnv.from_snapshot(load_snapshot(path))
         try:
             return _drive(env, tail)
@@ -249,6 +249,6 @@ def _first_difference(a: list, b: list) -> str:
     return f"after {min(len(a), len(b))} items (different lengths)"
 
 
-def _short(e: BaseException, limit: int = 300) -> str:
+def short_error(e: BaseException, limit: int = 300) -> str:
     text = str(e).strip().replace("\n", " ")
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -36,6 +36,7 @@ MODULES = [
     "gym_fork.backends.exactness",
     "gym_fork.wrapped",
     "gym_fork.check",
+    "gym_fork.costs",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {

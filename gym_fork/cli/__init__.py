@@ -4,6 +4,7 @@
     gym-fork doctor --json     the same, as one JSON object (for scripts and CI)
     gym-fork install-criu      build and install CRIU 4.1.1 + pycriu (root; the installer ships in the package)
     gym-fork check ENV         Gymnasium's checker in the worker + exact snapshot/restore/fork on every backend
+    gym-fork bench ENV         what a step, a snapshot and a restore of ENV cost here; the break-even depth
     gym-fork --version
 
 Also runnable as ``python -m gym_fork.cli``.  Subcommands are registered in ``COMMANDS``
@@ -48,7 +49,7 @@ def _command(name: str) -> Command:
     return Command(help=m.HELP, description=m.DESCRIPTION, epilog=m.EPILOG, configure=m.configure, run=m.run)
 
 
-COMMANDS: dict[str, Command] = {name: _command(name) for name in ("doctor", "check", "agent", "run", "snapshots", "install-criu")}
+COMMANDS: dict[str, Command] = {name: _command(name) for name in ("doctor", "check", "bench", "agent", "run", "snapshots", "install-criu")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,13 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
             "CRIU >= 4 images when a snapshot must last or move (exact for every env; Linux, as root "
             "or as a plain user with unprivileged user namespaces); the 'pickle' backend copies "
             "pure-Python envs in-process and works anywhere.  backend='auto' picks what works here.\n\n"
-            "This tool checks your setup (start with `gym-fork doctor`), runs migration agents and "
-            "managed training jobs, and manages snapshot stores."
+            "This tool checks your setup (start with `gym-fork doctor`) and your env (`gym-fork check`, "
+            "`gym-fork bench`), runs migration agents and managed training jobs, and manages snapshot stores."
         ),
         epilog=(
             "examples:\n"
             "  gym-fork doctor            is CRIU usable here? which backend will 'auto' pick?\n"
             "  gym-fork doctor --json     the same, machine-readable\n"
+            "  gym-fork bench LunarLander-v3   its step/snapshot/restore costs here; when branching pays\n"
             "  sudo $(which gym-fork) install-criu   set up CRIU (root)\n"
             "  gym-fork COMMAND --help    details and examples for one command\n\n"
             "in Python:\n"
