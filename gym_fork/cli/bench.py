@@ -4,12 +4,10 @@ through gym_fork here, and from what depth branching beats replaying from ``rese
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import sys
 
-from gym_fork.cli.check import resolve
+from gym_fork.cli.check import add_env_options, prepare_env_options, resolve
 
 HELP = "measure an env's step, snapshot and restore costs here, and when branching beats replay"
 DESCRIPTION = (
@@ -37,36 +35,25 @@ EPILOG = (
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("env", metavar="ENV", help="env id, or module:factory")
-    p.add_argument("--backends", default="fork,criu",
-                   help="comma-separated, from fork, criu, pickle (default: fork,criu)")
+    add_env_options(p, "fork,criu", "fork,criu")
     p.add_argument("--steps", type=int, default=300, help="steps timed per backend (default 300)")
     p.add_argument("--reps", type=int, default=10, help="snapshots and restores timed per backend (default 10)")
     p.add_argument("--horizon", type=int, default=100,
                    help="branch length the break-even depth is solved for (default 100)")
     p.add_argument("--seed", type=int, default=0, help="seed of reset() and of the actions (default 0)")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON object instead")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first (e.g. one that registers the env id); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
-    from gym_fork.check import BACKENDS
     from gym_fork.costs import measure_costs
 
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown or not backends:
-        print(f"gym-fork bench: unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}", file=sys.stderr)
-        return 2
     for name, value in (("--steps", args.steps), ("--reps", args.reps), ("--horizon", args.horizon)):
         if value < 1:
             print(f"gym-fork bench: {name} must be at least 1, got {value}", file=sys.stderr)
             return 2
-    for name in args.imports:
-        importlib.import_module(name)
+    backends = prepare_env_options(args, "bench")
+    if backends is None:
+        return 2
     report = measure_costs(resolve(args.env), backends=backends, steps=args.steps, reps=args.reps,
                            horizon=args.horizon, seed=args.seed, verbose=not args.json)
     if args.json:

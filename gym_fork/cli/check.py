@@ -34,14 +34,38 @@ EPILOG = (
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("env", metavar="ENV", help="env id, or module:factory")
-    p.add_argument("--backends", default="fork,criu,pickle",
-                   help="comma-separated, from fork, criu, pickle (default: all three)")
+    add_env_options(p, "fork,criu,pickle", "all three")
     p.add_argument("--steps", type=int, default=40, help="random steps before the snapshot and after it (default 40)")
     p.add_argument("--seed", type=int, default=0, help="seed of reset() and of the actions (default 0)")
     p.add_argument("--render-check", action="store_true", help="let Gymnasium's checker check render() too")
+
+
+def add_env_options(p: argparse.ArgumentParser, backends: str, backends_said: str) -> None:
+    """ENV, ``--backends`` (default ``backends``, said as ``backends_said``) and ``--import``:
+    the options of the commands that take an env (``check``, ``bench``)."""
+    p.add_argument("env", metavar="ENV", help="env id, or module:factory")
+    p.add_argument("--backends", default=backends,
+                   help=f"comma-separated, from fork, criu, pickle (default: {backends_said})")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (e.g. one that registers the env id); repeatable")
+
+
+def prepare_env_options(args: argparse.Namespace, command: str) -> list[str] | None:
+    """The backends ``args`` names, after putting the current directory on the path (for
+    ``module:factory``) and importing the ``--import`` modules; None, with the usage error said
+    on stderr, when a backend is unknown."""
+    from gym_fork.check import BACKENDS
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        print(f"gym-fork {command}: unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}", file=sys.stderr)
+        return None
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in args.imports:
+        importlib.import_module(name)
+    return backends
 
 
 def resolve(target: str) -> Any:
@@ -59,17 +83,11 @@ def resolve(target: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gym_fork.check import BACKENDS, check_env
+    from gym_fork.check import check_env
 
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown or not backends:
-        print(f"gym-fork check: unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}", file=sys.stderr)
+    backends = prepare_env_options(args, "check")
+    if backends is None:
         return 2
-    for name in args.imports:
-        importlib.import_module(name)
     report = check_env(resolve(args.env), backends=backends, steps=args.steps, seed=args.seed,
                        skip_render_check=not args.render_check, verbose=True)
     return 0 if report.ok else 1
