@@ -115,8 +115,13 @@ def measure_costs(env: str | Callable[[], gym.Env], *, backends: Sequence[str] =
         The report (``report.rows[0]`` is the in-process baseline).
 
     Raises:
+        TypeError: ``env`` is neither an id nor a factory (for a ``ForkableEnv``, pass the id or
+            factory it was made from).
         ValueError: an unknown backend, or ``steps`` / ``reps`` / ``horizon`` below 1.
     """
+    if not isinstance(env, str) and not callable(env) or isinstance(env, gym.Env):
+        raise TypeError(f"env must be an env id or a zero-argument factory, not {type(env).__name__}; "
+                        "for a ForkableEnv, pass the id or factory it was made from")
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")

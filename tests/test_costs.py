@@ -48,6 +48,15 @@ def test_a_backend_that_refuses_the_env_says_why_instead_of_numbers():
     assert "see (1)" in str(report) and "(1) pickle: refuses the env" in str(report)
 
 
+def test_an_env_instance_is_refused_with_what_to_pass_instead():
+    env = gym_fork.make("CartPole-v1", backend="pickle")
+    try:
+        with pytest.raises(TypeError, match="env id or a zero-argument factory"):
+            gym_fork.measure_costs(env, verbose=False)
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"backends": ["fork", "nope"]}, "unknown backend"),
     ({"steps": 0}, "steps must be an int >= 1"),
