@@ -456,6 +456,40 @@ def test_in_a_burst_a_copy_left_ready_delays_the_next_fork_past_the_taken_copys_
         env.close()
 
 
+def test_a_new_snapshot_offers_its_first_ready_copy_sooner_than_the_next_ones():
+    """A snapshot's first ready copy comes after FIRST_READY_DELAY_S of quiet, so a restore a few
+    ms after the snapshot need not clone on demand; once a copy was used, the next waits
+    READY_DELAY_S (it also learns what the used copy touched, which would slow that copy's steps)."""
+    from gym_fork.worker import loop
+
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+
+        def next_offer(payload, since: float) -> float:
+            have = len(payload.ready)
+            assert eventually(lambda: (payload.collect(), len(payload.ready) > have)[1], every=0.0005)
+            return time.monotonic() - since
+
+        firsts = []
+        for _ in range(3):  # the least of three: a loaded machine only delays
+            t0 = time.monotonic()
+            snap = env.snapshot()
+            firsts.append(next_offer(snap.payload(), t0))
+            env.step(0)
+            snap.release()
+        assert min(firsts) >= loop.FIRST_READY_DELAY_S
+        assert min(firsts) < loop.READY_DELAY_S, f"first ready copies came after {firsts} s"
+        snap = env.snapshot()
+        next_offer(snap.payload(), time.monotonic())
+        env.restore(snap)  # the first use: not a burst
+        took = time.monotonic()
+        assert next_offer(snap.payload(), took) >= loop.READY_DELAY_S
+        snap.release()
+    finally:
+        env.close()
+
+
 def test_a_ready_copy_opens_its_file_change_group_ahead_and_closes_it_when_idle():
     """A ready copy opens its file-change group (fanotify, root only) as soon as it has answered
     ``hello``, so a restore does not wait for it; left unused, it closes the group (an idle one

@@ -315,7 +315,8 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     controller unasked: a ``(READY, None)`` message with the fd after it (``SCM_RIGHTS``), sent
     only between requests.  The copy has already written the answer to a ``hello`` into its
     channel, so a restore that finds a ready copy costs the controller no round trip at all.
-    The controller says ``taken`` (no reply) when it uses one, and the next is forked once this
+    The first is forked once this channel has been quiet for :data:`FIRST_READY_DELAY_S`. The
+    controller says ``taken`` (no reply) when it uses one, and the next is forked once this
     channel has been quiet for :data:`READY_DELAY_S` -- or, keeping :data:`BURST_READY`, at once
     (none left) or after :data:`BURST_QUIET_S` (one left) while copies are used less than
     :data:`BURST_S` apart (restores in a burst).  ``clone``
@@ -339,7 +340,7 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
         if burst:
             wanted, quiet = BURST_READY, (BURST_QUIET_S if offered else 0.0)
         else:
-            wanted, quiet = 1, READY_DELAY_S
+            wanted, quiet = 1, (READY_DELAY_S if last_use >= 0 else FIRST_READY_DELAY_S)
         if offered < wanted and failed < 3 and not _readable(chan, quiet):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
@@ -393,6 +394,12 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
 
 #: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
 READY_DELAY_S = 0.02
+#: ... and its first one, before any copy was used: a restore 5-20 ms after the snapshot otherwise
+#: cloned on demand (LunarLander: 6-7.5 ms, restore + step, against 1.6-2.7 with a ready copy);
+#: the steps after a snapshot are no slower for it. Not after a use: then the next copy also
+#: learns what the used one touched (3-9 ms of CPU), and done 5 ms after a restore, that slowed
+#: the restored copy's steps by ~40 % for the next 30 ms.
+FIRST_READY_DELAY_S = 0.005
 #: how long a ready copy waits for its first request before it faults in its plan
 PREFAULT_AFTER_S = 0.005
 #: how long a ready copy keeps its file-change group (gym_fork.worker.fswatch) while no request
