@@ -87,6 +87,9 @@ def test_the_command_prints_the_table_or_json_and_refuses_bad_input():
     assert bad.returncode == 2 and "unknown backend(s) ['nope']" in bad.stderr
     bad = _bench("CartPole-v1", "--reps", "0")
     assert bad.returncode == 2 and "--reps must be at least 1" in bad.stderr
+    unknown = _bench("NoSuchEnv-v0", "--backends", "fork")
+    assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
+    assert "gym-fork bench: cannot make NoSuchEnv-v0:" in unknown.stderr and "doesn't exist" in unknown.stderr
     # nothing measured (the only backend refuses the env): exit 1, and the table says why
     refused = _bench("LunarLander-v3", "--backends", "pickle", "--steps", "10", "--reps", "1")
     assert refused.returncode == 1 and "refuses the env" in refused.stdout

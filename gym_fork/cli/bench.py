@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from gym_fork.cli.check import add_env_options, prepare_env_options, resolve
+from gym_fork.cli.check import add_env_options, env_errors, prepare_env_options, resolve
 
 HELP = "measure an env's step, snapshot and restore costs here, and when branching beats replay"
 DESCRIPTION = (
@@ -54,8 +54,12 @@ def run(args: argparse.Namespace) -> int:
     backends = prepare_env_options(args, "bench")
     if backends is None:
         return 2
-    report = measure_costs(resolve(args.env), backends=backends, steps=args.steps, reps=args.reps,
-                           horizon=args.horizon, seed=args.seed, verbose=not args.json)
+    try:
+        report = measure_costs(resolve(args.env), backends=backends, steps=args.steps, reps=args.reps,
+                               horizon=args.horizon, seed=args.seed, verbose=not args.json)
+    except env_errors() as e:
+        print(f"gym-fork bench: cannot make {args.env}: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     measured = [r for r in report.rows[1:] if r.step_us is not None and r.restore_ms is not None]

@@ -50,6 +50,16 @@ def add_env_options(p: argparse.ArgumentParser, backends: str, backends_said: st
                    help="import MODULE first (e.g. one that registers the env id); repeatable")
 
 
+def env_errors() -> tuple[type[BaseException], ...]:
+    """What making ENV raises when the id or factory is wrong (an unknown id, a missing module):
+    said as one line on stderr, exit status 1, not as a traceback."""
+    import gymnasium as gym
+
+    from gym_fork.errors import GymForkError
+
+    return gym.error.Error, GymForkError, ImportError
+
+
 def prepare_env_options(args: argparse.Namespace, command: str) -> list[str] | None:
     """The backends ``args`` names, after putting the current directory on the path (for
     ``module:factory``) and importing the ``--import`` modules; None, with the usage error said
@@ -88,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     backends = prepare_env_options(args, "check")
     if backends is None:
         return 2
-    report = check_env(resolve(args.env), backends=backends, steps=args.steps, seed=args.seed,
-                       skip_render_check=not args.render_check, verbose=True)
+    try:
+        report = check_env(resolve(args.env), backends=backends, steps=args.steps, seed=args.seed,
+                           skip_render_check=not args.render_check, verbose=True)
+    except env_errors() as e:
+        print(f"gym-fork check: cannot make {args.env}: {e}", file=sys.stderr)
+        return 1
     return 0 if report.ok else 1

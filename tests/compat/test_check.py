@@ -79,6 +79,13 @@ def test_cli_passes_a_good_env_on_every_backend(project):
     assert "verdict: OK" in out.stdout
 
 
+def test_cli_says_in_one_line_that_an_env_cannot_be_made(project):
+    for target, said in (("NoSuchEnv-v0", "doesn't exist"), ("nosuchmodule:make", "No module named 'nosuchmodule'")):
+        out = cli(project, target, "--backends", "pickle")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"gym-fork check: cannot make {target}:" in out.stderr and said in out.stderr
+
+
 def test_cli_usage_errors(project):
     assert cli(project, "CartPole-v1", "--backends", "nope").returncode == 2
 
