@@ -366,3 +366,49 @@ def test_pickle_backend_refuses_lossy_env():
 def test_all_errors_share_a_base():
     for cls in (EnvClosedError, SnapshotCorruptedError, WorkerDiedError, UnsupportedEnvError):
         assert issubclass(cls, GymForkError)
+
+
+def _criu_processes() -> set[int]:
+    out = set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/comm") as f:
+                    if f.read().strip() == "criu":
+                        out.add(int(p))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.criu
+def test_criu_restores_killed_at_their_timeout_leave_no_process_behind(monkeypatch):
+    """A CRIU restore past $GYM_FORK_CRIU_TIMEOUT is killed at whatever point it reached (timeouts
+    from 1 to 20 ms land in criu's start-up, its kernel probes and the restore itself): a typed
+    error each time, the env intact, and no criu, criu helper or half-restored task left, running
+    or as a zombie (killed criu helpers lived on orphaned; killed half-restored tasks stayed
+    zombies of the learner)."""
+    from gym_fork.errors import RestoreError
+
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=False)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        before = _criu_processes()
+        failed = 0
+        for i in range(20):
+            monkeypatch.setenv("GYM_FORK_CRIU_TIMEOUT", str((0.001, 0.003, 0.01, 0.02)[i % 4]))
+            try:
+                env.restore(snap)
+            except RestoreError as e:
+                assert "did not finish within" in str(e)
+                failed += 1
+        monkeypatch.delenv("GYM_FORK_CRIU_TIMEOUT")
+        assert failed >= 10
+        time.sleep(0.5)
+        assert _criu_processes() - before == set()
+        env.step(0)  # the env still works, and a restore in time too
+        env.restore(snap)
+        env.step(0)
+    finally:
+        env.close()

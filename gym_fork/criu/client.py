@@ -148,10 +148,7 @@ def _call(c: Any, method: str, what: str, timeout: float | None, kill_ino: int |
         pid = getattr(comm, "swrk", None)
         fired.append(pid)
         if pid:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_criu(pid)
         sk = getattr(comm, "sk", None)
         if sk is not None:
             try:
@@ -179,6 +176,55 @@ def _call(c: Any, method: str, what: str, timeout: float | None, kill_ino: int |
         done.set()
 
 
+def _kill_criu(pid: int) -> None:
+    """SIGKILL criu and its helper children. criu forks helpers of its own (e.g. a child it
+    ptrace-attaches to probe the kernel, which sleeps in a loop until criu kills it): killed alone,
+    criu leaves them running, orphaned, for good. Stopped first, it forks none meanwhile."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    helpers = [int(p) for p in _proc_children(pid) if _comm(p) == "criu"]
+    for p in [pid, *helpers]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _proc_children(pid: int) -> list[str]:
+    out: list[str] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += f.read().split()
+    except OSError:
+        pass
+    return out
+
+
+def _comm(pid: int | str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _reap(pids: list[int], timeout: float = 2.0) -> None:
+    """Wait for the SIGKILLed ``pids`` that are this process's children (a half-restored task is:
+    criu clones it as its caller's child), so none stays a zombie; others are not ours to wait for."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.001)
+
+
 def kill_socket_holders(ino: int) -> list[int]:
     """SIGKILL every process of ours holding ``socket:[ino]`` (a restore that was cut short);
     returns their pids."""
@@ -193,9 +239,5 @@ def kill_socket_holders(ino: int) -> list[int]:
                 killed.append(int(name))
         except OSError:
             continue
-    for pid in killed:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+    _reap(killed)
     return killed
