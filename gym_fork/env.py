@@ -364,9 +364,9 @@ class ForkableEnv(gym.Wrapper):
                 raise ValueError("rollout(policy=...) needs steps=N: how many steps to run at most")
             self._policy_rollout_send(pickle_policy(policy), capacity.count(steps, "steps"), stop_at_done)
 
-    def _policy_rollout_send(self, policy_blob: bytes, steps: int, stop_at_done: bool) -> None:
+    def _policy_rollout_send(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> None:
         """:meth:`rollout_send` with the policy pickled already (explore() pickles it once for all
-        of its branches)."""
+        of its branches), or the index of one the worker has unpickled ahead (``load_policies``)."""
         if self._closed:
             raise EnvClosedError("rollout() on a closed ForkableEnv; create a new one")
         self._pending_rollout = None
@@ -630,6 +630,13 @@ class ForkableEnv(gym.Wrapper):
             TypeError: ``n`` is not an int, or ``snapshot`` not a Snapshot.
             CapacityError: more copies than fit (the message has the numbers and the override).
         """
+        return self._fork(snapshot, n, rng=rng, seeds=seeds, keep_workspace=keep_workspace, max_copies=max_copies)
+
+    def _fork(self, snapshot: Snapshot | None, n: int, *, rng: Literal["same", "reseed"] = "same",
+              seeds: Sequence[int] | None = None, keep_workspace: bool = False, max_copies: int | None = None,
+              policies: Sequence[bytes] | None = None) -> list["ForkableEnv"]:
+        """:meth:`fork`; ``policies``: the pickled policies the copies will run in their workers
+        (``explore(..., policy_in_worker=True)``), which the backend may unpickle ahead, once."""
         self._check_open()
         n = capacity.count(n, "n")
         if snapshot is not None and not isinstance(snapshot, Snapshot):
@@ -644,8 +651,12 @@ class ForkableEnv(gym.Wrapper):
                 capacity.check_copies(payload, n, max_copies=max_copies)
                 roots, binds = self._private_copies(snap, n)
                 try:
-                    handles = (self._backend.restore_many(payload, n, binds) if binds
-                               else self._backend.restore_many(payload, n))
+                    if binds:
+                        handles = self._backend.restore_many(payload, n, binds)
+                    elif policies:
+                        handles = self._backend.restore_many(payload, n, policies=policies)
+                    else:
+                        handles = self._backend.restore_many(payload, n)
                 except BaseException:
                     private_dirs_mod.remove(roots)
                     raise

@@ -156,7 +156,11 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
     if rng == "reseed" and seeds is None:
         seeds = [int(s) for s in np.random.SeedSequence().generate_state(n_branches, np.uint64) % (2**63)]
     try:
-        kids = env.fork(root, n_branches, rng=rng, seeds=seeds, max_copies=max_copies)
+        if policy_in_worker:  # each distinct policy once, in the order the branches first use them
+            kids = env._fork(root, n_branches, rng=rng, seeds=seeds, max_copies=max_copies,
+                             policies=list(dict.fromkeys(policies)))
+        else:
+            kids = env.fork(root, n_branches, rng=rng, seeds=seeds, max_copies=max_copies)
     except BaseException:
         if own_root:
             root.release()
@@ -235,8 +239,11 @@ def _run_open_loop(kids: list, branches: list[Branch], actions: Sequence[Sequenc
 
 def _run_in_workers(kids: list, branches: list[Branch], policies: list[bytes], horizon: int,
                     stop_at_done: bool, progress: bool | None) -> None:
+    index = {blob: i for i, blob in enumerate(dict.fromkeys(policies))}
     for k, blob in zip(kids, policies):  # every worker starts its closed-loop rollout at once ...
-        k._policy_rollout_send(blob, horizon, stop_at_done)
+        # a worker that unpickled the policies ahead (the backend's preloading) runs its by index
+        i = index[blob]
+        k._policy_rollout_send(i if i < getattr(k._handle, "preloaded", 0) else blob, horizon, stop_at_done)
     bar = _progress(len(kids), progress if progress is not None else len(kids) * horizon >= 20000, "branch")
     try:
         for k, b in zip(kids, branches):  # ... and we collect in order

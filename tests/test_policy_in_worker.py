@@ -320,3 +320,111 @@ def test_a_policy_that_changes_its_observation_in_place_does_not_change_the_env(
         assert same(here.branches[0].final_obs, there.branches[0].final_obs)
     finally:
         env.close()
+
+
+_POLICY_MODULE = '''
+import os, time
+{extra}
+with open({log!r}, "a") as f:  # who imported this module
+    f.write(f"{{os.getpid()}}\\n")
+time.sleep(0.05)  # an expensive import (a policy module that imports torch takes seconds)
+
+
+class Lean:
+    def __call__(self, obs):
+        return int(obs[2] > 0)
+'''
+
+
+def _policy_module(tmp_path, monkeypatch, name: str, extra: str = ""):
+    """A module defining ``Lean`` whose import takes 50 ms and appends the importing pid to a
+    file; importable in the workers (on sys.path before the env starts). Returns (module, log)."""
+    import importlib
+    import os
+
+    log = tmp_path / f"{name}.imports"
+    (tmp_path / f"{name}.py").write_text(_POLICY_MODULE.format(extra=extra, log=str(log)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module(name)
+    importers = lambda: [p for p in log.read_text().split() if int(p) != os.getpid()]  # noqa: E731
+    return mod, log, importers
+
+
+@pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "each-branch"])
+def test_a_policy_from_a_module_is_imported_once_for_all_branches(tmp_path, monkeypatch, preload):
+    """A policy pickled by reference (its class lives in a module) makes each branch's worker
+    import that module; explore() has the first branch import it and forks the others from there.
+    With preloading off (an infinite threshold) every branch imports it, with the same branches."""
+    from gym_fork.backends import criu
+
+    mod, log, importers = _policy_module(tmp_path, monkeypatch, f"slow_policy_{preload}")
+    if not preload:
+        monkeypatch.setattr(criu, "PRELOAD_MIN_SAVING_S", float("inf"))
+    env = gym_fork.make("CartPole-v1", fork_tier=True, untracked_paths=[str(log)])
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        here = gym_fork.explore(env, root, mod.Lean(), n_branches=6, horizon=30, rng="same")
+        assert importers() == []  # the learner-side loop imports nothing in the workers
+        there = gym_fork.explore(env, root, mod.Lean(), n_branches=6, horizon=30, rng="same",
+                                 policy_in_worker=True, return_snapshots=True)
+        assert len(importers()) == (1 if preload else 6)
+        for a, b in zip(here.branches, there.branches):
+            assert a.actions == b.actions and a.rewards == b.rewards and a.length > 9
+            assert same(a.final_obs, b.final_obs)
+            assert b.snapshot.actions == b.actions and b.snapshot.parent_id == root.id
+        k = env.fork(there.branches[2].snapshot, 1)[0]  # a branch's end state restores as any other
+        try:
+            assert k.steps == there.branches[2].snapshot.steps and k.step(0)[0].shape == (4,)
+        finally:
+            k.close()
+        # one policy per branch: each branch runs its own (distinct pickles, one module)
+        seeded = gym_fork.explore(env, root, [Noisy(s) for s in range(4)], n_branches=4, horizon=30,
+                                  policy_in_worker=True)
+        for s, b in enumerate(seeded.branches):
+            ref = gym_fork.explore(env, root, Noisy(s), n_branches=1, horizon=30).branches[0]
+            assert b.actions == ref.actions and b.rewards == ref.rewards
+        assert env.steps == 0  # the env itself never moved
+    finally:
+        env.close()
+
+
+def test_a_policy_module_that_starts_a_thread_leaves_each_branch_to_import_it(tmp_path, monkeypatch):
+    """The first branch's worker, once the module started a thread, cannot be forked: the other
+    branches are cloned from the snapshot and import the module themselves -- slower, as exact."""
+    mod, log, importers = _policy_module(
+        tmp_path, monkeypatch, "threaded_policy",
+        extra="import threading\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()")
+    env = gym_fork.make("CartPole-v1", fork_tier=True, untracked_paths=[str(log)])
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        there = gym_fork.explore(env, root, mod.Lean(), n_branches=4, horizon=60, policy_in_worker=True)
+        here = gym_fork.explore(env, root, mod.Lean(), n_branches=4, horizon=60)
+        assert len(importers()) == 4
+        assert [b.actions for b in there.branches] == [b.actions for b in here.branches]
+        assert [b.rewards for b in there.branches] == [b.rewards for b in here.branches]
+    finally:
+        env.close()
+
+
+def test_a_policy_the_workers_cannot_unpickle_fails_as_without_preloading(tmp_path, monkeypatch):
+    """A module on the learner's path only (added after the env started): every branch fails to
+    unpickle the policy, with the same error whether or not the first one tried to preload it."""
+    from gym_fork.backends import criu
+
+    env = gym_fork.make("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        mod, _log, _importers = _policy_module(tmp_path, monkeypatch, "learner_only_policy")
+        root = env.snapshot()
+        errors = []
+        for threshold in (0.0, float("inf")):
+            monkeypatch.setattr(criu, "PRELOAD_MIN_SAVING_S", threshold)
+            with pytest.raises(WorkerError) as info:
+                gym_fork.explore(env, root, mod.Lean(), n_branches=3, horizon=10, policy_in_worker=True)
+            errors.append((type(info.value), str(info.value).split("\n")[0]))
+        assert errors[0] == errors[1] and "learner_only_policy" in errors[0][1]
+        assert env.step(0)[0].shape == (4,) and env.steps == 1  # the env itself is untouched
+    finally:
+        env.close()

@@ -109,6 +109,7 @@ class RemoteHandle(Handle):
         self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
+        self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policies)
         self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
         self.packed = False  # the worker reads packed step frames (learned from init/meta/hello)
         self._cmd = ""  # the request in flight (its reply is read by receive())
@@ -443,8 +444,10 @@ class Backend(abc.ABC):
         """Memory the snapshot holds privately now (None when not measurable)."""
         return None
 
-    def restore_many(self, payload: Any, n: int, binds: Any = None) -> list[Handle]:
-        """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th."""
+    def restore_many(self, payload: Any, n: int, binds: Any = None, policies: Any = None) -> list[Handle]:
+        """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th.
+        ``policies``: pickled policies the new workers will run, which a backend may unpickle
+        ahead (see ``CriuBackend.restore_many``); here they are not."""
         return [self.restore(payload, None if binds is None else binds[i]) for i in range(n)]
 
     def restore_verified(self, payload: Any) -> Handle:

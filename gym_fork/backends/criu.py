@@ -53,6 +53,11 @@ from gym_fork.worker.resources import Scan
 from gym_fork.backends import netns, treecapture
 
 RESTORE_TIMEOUT_S = 60.0
+#: the unpickling time a copy would spend on imports (the first policy's, unpickled in the first
+#: copy with and without them, times the copies left) above which explore(policy_in_worker=True)
+#: clones its branches from a copy that has unpickled it: a fork-tier snapshot of that copy costs
+#: ~2-4 ms here; a policy whose module imports torch ~1.5 s a copy
+PRELOAD_MIN_SAVING_S = 0.01
 log = logging.getLogger("gym_fork")
 
 
@@ -464,15 +469,19 @@ class CriuBackend(Backend):
         return self.restore_many(payload, 1, None if binds is None else [binds])[0]
 
     def restore_many(self, payload: CriuPayload | ForkPayload, n: int,
-                     binds: Sequence[Binds] | None = None) -> list[Handle]:
+                     binds: Sequence[Binds] | None = None, policies: Sequence[bytes] | None = None) -> list[Handle]:
         """``n`` new workers from ``payload``.  ``binds[i]``: ``(host dir, path)`` pairs the i-th
         worker sees in a mount namespace of its own (private directories, see
-        :mod:`gym_fork.worker.mounts`)."""
+        :mod:`gym_fork.worker.mounts`).  ``policies``: pickled policies the new workers will run
+        (``policy_rollout``), unpickled ahead where that saves work (see :meth:`_clone_preloaded`):
+        a handle's ``preloaded`` says how many of them its worker holds, by index (the first ones)."""
         per = list(binds) if binds is not None else [None] * n
         if len(per) != n:
             raise ValueError(f"{len(per)} bind lists for {n} copies")
         if isinstance(payload, ForkPayload):
             if payload.chan is not None:
+                if policies and n > 1 and not any(per) and not payload.spawned:
+                    return self._clone_preloaded(payload, n, list(policies))
                 return self._clone_many(payload, n, per)
             if payload.image is None:
                 raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
@@ -539,6 +548,43 @@ class CriuBackend(Backend):
                     h.chan.close()
             raise
         return handles
+
+    def _clone_preloaded(self, payload: ForkPayload, n: int, policies: list[bytes]) -> list[Handle]:
+        """``n`` copies of a frozen snapshot for branches that run ``policies`` in their workers.
+
+        Unpickling a policy imports what it refers to by name (its module; torch for a torch
+        model: seconds), and every copy forked from the snapshot would pay that again. So the first
+        copy unpickles the first policy twice (``load_policies``): the first time with those
+        imports, the second without. When the difference, times the copies left, comes to at least
+        :data:`PRELOAD_MIN_SAVING_S`, that copy is snapshotted in turn (a fork, as for any fork-tier
+        snapshot) and the rest are cloned from there: they hold the first policy unpickled and the
+        modules imported. The env state of every copy is the snapshot's either way; only the
+        process the copies are forked from differs. Where loading fails, saves little, or leaves
+        the copy unforkable (a thread the import started), the rest are cloned from ``payload`` and
+        unpickle their policy themselves, as without this."""
+        first = self._clone_many(payload, 1, [None])[0]
+        try:
+            try:
+                with_imports, again = first.request("load_policies", [policies[0], policies[0]])
+                first.preloaded = 1  # (index 1, the second instance, is never asked for)
+                if (with_imports - again) * (n - 1) >= PRELOAD_MIN_SAVING_S:
+                    found = self._fork_snapshot(first)
+                    if isinstance(found, ForkPayload):
+                        try:
+                            rest = self._clone_many(found, n - 1, [None] * (n - 1))
+                        finally:
+                            self.release(found)
+                        for h in rest:
+                            h.preloaded = 1
+                        return [first, *rest]
+            except (WorkerError, SnapshotError) as e:
+                # a policy that does not unpickle there (each branch then says why, as without
+                # preloading), an older worker without load_policies, a failed fork
+                log.debug("gym_fork: policies not preloaded: %s", e)
+            return [first, *self._clone_many(payload, n - 1, [None] * (n - 1))]
+        except BaseException:
+            first.kill()
+            raise
 
     @staticmethod
     def _take_ready(payload: ForkPayload) -> RemoteHandle | None:

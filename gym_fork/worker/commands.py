@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Callable
 
 import cloudpickle
@@ -184,6 +185,8 @@ class EnvServer:
         # the serving loop's average wait for the next request when it took a fork-tier
         # snapshot: the snapshot's copies start polling at that pace (worker.channel.SpinWait)
         self.pace: float | None = None
+        # policies unpickled ahead of a batch of branches (cmd_load_policies), by index
+        self.policies: list = []
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
         method: Callable | None = getattr(self, "cmd_" + cmd, None)
@@ -204,12 +207,33 @@ class EnvServer:
         queued = iter(actions)
         return self._rollout(lambda _obs: next(queued), len(actions), stop_at_done)
 
-    def cmd_policy_rollout(self, policy_blob: bytes, steps: int, stop_at_done: bool) -> dict:
+    def cmd_load_policies(self, blobs: list[bytes]) -> list[float]:
+        """Unpickle policies ahead of the branches that will run them (``policy_rollout`` with an
+        index instead of a pickle): a copy forked after this holds them already, so a policy whose
+        unpickling imports modules (torch: seconds) pays that once, not once per branch. Replaces
+        what an earlier call loaded. Returns the seconds each took."""
+        took, loaded = [], []
+        for blob in blobs:
+            t0 = time.perf_counter()
+            loaded.append(cloudpickle.loads(blob))
+            took.append(time.perf_counter() - t0)
+        self.policies = loaded
+        return took
+
+    def cmd_policy_rollout(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> dict:
         """Run a closed-loop branch here in the worker: ``policy(obs) -> action`` (cloudpickled by
-        the controller, unpickled into this process's own copy) picks every action from the
+        the controller, unpickled into this process's own copy; or, an int, the one
+        :meth:`cmd_load_policies` unpickled at that index) picks every action from the
         observation it sees, for up to ``steps`` steps -- no round trip per step. The reply also
         says which ``actions`` the policy took, so the controller's action log stays exact."""
-        policy = cloudpickle.loads(policy_blob)
+        if type(policy_blob) is int:
+            if not 0 <= policy_blob < len(self.policies):
+                raise ValueError(f"no loaded policy {policy_blob} in this worker ({len(self.policies)} loaded)")
+            # each copy has its own unpickled instance (copied at the fork); dropped once taken, so
+            # that what a branch snapshots holds only its own
+            policy, self.policies = self.policies[policy_blob], []
+        else:
+            policy = cloudpickle.loads(policy_blob)
         # each observation is the policy's own copy, as in the learner: a policy that normalises
         # in place must not write into an array the env keeps (some return their state buffer)
         return self._rollout(lambda obs: policy(_own_copy(obs)), steps, stop_at_done)
