@@ -3,10 +3,12 @@ and ``explore(..., policy_in_worker=True)`` must equal the same policy run here,
 
 from __future__ import annotations
 
+import os
+
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import same
+from conftest import eventually, same
 
 import gym_fork
 from gym_fork.errors import PolicyError, WorkerError
@@ -426,5 +428,55 @@ def test_a_policy_the_workers_cannot_unpickle_fails_as_without_preloading(tmp_pa
             errors.append((type(info.value), str(info.value).split("\n")[0]))
         assert errors[0] == errors[1] and "learner_only_policy" in errors[0][1]
         assert env.step(0)[0].shape == (4,) and env.steps == 1  # the env itself is untouched
+    finally:
+        env.close()
+
+
+def _tree_states(pid: int) -> dict[int, str]:
+    """``{pid: state letter}`` of every descendant of ``pid`` (host pids)."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                try:
+                    with open(f"/proc/{kid}/stat") as s:
+                        out[kid] = s.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue  # reaped meanwhile
+                todo.append(kid)
+    return out
+
+
+def test_preloaded_branches_leave_no_zombie_behind(tmp_path, monkeypatch):
+    """Preloaded branches are clones of a snapshot of the first branch's worker, released while
+    they run; they, that frozen process and the first branch end under the root snapshot's frozen
+    process, which collects them -- the worker (which collects orphans only when it scans, at its
+    next snapshot) never gets them, so explore() after explore() from one root leaves no zombie."""
+    mod, log, importers = _policy_module(tmp_path, monkeypatch, "policy_for_zombies")
+    env = gym_fork.make("CartPole-v1", fork_tier=True, untracked_paths=[str(log)])
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        for i in range(4):
+            gym_fork.explore(env, root, mod.Lean(), n_branches=5, horizon=20, policy_in_worker=True)
+            env.step(i % 2)  # steps: no scan in the worker
+        assert len(importers()) == 4  # each explore() preloaded (once each)
+        worker = env.worker_pid
+
+        def settled() -> bool:  # all branch processes gone: the root's frozen process is left, with
+            return len(_tree_states(worker)) <= 3  # up to two ready copies (clones came in a burst)
+
+        assert eventually(settled), _tree_states(worker)
+        assert "Z" not in _tree_states(worker).values(), _tree_states(worker)
     finally:
         env.close()

@@ -58,6 +58,7 @@ from gym_fork.worker import files, fswatch  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
+PR_SET_CHILD_SUBREAPER = 36
 # A retired namespace init becomes this reaper. A worker whose child it may be (a promoted copy,
 # orphaned to the worker's namespace) must not take it for a process of the env's own: exec names
 # it "python", so it takes gym_fork's name back (PR_SET_NAME), and until it has, its command line
@@ -323,6 +324,10 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     forks a copy on demand (none was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
+    # ... nor what they leave: a copy's processes orphaned when it ends (a frozen snapshot of it
+    # that explore() forked its branches from, released while they ran) come here, not to the
+    # worker (which would keep them as zombies until its next scan), and are collected on exit
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     offered = 0  # ready copies whose channels were handed out and not taken yet
     failed = 0
     # Restores in a burst (tree search: restore, a few steps, restore again) would each find the
