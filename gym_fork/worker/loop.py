@@ -59,6 +59,7 @@ from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
 PR_SET_CHILD_SUBREAPER = 36
+_subreaper = False  # whether this process (a frozen snapshot) has made itself a child subreaper
 # A retired namespace init becomes this reaper. A worker whose child it may be (a promoted copy,
 # orphaned to the worker's namespace) must not take it for a process of the env's own: exec names
 # it "python", so it takes gym_fork's name back (PR_SET_NAME), and until it has, its command line
@@ -138,6 +139,8 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     _check_single_threaded()
     pid = _fork_exact()
     if pid == 0:
+        global _subreaper
+        _subreaper = False  # (the kernel does not pass it on either)
         resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
         _FORKED.clear()  # the parent's frozen snapshots are not this process's children
         for ch in drop:
@@ -324,10 +327,6 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     forks a copy on demand (none was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
-    # ... nor what they leave: a copy's processes orphaned when it ends (a frozen snapshot of it
-    # that explore() forked its branches from, released while they ran) come here, not to the
-    # worker (which would keep them as zombies until its next scan), and are collected on exit
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     offered = 0  # ready copies whose channels were handed out and not taken yet
     failed = 0
     # Restores in a burst (tree search: restore, a few steps, restore again) would each find the
@@ -443,6 +442,15 @@ def _fork_copy_process(fd: int, frozen_chan: Channel) -> tuple[int, int | None]:
     again (a server), its snapshots can then be CRIU dumps of its whole tree (a plain clone is
     no namespace init and would be refused), and the kernel tells its children's file changes
     from its siblings' exactly.  It costs one more fork, so only for such envs."""
+    global _subreaper
+    if not _subreaper:
+        # Nor what they leave: a copy's processes orphaned when it ends (a frozen snapshot of it
+        # that explore() cloned its branches from, released while they ran) come to this frozen
+        # process, which ignores SIGCHLD (the kernel collects them), not to the worker, which
+        # would keep them as zombies until its next scan. Set before the first copy, not when
+        # the frozen process starts: then it costs the snapshot's next step nothing.
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        _subreaper = True
     if not fswatch.spawned:
         pid = _fork_child(fd, frozen_chan)
         return (0, None) if pid == 0 else (pid, resources.host_pid_of_child(pid))
