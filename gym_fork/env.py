@@ -366,7 +366,7 @@ class ForkableEnv(gym.Wrapper):
 
     def _policy_rollout_send(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> None:
         """:meth:`rollout_send` with the policy pickled already (explore() pickles it once for all
-        of its branches), or the index of one the worker has unpickled ahead (``load_policies``)."""
+        of its branches), or the index of one the worker has unpickled ahead (``load_policy``)."""
         if self._closed:
             raise EnvClosedError("rollout() on a closed ForkableEnv; create a new one")
         self._pending_rollout = None

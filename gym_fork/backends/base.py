@@ -109,7 +109,7 @@ class RemoteHandle(Handle):
         self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
-        self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policies)
+        self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policy)
         self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
         self.packed = False  # the worker reads packed step frames (learned from init/meta/hello)
         self._cmd = ""  # the request in flight (its reply is read by receive())

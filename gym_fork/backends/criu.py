@@ -554,7 +554,7 @@ class CriuBackend(Backend):
 
         Unpickling a policy imports what it refers to by name (its module; torch for a torch
         model: seconds), and every copy forked from the snapshot would pay that again. So the first
-        copy unpickles the first policy twice (``load_policies``): the first time with those
+        copy unpickles the first policy twice (``load_policy``): the first time with those
         imports, the second without. When the difference, times the copies left, comes to at least
         :data:`PRELOAD_MIN_SAVING_S`, that copy is snapshotted in turn (a fork, as for any fork-tier
         snapshot) and the rest are cloned from there: they hold the first policy unpickled and the
@@ -565,8 +565,8 @@ class CriuBackend(Backend):
         first = self._clone_many(payload, 1, [None])[0]
         try:
             try:
-                with_imports, again = first.request("load_policies", [policies[0], policies[0]])
-                first.preloaded = 1  # (index 1, the second instance, is never asked for)
+                with_imports, again = first.request("load_policy", policies[0])
+                first.preloaded = 1
                 if (with_imports - again) * (n - 1) >= PRELOAD_MIN_SAVING_S:
                     found = self._fork_snapshot(first)
                     if isinstance(found, ForkPayload):
@@ -579,7 +579,7 @@ class CriuBackend(Backend):
                         return [first, *rest]
             except (WorkerError, SnapshotError) as e:
                 # a policy that does not unpickle there (each branch then says why, as without
-                # preloading), an older worker without load_policies, a failed fork
+                # preloading), an older worker without load_policy, a failed fork
                 log.debug("gym_fork: policies not preloaded: %s", e)
             return [first, *self._clone_many(payload, n - 1, [None] * (n - 1))]
         except BaseException:

@@ -185,7 +185,7 @@ class EnvServer:
         # the serving loop's average wait for the next request when it took a fork-tier
         # snapshot: the snapshot's copies start polling at that pace (worker.channel.SpinWait)
         self.pace: float | None = None
-        # policies unpickled ahead of a batch of branches (cmd_load_policies), by index
+        # policies unpickled ahead of a batch of branches (cmd_load_policy), by index
         self.policies: list = []
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
@@ -207,23 +207,24 @@ class EnvServer:
         queued = iter(actions)
         return self._rollout(lambda _obs: next(queued), len(actions), stop_at_done)
 
-    def cmd_load_policies(self, blobs: list[bytes]) -> list[float]:
-        """Unpickle policies ahead of the branches that will run them (``policy_rollout`` with an
-        index instead of a pickle): a copy forked after this holds them already, so a policy whose
-        unpickling imports modules (torch: seconds) pays that once, not once per branch. Replaces
-        what an earlier call loaded. Returns the seconds each took."""
-        took, loaded = [], []
-        for blob in blobs:
-            t0 = time.perf_counter()
-            loaded.append(cloudpickle.loads(blob))
-            took.append(time.perf_counter() - t0)
-        self.policies = loaded
-        return took
+    def cmd_load_policy(self, blob: bytes) -> tuple[float, float]:
+        """Unpickle a policy ahead of the branches that will run it (``policy_rollout`` with the
+        index 0 instead of a pickle): a copy forked after this holds it already, so a policy
+        whose unpickling imports modules (torch: seconds) costs that once, not once per branch.
+        Returns the seconds the unpickling took, and took again (the imports done): what each
+        copy forked after this saves."""
+        t0 = time.perf_counter()
+        policy = cloudpickle.loads(blob)
+        t1 = time.perf_counter()
+        cloudpickle.loads(blob)
+        t2 = time.perf_counter()
+        self.policies = [policy]
+        return t1 - t0, t2 - t1
 
     def cmd_policy_rollout(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> dict:
         """Run a closed-loop branch here in the worker: ``policy(obs) -> action`` (cloudpickled by
         the controller, unpickled into this process's own copy; or, an int, the one
-        :meth:`cmd_load_policies` unpickled at that index) picks every action from the
+        :meth:`cmd_load_policy` unpickled at that index) picks every action from the
         observation it sees, for up to ``steps`` steps -- no round trip per step. The reply also
         says which ``actions`` the policy took, so the controller's action log stays exact."""
         if type(policy_blob) is int:
