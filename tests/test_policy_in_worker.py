@@ -480,3 +480,46 @@ def test_preloaded_branches_leave_no_zombie_behind(tmp_path, monkeypatch):
         assert "Z" not in _tree_states(worker).values(), _tree_states(worker)
     finally:
         env.close()
+
+
+_WEIGHTS_MODULE = '''
+import os
+import numpy as np
+
+
+class Weighted:
+    """A policy with 64 MB of weights; says (in a file) which process unpickles it."""
+    def __init__(self):
+        self.w = np.ones((4096, 2048))
+
+    def __setstate__(self, state):
+        with open({log!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        self.__dict__.update(state)
+
+    def __call__(self, obs):
+        return int(obs[2] * self.w[0, 0] > 0)
+'''
+
+
+def test_one_policy_with_heavy_state_shared_by_all_branches_is_unpickled_once(tmp_path, monkeypatch):
+    """No imports to save, but a policy that is slow to unpickle and shared by every branch: the
+    other branches use the first one's unpickled instance instead of each unpickling it."""
+    import importlib
+
+    log = tmp_path / "weights.unpickled"
+    log.write_text("")
+    (tmp_path / "weighted_policy.py").write_text(_WEIGHTS_MODULE.format(log=str(log)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("weighted_policy")
+    env = gym_fork.make("CartPole-v1", fork_tier=True, untracked_paths=[str(log)])
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        there = gym_fork.explore(env, root, mod.Weighted(), n_branches=6, horizon=20, policy_in_worker=True,
+                                 rng="same")
+        assert len(set(log.read_text().split())) == 1  # one process unpickled it (twice: timed)
+        here = gym_fork.explore(env, root, mod.Weighted(), n_branches=6, horizon=20, rng="same")
+        assert [b.actions for b in there.branches] == [b.actions for b in here.branches]
+    finally:
+        env.close()

@@ -555,10 +555,11 @@ class CriuBackend(Backend):
         Unpickling a policy imports what it refers to by name (its module; torch for a torch
         model: seconds), and every copy forked from the snapshot would pay that again. So the first
         copy unpickles the first policy twice (``load_policy``): the first time with those
-        imports, the second without. When the difference, times the copies left, comes to at least
-        :data:`PRELOAD_MIN_SAVING_S`, that copy is snapshotted in turn (a fork, as for any fork-tier
-        snapshot) and the rest are cloned from there: they hold the first policy unpickled and the
-        modules imported. The env state of every copy is the snapshot's either way; only the
+        imports, the second without. When what the other copies would spend -- the whole first
+        time if all branches share that one policy, else the difference -- comes to at least
+        :data:`PRELOAD_MIN_SAVING_S` in all, that copy is snapshotted in turn (a fork, as for any
+        fork-tier snapshot) and the rest are cloned from there: they hold the first policy
+        unpickled and the modules imported. The env state of every copy is the snapshot's either way; only the
         process the copies are forked from differs. Where loading fails, saves little, or leaves
         the copy unforkable (a thread the import started), the rest are cloned from ``payload`` and
         unpickle their policy themselves, as without this."""
@@ -567,7 +568,10 @@ class CriuBackend(Backend):
             try:
                 with_imports, again = first.request("load_policy", policies[0])
                 first.preloaded = 1
-                if (with_imports - again) * (n - 1) >= PRELOAD_MIN_SAVING_S:
+                # what each other copy would spend: branches sharing the one policy use the loaded
+                # instance and unpickle nothing; with one policy each, only the imports are saved
+                per_copy = with_imports if len(policies) == 1 else with_imports - again
+                if per_copy * (n - 1) >= PRELOAD_MIN_SAVING_S:
                     found = self._fork_snapshot(first)
                     if isinstance(found, ForkPayload):
                         try:
