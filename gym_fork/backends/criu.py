@@ -53,9 +53,9 @@ from gym_fork.worker.resources import Scan
 from gym_fork.backends import netns, treecapture
 
 RESTORE_TIMEOUT_S = 60.0
-#: the unpickling time a copy would spend on imports (the first policy's, unpickled in the first
-#: copy with and without them, times the copies left) above which explore(policy_in_worker=True)
-#: clones its branches from a copy that has unpickled it: a fork-tier snapshot of that copy costs
+#: the unpickling time the copies left would spend (on imports; on the whole policy when all
+#: branches share one) above which explore(policy_in_worker=True) clones its branches from a copy
+#: that has unpickled it (CriuBackend._clone_preloaded): a fork-tier snapshot of that copy costs
 #: ~2-4 ms here; a policy whose module imports torch ~1.5 s a copy
 PRELOAD_MIN_SAVING_S = 0.01
 log = logging.getLogger("gym_fork")
@@ -559,10 +559,10 @@ class CriuBackend(Backend):
         time if all branches share that one policy, else the difference -- comes to at least
         :data:`PRELOAD_MIN_SAVING_S` in all, that copy is snapshotted in turn (a fork, as for any
         fork-tier snapshot) and the rest are cloned from there: they hold the first policy
-        unpickled and the modules imported. The env state of every copy is the snapshot's either way; only the
-        process the copies are forked from differs. Where loading fails, saves little, or leaves
-        the copy unforkable (a thread the import started), the rest are cloned from ``payload`` and
-        unpickle their policy themselves, as without this."""
+        unpickled and the modules imported. The env state of every copy is the snapshot's either
+        way; only the process the copies are forked from differs. Where loading fails, saves
+        little, or leaves the copy unforkable (a thread the import started), the rest are cloned
+        from ``payload`` and unpickle their policy themselves, as without this."""
         first = self._clone_many(payload, 1, [None])[0]
         try:
             try:
