@@ -321,7 +321,8 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     channel, so a restore that finds a ready copy costs the controller no round trip at all.
     The first is forked once this channel has been quiet for :data:`FIRST_READY_DELAY_S`. The
     controller says ``taken`` (no reply) when it uses one, and the next is forked once this
-    channel has been quiet for :data:`READY_DELAY_S` -- or, keeping :data:`BURST_READY`, at once
+    channel has been quiet for :data:`READY_DELAY_S` (:data:`FIRST_READY_DELAY_S` after a
+    ``clone``: no copy to learn from) -- or, keeping :data:`BURST_READY`, at once
     (none left) or after :data:`BURST_QUIET_S` (one left) while copies are used less than
     :data:`BURST_S` apart (restores in a burst).  ``clone``
     forks a copy on demand (none was ready, or more are wanted).  Ready copies exit when the controller closes their channel.
@@ -341,15 +342,17 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
     learn_from: int | None = None
     plan, learned = prefault.Plan(), None  # in a burst, the plan learned last serves again
     while True:
+        learn = bool(learn_from and learn_from != learned and not (burst and learned))
         if burst:
             wanted, quiet = BURST_READY, (BURST_QUIET_S if offered else 0.0)
         else:
-            wanted, quiet = 1, (READY_DELAY_S if last_use >= 0 else FIRST_READY_DELAY_S)
+            # longer only when the next copy will learn what the used one touched (READY_DELAY_S)
+            wanted, quiet = 1, (READY_DELAY_S if learn else FIRST_READY_DELAY_S)
         if offered < wanted and failed < 3 and not _readable(chan, quiet):
             # Fork only once things are quiet: forking right away would compete for the CPU
             # with the process that just started (the worker, or the copy just taken).
             try:
-                if learn_from and learn_from != learned and not (burst and learned):
+                if learn:
                     plan, learned = prefault.learn(learn_from), learn_from
                 _offer_ready_copy(chan, server, plan)
                 offered += 1
@@ -398,11 +401,14 @@ def frozen_loop(chan: Channel, server: EnvServer) -> None:
 
 #: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
 READY_DELAY_S = 0.02
-#: ... and its first one, before any copy was used: a restore 5-20 ms after the snapshot otherwise
+#: ... and its first one, and the next after a copy cloned on demand (nothing to learn from: only
+#: a taken ready copy is named): a restore 5-20 ms after the snapshot otherwise
 #: cloned on demand (LunarLander: 6-7.5 ms, restore + step, against 1.6-2.7 with a ready copy);
-#: the steps after a snapshot are no slower for it. Not after a use: then the next copy also
-#: learns what the used one touched (3-9 ms of CPU), and done 5 ms after a restore, that slowed
-#: the restored copy's steps by ~40 % for the next 30 ms.
+#: the steps after a snapshot are no slower for it; after a clone, the quickstart's second restore
+#: 10-40 ms after the first found a ready copy (3.2-3.7 ms instead of 7.5-8.4), the steps between
+#: no slower. Not after a ready copy was taken: then the next copy also learns what the used one
+#: touched (3-9 ms of CPU), and done 5 ms after a restore, that slowed the restored copy's steps
+#: by ~40 % for the next 30 ms.
 FIRST_READY_DELAY_S = 0.005
 #: how long a ready copy waits for its first request before it faults in its plan
 PREFAULT_AFTER_S = 0.005
