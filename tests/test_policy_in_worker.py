@@ -335,6 +335,16 @@ time.sleep(0.05)  # an expensive import (a policy module that imports torch take
 class Lean:
     def __call__(self, obs):
         return int(obs[2] > 0)
+
+
+class Seeded:
+    """A stochastic policy with a generator of its own (one per branch)."""
+    def __init__(self, seed):
+        import numpy as np
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, obs):
+        return int(self.rng.random() < 0.5 + 0.4 * (obs[2] > 0))
 '''
 
 
@@ -380,12 +390,16 @@ def test_a_policy_from_a_module_is_imported_once_for_all_branches(tmp_path, monk
             assert k.steps == there.branches[2].snapshot.steps and k.step(0)[0].shape == (4,)
         finally:
             k.close()
-        # one policy per branch: each branch runs its own (distinct pickles, one module)
-        seeded = gym_fork.explore(env, root, [Noisy(s) for s in range(4)], n_branches=4, horizon=30,
-                                  policy_in_worker=True)
+        # one policy per branch (distinct pickles, one module): the first branch imports the
+        # module without making any policy; each branch unpickles its own
+        before = len(importers())
+        seeded = gym_fork.explore(env, root, [mod.Seeded(s) for s in range(6)], n_branches=6, horizon=30,
+                                  policy_in_worker=True, rng="same")
+        assert len(importers()) - before == (1 if preload else 6)
         for s, b in enumerate(seeded.branches):
-            ref = gym_fork.explore(env, root, Noisy(s), n_branches=1, horizon=30).branches[0]
+            ref = gym_fork.explore(env, root, mod.Seeded(s), n_branches=1, horizon=30, rng="same").branches[0]
             assert b.actions == ref.actions and b.rewards == ref.rewards
+        assert len({tuple(b.actions) for b in seeded.branches}) > 1  # each its own draws
         assert env.steps == 0  # the env itself never moved
     finally:
         env.close()
@@ -523,3 +537,24 @@ def test_one_policy_with_heavy_state_shared_by_all_branches_is_unpickled_once(tm
         assert [b.actions for b in there.branches] == [b.actions for b in here.branches]
     finally:
         env.close()
+
+
+def test_the_modules_a_pickle_would_import_are_read_from_its_opcodes():
+    """What ``import_for`` imports ahead: the modules unpickling would import (by-reference
+    globals, and the modules a cloudpickled function refers to), nothing unpickled."""
+    import json
+    import pickle
+
+    import cloudpickle
+
+    from gym_fork.worker.commands import pickled_modules
+
+    assert pickled_modules(cloudpickle.dumps(FailsAt(3))) == [FailsAt.__module__]  # by reference
+    assert pickled_modules(pickle.dumps(FailsAt(3), protocol=2)) == [FailsAt.__module__]  # GLOBAL
+
+    def local(obs):  # by value: cloudpickle brings back the modules it uses with subimport()
+        return json.dumps(int(np.argmax(obs)))
+
+    mods = pickled_modules(cloudpickle.dumps(local))
+    assert {"numpy", "json"} <= set(mods) and FailsAt.__module__ not in mods
+    assert pickled_modules(b"not a pickle") == []

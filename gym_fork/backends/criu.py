@@ -53,10 +53,10 @@ from gym_fork.worker.resources import Scan
 from gym_fork.backends import netns, treecapture
 
 RESTORE_TIMEOUT_S = 60.0
-#: the unpickling time the copies left would spend (on imports; on the whole policy when all
-#: branches share one) above which explore(policy_in_worker=True) clones its branches from a copy
-#: that has unpickled it (CriuBackend._clone_preloaded): a fork-tier snapshot of that copy costs
-#: ~2-4 ms here; a policy whose module imports torch ~1.5 s a copy
+#: the time the copies left would spend (unpickling the policy all branches share, or importing
+#: what their policies' pickles name) above which explore(policy_in_worker=True) clones its
+#: branches from a copy that did it once (CriuBackend._clone_preloaded): a fork-tier snapshot of
+#: that copy costs ~2-4 ms here; a policy whose module imports torch ~1.5 s a copy
 PRELOAD_MIN_SAVING_S = 0.01
 log = logging.getLogger("gym_fork")
 
@@ -553,25 +553,25 @@ class CriuBackend(Backend):
         """``n`` copies of a frozen snapshot for branches that run ``policies`` in their workers.
 
         Unpickling a policy imports what it refers to by name (its module; torch for a torch
-        model: seconds), and every copy forked from the snapshot would pay that again. So the first
-        copy unpickles the first policy twice (``load_policy``): the first time with those
-        imports, the second without. When what the other copies would spend -- the whole first
-        time if all branches share that one policy, else the difference -- comes to at least
-        :data:`PRELOAD_MIN_SAVING_S` in all, that copy is snapshotted in turn (a fork, as for any
-        fork-tier snapshot) and the rest are cloned from there: they hold the first policy
-        unpickled and the modules imported. The env state of every copy is the snapshot's either
-        way; only the process the copies are forked from differs. Where loading fails, saves
-        little, or leaves the copy unforkable (a thread the import started), the rest are cloned
-        from ``payload`` and unpickle their policy themselves, as without this."""
+        model: seconds), and every copy forked from the snapshot would pay that again. So the
+        first copy does it first: with one policy for all branches, it unpickles that policy
+        (``load_policy``), which every branch then uses as it would its own unpickled copy; with
+        one each, it imports the modules their pickles name (``import_for``: no object made), and
+        each branch unpickles its own. Either way every branch's process ends up as it would
+        have on its own -- the snapshot's state plus that same unpickling. When the others would
+        together have spent at least :data:`PRELOAD_MIN_SAVING_S` on it, that copy is
+        snapshotted in turn (a fork, as for any fork-tier snapshot) and the rest are cloned from
+        there; where it fails, saves little, or leaves the copy unforkable (a thread the import
+        started), the rest are cloned from ``payload`` as without this."""
         first = self._clone_many(payload, 1, [None])[0]
         try:
             try:
-                with_imports, again = first.request("load_policy", policies[0])
-                first.preloaded = 1
-                # what each other copy would spend: branches sharing the one policy use the loaded
-                # instance and unpickle nothing; with one policy each, only the imports are saved
-                per_copy = with_imports if len(policies) == 1 else with_imports - again
-                if per_copy * (n - 1) >= PRELOAD_MIN_SAVING_S:
+                if len(policies) == 1:
+                    took = first.request("load_policy", policies[0])
+                    first.preloaded = 1
+                else:
+                    took = first.request("import_for", policies)
+                if took * (n - 1) >= PRELOAD_MIN_SAVING_S:
                     found = self._fork_snapshot(first)
                     if isinstance(found, ForkPayload):
                         try:
@@ -579,11 +579,11 @@ class CriuBackend(Backend):
                         finally:
                             self.release(found)
                         for h in rest:
-                            h.preloaded = 1
+                            h.preloaded = first.preloaded
                         return [first, *rest]
             except (WorkerError, SnapshotError) as e:
                 # a policy that does not unpickle there (each branch then says why, as without
-                # preloading), an older worker without load_policy, a failed fork
+                # preloading), an older worker without these commands, a failed fork
                 log.debug("gym_fork: policies not preloaded: %s", e)
             return [first, *self._clone_many(payload, n - 1, [None] * (n - 1))]
         except BaseException:

@@ -9,7 +9,9 @@ class means every backend steps the env through exactly the same code.
 from __future__ import annotations
 
 import copy
+import importlib
 import os
+import pickletools
 import time
 from typing import Any, Callable
 
@@ -163,6 +165,56 @@ class RolloutAbandoned(Exception):
     """The controller closed the channel (or asked to retire) while a rollout ran: it ends."""
 
 
+_SUBIMPORT = ("global", "cloudpickle.cloudpickle", "subimport")  # how cloudpickle refers to a module
+
+
+def pickled_modules(blob: bytes) -> list[str]:
+    """The modules unpickling ``blob`` imports, in order: those its ``GLOBAL`` / ``STACK_GLOBAL``
+    opcodes name, and those cloudpickle's ``subimport(name)`` brings back (a function's module
+    globals). Read from the opcodes with their stack effects, nothing unpickled; [] for what is
+    not a well-formed pickle."""
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+    out: list[str] = []
+    mark = object()
+    try:
+        for op, arg, _pos in pickletools.genops(blob):
+            name = op.name
+            if name == "MEMOIZE":
+                memo[len(memo)] = stack[-1] if stack else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1] if stack else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(arg))
+            elif name == "GLOBAL":  # protocols 0-3: "module name"
+                module, _, attr = str(arg).partition(" ")
+                out.append(module)
+                stack.append(("global", module, attr))
+            elif name == "STACK_GLOBAL":  # protocol 4+: module and name pushed just before
+                module, attr = (stack[-2], stack[-1]) if len(stack) >= 2 else (None, None)
+                if type(module) is str:
+                    out.append(module)
+                del stack[-2:]
+                stack.append(("global", module, attr))
+            else:  # any other opcode: its stack effect, keeping the strings it pushes
+                before, after = op.stack_before, op.stack_after
+                if pickletools.markobject in before:
+                    while stack and stack[-1] is not mark:
+                        stack.pop()
+                    if stack:
+                        stack.pop()
+                    del stack[len(stack) - before.index(pickletools.markobject):]
+                elif before:
+                    del stack[len(stack) - len(before):]
+                for kind in after:
+                    stack.append(mark if kind is pickletools.markobject else arg if type(arg) is str else None)
+            if len(stack) >= 2 and type(stack[-1]) is str and stack[-2] == _SUBIMPORT:
+                out.append(stack[-1])  # subimport's argument, pushed right after it
+    except Exception:  # noqa: BLE001 - not a pickle we can read: nothing to import ahead
+        return []
+    return list(dict.fromkeys(out))
+
+
 def _own_copy(obs: Any) -> Any:
     """A copy of an observation for a policy to keep or change (arrays copied, the rest deep-copied)."""
     if type(obs) is np.ndarray:
@@ -207,19 +259,25 @@ class EnvServer:
         queued = iter(actions)
         return self._rollout(lambda _obs: next(queued), len(actions), stop_at_done)
 
-    def cmd_load_policy(self, blob: bytes) -> tuple[float, float]:
-        """Unpickle a policy ahead of the branches that will run it (``policy_rollout`` with the
-        index 0 instead of a pickle): a copy forked after this holds it already, so a policy
-        whose unpickling imports modules (torch: seconds) costs that once, not once per branch.
-        Returns the seconds the unpickling took, and took again (the imports done): what each
-        copy forked after this saves."""
+    def cmd_load_policy(self, blob: bytes) -> float:
+        """Unpickle a policy ahead of the branches that will all run it (``policy_rollout`` with
+        the index 0 instead of the pickle): a copy forked after this holds it already, unpickled
+        once, exactly as it would have unpickled it itself. Returns the seconds that took."""
         t0 = time.perf_counter()
-        policy = cloudpickle.loads(blob)
-        t1 = time.perf_counter()
-        cloudpickle.loads(blob)
-        t2 = time.perf_counter()
-        self.policies = [policy]
-        return t1 - t0, t2 - t1
+        self.policies = [cloudpickle.loads(blob)]
+        return time.perf_counter() - t0
+
+    def cmd_import_for(self, blobs: list[bytes]) -> float:
+        """Import the modules these pickles name (what unpickling them would import, and nothing
+        else: no object is made), so that copies forked after this need not import them again
+        each. Returns the seconds that took."""
+        t0 = time.perf_counter()
+        for name in dict.fromkeys(m for blob in blobs for m in pickled_modules(blob)):
+            try:
+                importlib.import_module(name)
+            except ImportError:  # (a name the unpickler maps, or one that fails there too: the
+                pass  # branch that unpickles it says so)
+        return time.perf_counter() - t0
 
     def cmd_policy_rollout(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> dict:
         """Run a closed-loop branch here in the worker: ``policy(obs) -> action`` (cloudpickled by
