@@ -148,6 +148,7 @@ def _call(c: Any, method: str, what: str, timeout: float | None, kill_ino: int |
         pid = getattr(comm, "swrk", None)
         fired.append(pid)
         if pid:
+            fired.append(_start_time(pid))
             _kill_criu(pid)
         sk = getattr(comm, "sk", None)
         if sk is not None:
@@ -169,6 +170,8 @@ def _call(c: Any, method: str, what: str, timeout: float | None, kill_ino: int |
             except ChildProcessError:
                 pass
         killed = kill_socket_holders(kill_ino) if kill_ino is not None else []
+        if kill_ino is not None and pid:
+            killed += _kill_stranded_tasks(pid, fired[1])
         raise TimeoutError(
             f"{what} did not finish within {timeout:g} s ($GYM_FORK_CRIU_TIMEOUT): criu (pid {pid}) was "
             f"killed" + (f", and the half-restored process(es) {killed}" if killed else "")) from e
@@ -177,19 +180,86 @@ def _call(c: Any, method: str, what: str, timeout: float | None, kill_ino: int |
 
 
 def _kill_criu(pid: int) -> None:
-    """SIGKILL criu and its helper children. criu forks helpers of its own (e.g. a child it
-    ptrace-attaches to probe the kernel, which sleeps in a loop until criu kills it): killed alone,
-    criu leaves them running, orphaned, for good. Stopped first, it forks none meanwhile."""
+    """SIGKILL criu, its helper children and the tasks it was restoring. criu forks helpers of
+    its own (e.g. a child it ptrace-attaches to probe the kernel, which sleeps in a loop until
+    criu kills it): killed alone, criu leaves them running, orphaned, for good. The tasks of a
+    restore are clones of criu made our children (``rst_sibling``) that wait on a futex for
+    criu's next stage: cut short, they wait forever. criu runs as the leader of a process group
+    of its own (``criu.status``, ``process_group=0``), which its helpers and those tasks share
+    until a task restores its own: one ``killpg`` reaches them all, and the tasks among them,
+    our children, are waited for. Stopped first, criu forks none meanwhile."""
     try:
         os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:
         return
+    group = _group_members(pid) if os.getpgid(pid) == pid else []
     helpers = [int(p) for p in _proc_children(pid) if _comm(p) == "criu"]
-    for p in [pid, *helpers]:
+    try:
+        os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in helpers:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    _reap([p for p in group if p != pid])  # (criu itself is waited for by the caller)
+
+
+def _stat(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (0 when it is gone)."""
+    st = _stat(pid)
+    return int(st[19]) if st else 0
+
+
+def _kill_stranded_tasks(criu_pid: int, since: int) -> list[int]:
+    """SIGKILL the root tasks a restore cut short left behind, and wait for them. Made our
+    children (``rst_sibling``), each PID 1 of the namespace criu made for it, they wait on a
+    futex for criu's next stage -- for ever once criu is gone -- and once a task has restored its
+    own process group, the ``killpg`` of criu's misses it. Ours: children of this process still
+    named criu, started after criu (``since``), PID 1 of a namespace below ours, and not in the
+    group of another criu that is still running (a concurrent restore's)."""
+    out = []
+    for kid in _proc_children(os.getpid()):
+        st = _stat(kid)
+        if st is None or _comm(kid) != "criu" or int(st[19]) < since:
+            continue
+        pgid = int(st[2])
+        if pgid not in (int(kid), criu_pid) and _comm(pgid) == "criu":
+            continue  # in another criu's group: that restore's
+        try:
+            with open(f"/proc/{kid}/status", "rb") as f:
+                nspid = next((line.split()[1:] for line in f if line.startswith(b"NSpid:")), [])
+        except OSError:
+            continue
+        if len(nspid) >= 2 and nspid[-1] == b"1":
+            try:
+                os.kill(int(kid), signal.SIGKILL)  # the namespace's init: all of it goes
+                out.append(int(kid))
+            except ProcessLookupError:
+                pass
+    _reap(out)
+    return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (from ``/proc``)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(name)
+            if st is not None and int(st[2]) == pgid:
+                out.append(int(name))
+    return out
 
 
 def _proc_children(pid: int) -> list[str]:

@@ -233,9 +233,11 @@ def _safe_comm(base: type) -> type:
             os.set_inheritable(theirs.fileno(), True)
             try:
                 # close_fds=False: criu gets what the caller made inheritable (the images dir, the
-                # channels named in inherit_fd), as a fork + exec would give it
+                # channels named in inherit_fd), as a fork + exec would give it. A process group of
+                # its own: the tasks of a restore, clones of criu, are in it until they restore
+                # theirs, so that a criu cut short at its timeout takes them along (client._kill_criu)
                 self._proc = subprocess.Popen(
-                    [self.comm, "swrk", str(theirs.fileno())], close_fds=False,
+                    [self.comm, "swrk", str(theirs.fileno())], close_fds=False, process_group=0,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except BaseException:
                 ours.close()
