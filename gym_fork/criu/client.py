@@ -190,9 +190,10 @@ def _kill_criu(pid: int) -> None:
     our children, are waited for. Stopped first, criu forks none meanwhile."""
     try:
         os.kill(pid, signal.SIGSTOP)
+        leader = os.getpgid(pid) == pid
     except ProcessLookupError:
         return
-    group = _group_members(pid) if os.getpgid(pid) == pid else []
+    group = _group_members(pid) if leader else []
     helpers = [int(p) for p in _proc_children(pid) if _comm(p) == "criu"]
     try:
         os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
