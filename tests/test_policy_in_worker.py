@@ -540,7 +540,7 @@ def test_one_policy_with_heavy_state_shared_by_all_branches_is_unpickled_once(tm
 
 
 def test_the_modules_a_pickle_would_import_are_read_from_its_opcodes():
-    """What ``import_for`` imports ahead: the modules unpickling would import (by-reference
+    """What ``import_modules`` imports ahead: the modules unpickling would import (by-reference
     globals, and the modules a cloudpickled function refers to), nothing unpickled."""
     import json
     import pickle

@@ -48,7 +48,7 @@ from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import check_field, check_images
 from gym_fork.snapshots.files import is_no_space, no_space
 from gym_fork.worker.channel import OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
-from gym_fork.worker.commands import EnvSource
+from gym_fork.worker.commands import EnvSource, pickled_modules
 from gym_fork.worker.resources import Scan
 from gym_fork.backends import netns, treecapture
 
@@ -556,8 +556,8 @@ class CriuBackend(Backend):
         model: seconds), and every copy forked from the snapshot would pay that again. So the
         first copy does it first: with one policy for all branches, it unpickles that policy
         (``load_policy``), which every branch then uses as it would its own unpickled copy; with
-        one each, it imports the modules their pickles name (``import_for``: no object made), and
-        each branch unpickles its own. Either way every branch's process ends up as it would
+        one each, it imports the modules their pickles name (``import_modules``; the names read
+        from the pickles here, no object made), and each branch unpickles its own. Either way every branch's process ends up as it would
         have on its own -- the snapshot's state plus that same unpickling. When the others would
         together have spent at least :data:`PRELOAD_MIN_SAVING_S` on it, that copy is
         snapshotted in turn (a fork, as for any fork-tier snapshot) and the rest are cloned from
@@ -569,8 +569,9 @@ class CriuBackend(Backend):
                 if len(policies) == 1:
                     took = first.request("load_policy", policies[0])
                     first.preloaded = 1
-                else:
-                    took = first.request("import_for", policies)
+                else:  # (module names only: the pickles, weights and all, need not travel twice)
+                    names = list(dict.fromkeys(m for blob in policies for m in pickled_modules(blob)))
+                    took = first.request("import_modules", names)
                 if took * (n - 1) >= PRELOAD_MIN_SAVING_S:
                     found = self._fork_snapshot(first)
                     if isinstance(found, ForkPayload):

@@ -267,12 +267,12 @@ class EnvServer:
         self.policies = [cloudpickle.loads(blob)]
         return time.perf_counter() - t0
 
-    def cmd_import_for(self, blobs: list[bytes]) -> float:
-        """Import the modules these pickles name (what unpickling them would import, and nothing
-        else: no object is made), so that copies forked after this need not import them again
-        each. Returns the seconds that took."""
+    def cmd_import_modules(self, names: list[str]) -> float:
+        """Import these modules (those the branches' policy pickles name, :func:`pickled_modules`:
+        what unpickling them would import, and nothing else: no object is made), so that copies
+        forked after this need not import them again each. Returns the seconds that took."""
         t0 = time.perf_counter()
-        for name in dict.fromkeys(m for blob in blobs for m in pickled_modules(blob)):
+        for name in names:
             try:
                 importlib.import_module(name)
             except ImportError:  # (a name the unpickler maps, or one that fails there too: the
