@@ -537,3 +537,68 @@ def test_a_ready_copy_opens_its_file_change_group_ahead_and_closes_it_when_idle(
         assert _has_fanotify_group(pid)
     finally:
         env.close()
+
+
+def _busy_loops(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_a_ready_copy_faults_in_ahead_only_on_a_free_cpu():
+    """A ready copy faults in its plan only while a CPU is free: with every CPU kept busy (a
+    search loop's learner and copy, a learner training) it leaves its pages to its first step's
+    faults instead of taking CPU from them; on a free CPU it faults them in. Its memory is the
+    snapshot's either way (the branches equal the reference's)."""
+    from gym_fork.backends.criu import private_dirty_bytes
+    from gym_fork.worker import prefault
+
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
+    ref = gym.make("LunarLander-v3")
+    acts = [i % 4 for i in range(60)]
+    busy: list[subprocess.Popen] = []
+    try:
+        env.reset(seed=2)
+        ref.reset(seed=2)
+        run_actions(env, acts[:20])
+        run_actions(ref, acts[:20])
+        expected = run_actions(ref, acts[20:])
+        snap = env.snapshot()
+        payload = snap.payload()
+
+        def next_ready(than: int | None) -> int:
+            def found() -> bool:
+                payload.collect()
+                return bool(payload.ready_pids) and payload.ready_pids[-1] != than
+            assert eventually(found, timeout=20), "no new ready copy"
+            return payload.ready_pids[-1]
+
+        first = next_ready(None)
+        env.restore(snap)  # taken: the next copy learns what this one touches, and faults it in
+        assert_same_traj(run_actions(env, acts[20:]), expected)
+
+        busy = _busy_loops((os.cpu_count() or 1) + 1)
+        with prefault.CpuWatch() as cpus:
+            assert eventually(lambda: not cpus.free(), timeout=10), "the busy loops did not fill the CPUs"
+        on_busy = next_ready(first)
+        time.sleep(1.0)  # it waited for a free CPU (PREFAULT_AFTER_S at a time), then gave up
+        dirty_busy = private_dirty_bytes(on_busy)
+        for p in busy:
+            p.kill()
+            p.wait()
+        busy = []
+
+        env.restore(snap)  # takes the copy that did not fault in: same branch
+        assert env.worker_pid == on_busy
+        assert_same_traj(run_actions(env, acts[20:]), expected)
+        on_free = next_ready(on_busy)
+        # on a free CPU it faults in the plan learned from the copy used first: hundreds of pages
+        assert eventually(lambda: private_dirty_bytes(on_free) > dirty_busy + (256 << 10), timeout=10), (
+            f"the copy on a free CPU faulted nothing in ({private_dirty_bytes(on_free)} bytes own "
+            f"vs {dirty_busy} for the copy on busy CPUs)")
+        env.restore(snap)
+        assert env.worker_pid == on_free
+        assert_same_traj(run_actions(env, acts[20:]), expected)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        env.close()

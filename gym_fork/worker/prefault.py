@@ -198,6 +198,51 @@ def apply(plan: Plan, stop: Callable[[], bool] | None = None) -> int:
     return pages
 
 
+class CpuWatch:
+    """Whether a CPU is free right now: the kernel's count of runnable tasks, machine-wide and
+    this process included (``/proc/loadavg``'s fourth field, read with one ``pread``: ~1.4 µs),
+    against the machine's CPUs.
+
+    Faulting in ahead is work a ready copy does *instead of* its first request's page faults, and
+    dearer per page (``MADV_POPULATE_WRITE`` ~10 µs a page here, a fault 3-5 µs): it pays only
+    where it runs on a CPU nobody else wants -- a learner that paused, not a search loop whose
+    learner and copy in use keep every CPU busy (there it took CPU from them). Where the count
+    cannot be read, every CPU counts as free (as before this check).
+
+    Example:
+        >>> with CpuWatch() as cpus:
+        ...     isinstance(cpus.free(), bool)
+        True
+    """
+
+    def __init__(self) -> None:
+        self.cpus = os.cpu_count() or 1
+        try:
+            self._fd: int | None = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+
+    def free(self) -> bool:
+        if self._fd is None:
+            return True
+        try:
+            runnable = int(os.pread(self._fd, 128, 0).split()[3].split(b"/")[0])
+        except (OSError, ValueError, IndexError):
+            return True
+        return runnable <= self.cpus
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "CpuWatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _clip(ranges: list[tuple[int, int]], areas: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of ``ranges`` inside ``areas`` (both sorted by start, non-overlapping)."""
     out, j = [], 0

@@ -122,3 +122,23 @@ def test_apply_stops_when_asked_and_leaves_the_rest_shared_and_unchanged():
     assert asked == 1 and n < pages and own == n and same  # stopped at the first question
     n, own, asked, same = eval(_run_in_child(lambda: copy(False)))  # noqa: S307
     assert n == pages and own == pages and same  # never told to stop: all of it
+
+
+def test_cpu_watch_sees_every_cpu_taken_and_freed_again():
+    """CpuWatch counts the machine's runnable tasks: busy loops on every CPU make it say no CPU
+    is free, and once they end a CPU is free again."""
+    import subprocess
+    import sys
+
+    from conftest import eventually
+
+    with prefault.CpuWatch() as cpus:
+        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus.cpus + 1)]
+        try:
+            assert eventually(lambda: not cpus.free(), timeout=10)
+        finally:
+            for p in loops:
+                p.kill()
+                p.wait()
+        assert eventually(cpus.free, timeout=10)
+    assert cpus.free()  # closed: no count to read, every CPU counts as free
