@@ -602,3 +602,42 @@ def test_a_ready_copy_faults_in_ahead_only_on_a_free_cpu():
             p.kill()
             p.wait()
         env.close()
+
+
+def _cartpole_with_a_slow_fifth_step() -> gym.Env:
+    class SlowFifthStep(gym.Wrapper):
+        """Every fifth step takes 2 ms more (a reset, a render, a contact-heavy step)."""
+
+        def __init__(self, env: gym.Env):
+            super().__init__(env)
+            self.n = 0
+
+        def step(self, action):
+            self.n += 1
+            if self.n % 5 == 0:
+                time.sleep(0.002)
+            return self.env.step(action)
+
+    return SlowFifthStep(gym.make("CartPole-v1"))
+
+
+def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(monkeypatch):
+    """The learner polls for a step's reply while replies come fast; one slow step in five must
+    not turn that off for the fast ones (it did: each slow step put the average over the cap, and
+    the next steps slept through their replies, paying a wake-up each)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: nothing polls")
+    monkeypatch.delenv("GYM_FORK_SPIN_US", raising=False)
+    env = gym_fork.ForkableEnv(_cartpole_with_a_slow_fifth_step, backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        off = 0
+        for i in range(500):
+            _, _, term, trunc, _ = env.step(i % 2)
+            if term or trunc:
+                env.reset()
+            if i >= 100:
+                off += env._handle._spin.budget == 0.0
+        assert off <= 20, f"polling was off after {off} of 400 steps"
+    finally:
+        env.close()

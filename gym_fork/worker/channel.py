@@ -75,11 +75,19 @@ class SpinWait:
     waits seen so far.
 
     Sleeping and being woken costs 10-20 µs per message on a 2-vCPU virtual machine (the
-    hypervisor's wake-up), more than CartPole's whole step; polling instead keeps a CPU busy.
-    So poll only where messages usually come fast: while the average wait (an EWMA of the last
-    few) is under ``cap`` seconds, poll for up to twice that average, else sleep at once. A learner
-    that trains or runs its policy between steps, or a slow env, waits longer than the cap: no
-    polling then, so no CPU is taken from it.
+    hypervisor's wake-up), 100 µs to a millisecond once the CPU went idle, more than CartPole's
+    whole step; polling instead keeps a CPU busy. So poll only where messages usually come fast:
+    while the average wait (an EWMA of the last few) is under ``cap`` seconds, poll for up to
+    twice that average, else sleep at once. A learner that trains or runs its policy between
+    steps, or a slow env, waits longer than the cap: no polling then, so no CPU is taken from it.
+
+    Two things keep an env with *occasional* slow steps (a reset, a render, a contact-heavy
+    step) polling for its fast ones. A wait counts for at most twice the average, so one slow
+    step moves the average by a quarter, not past the cap; a lasting change still moves it
+    (by x1.25 a wait). And while not polling, every :data:`PROBE_EVERY`-th wait polls for up to
+    ``cap`` anyway: waits measured asleep include the wake-up, which not polling makes slow, so
+    they alone would keep polling off for good; a probe answered while polling shows the
+    messages are fast after all, and polling resumes at that pace.
 
     Example:
         >>> w = SpinWait(cap=100e-6)
@@ -87,31 +95,59 @@ class SpinWait:
         ...     w.observe(30e-6)  # the reply comes 30 µs after the request
         >>> round(w.budget * 1e6)  # poll for up to 60 µs before sleeping
         60
-        >>> for _ in range(20):
-        ...     w.observe(5e-3)  # the learner trains between messages
+        >>> w.observe(2e-3)  # one slow step: still polling for the next
+        >>> round(w.budget * 1e6)
+        75
+        >>> for _ in range(10):
+        ...     w.observe(5e-3)  # the learner now trains between messages
+        >>> w.budget
+        0.0
+        >>> for _ in range(10):
+        ...     w.observe(5e-3)
+        >>> round(w.budget * 1e6)  # while not polling, one wait in PROBE_EVERY polls (a probe) ...
+        100
+        >>> w.observe(5e-3)  # ... not answered while it polled: still slow
         >>> w.budget
         0.0
         >>> round(SpinWait(cap=100e-6, avg=30e-6).budget * 1e6)  # a copy that goes on at its predecessor's pace
         60
     """
 
-    __slots__ = ("cap", "avg", "budget")
+    __slots__ = ("cap", "avg", "budget", "idle")
 
     def __init__(self, cap: float, avg: float | None = None):
         self.cap = cap
         self.avg = 4.0 * cap  # no polling until waits have been seen to be short ...
         self.budget = 0.0
+        self.idle = 0  # waits in a row without polling; -1: the current wait is a probe
         if avg is not None:  # ... unless a predecessor's pace is known (a restored copy)
             self.avg = min(avg, 4.0 * cap)
             self.budget = min(2.0 * self.avg, cap) if self.avg < cap else 0.0
 
     def observe(self, wait: float) -> None:  # every step, on both sides: kept inline
-        cap = self.cap
-        avg = self.avg + (min(wait, 4.0 * cap) - self.avg) * 0.25
+        cap, avg = self.cap, self.avg
+        if self.idle < 0 and wait <= cap:  # a probe answered while it polled: fast after all
+            avg = wait
+        else:
+            w = 2.0 * avg
+            if wait < w:
+                w = wait
+            if w > 4.0 * cap:
+                w = 4.0 * cap
+            avg += (w - avg) * 0.25
         self.avg = avg
-        self.budget = 2.0 * avg if avg < cap else 0.0
-        if self.budget > cap:
-            self.budget = cap
+        if avg < cap:
+            self.idle = 0
+            self.budget = 2.0 * avg if 2.0 * avg < cap else cap
+        elif self.idle >= PROBE_EVERY - 1:
+            self.idle, self.budget = -1, cap
+        else:
+            self.idle = self.idle + 1 if self.idle >= 0 else 1
+            self.budget = 0.0
+
+
+#: while a SpinWait does not poll, every this many waits one polls for up to its cap (a probe)
+PROBE_EVERY = 16
 
 
 class ChannelClosed(EOFError):

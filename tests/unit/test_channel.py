@@ -189,6 +189,45 @@ def test_a_polling_read_gets_every_message_whether_it_comes_within_the_poll_or_a
     t.join()
 
 
+def test_polling_survives_occasional_slow_waits_and_follows_a_lasting_change():
+    """One slow step in ten does not turn polling off for the fast ones; waits that stay slow
+    still do, within a dozen waits."""
+    w = SpinWait(cap=250e-6)
+    for _ in range(100):
+        w.observe(60e-6)
+    off = 0
+    for i in range(1000):
+        w.observe(2e-3 if i % 10 == 9 else 60e-6)  # an env whose every tenth step takes 2 ms
+        off += w.budget == 0.0
+    assert off == 0
+    for i in range(12):
+        w.observe(5e-3)  # the learner now trains between steps
+    assert w.budget == 0.0
+
+
+def test_polling_off_comes_back_once_a_probe_is_answered_while_it_polls():
+    """Waits measured asleep include the wake-up, so with polling off they alone would keep it
+    off even where replies are fast: a probe (one wait in PROBE_EVERY polls for up to the cap)
+    answered while polling turns it back on; one not answered leaves it off."""
+    from gym_fork.worker.channel import PROBE_EVERY
+
+    def run(reply_s: float, asleep_s: float) -> list[float]:
+        w = SpinWait(cap=250e-6, avg=1e-3)  # polling off, as after a burst of slow steps
+        budgets = []
+        for _ in range(3 * PROBE_EVERY):
+            # a reply that comes within the poll is seen at once; one waited for asleep costs
+            # the wake-up on top
+            w.observe(reply_s if w.budget >= reply_s else reply_s + asleep_s)
+            budgets.append(w.budget)
+        return budgets
+
+    fast = run(40e-6, 300e-6)  # replies in 40 µs, each wake-up 300 µs
+    assert fast[:PROBE_EVERY - 2] == [0.0] * (PROBE_EVERY - 2)  # all asleep, all "slow"
+    assert all(b > 0.0 for b in fast[PROBE_EVERY + 1:])  # the probe found them fast: polling again
+    slow = run(2e-3, 300e-6)  # a slow env: probes time out, polling stays off between them
+    assert sum(b > 0.0 for b in slow) == 3 and slow[-2] == 0.0  # one probe in PROBE_EVERY waits
+
+
 def test_a_peer_closing_while_the_reader_polls_is_channel_closed(pair):
     a, b = pair
     rx = Channel(b)
