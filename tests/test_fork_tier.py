@@ -624,20 +624,29 @@ def _cartpole_with_a_slow_fifth_step() -> gym.Env:
 def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(monkeypatch):
     """The learner polls for a step's reply while replies come fast; one slow step in five must
     not turn that off for the fast ones (it did: each slow step put the average over the cap, and
-    the next steps slept through their replies, paying a wake-up each)."""
+    the next steps slept through their replies, paying a wake-up each). Judged at each slow step
+    that came while replies were fast (average under 150 µs): polling must still be on after it.
+    (Whether replies are fast at all is the machine's: a host that is slow to wake its virtual CPUs
+    can make every wait milliseconds, and then not polling is right.)"""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing polls")
     monkeypatch.delenv("GYM_FORK_SPIN_US", raising=False)
     env = gym_fork.ForkableEnv(_cartpole_with_a_slow_fifth_step, backend="criu", fork_tier=True)
     try:
         env.reset(seed=0)
-        off = 0
-        for i in range(500):
+        judged = turned_off = 0
+        for i in range(2000):
+            spin = env._handle._spin
+            fast_pace = spin.avg < 150e-6 and spin.budget > 0.0
             _, _, term, trunc, _ = env.step(i % 2)
             if term or trunc:
                 env.reset()
-            if i >= 100:
-                off += env._handle._spin.budget == 0.0
-        assert off <= 20, f"polling was off after {off} of 400 steps"
+            if i >= 50 and (i + 1) % 5 == 0 and fast_pace:  # a slow step, after fast ones
+                judged += 1
+                turned_off += env._handle._spin.budget == 0.0
+            if judged >= 60:
+                break
+        assert turned_off == 0, f"{turned_off} of {judged} slow steps turned polling off"
+        assert judged >= 20, f"only {judged} slow steps came after fast ones: this machine's replies are slow"
     finally:
         env.close()
