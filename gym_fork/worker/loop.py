@@ -435,13 +435,15 @@ def _readable(chan: Channel, timeout: float) -> bool:
 def _fork_copy(fd: int, frozen_chan: Channel, server: EnvServer) -> None:
     """Fork a copy of this frozen state that serves env commands on ``fd`` (the frozen process
     keeps ``fd`` open: the caller closes it)."""
-    if _fork_copy_process(fd, frozen_chan)[0] == 0:
+    if _fork_copy_process(fd, frozen_chan, want_host=False)[0] == 0:
         serve(Channel.from_fd(fd), server)
         os._exit(0)
 
 
-def _fork_copy_process(fd: int, frozen_chan: Channel) -> tuple[int, int | None]:
-    """Fork a copy of this frozen snapshot: ``(0, None)`` in the copy, ``(pid, host pid)`` here.
+def _fork_copy_process(fd: int, frozen_chan: Channel, want_host: bool = True) -> tuple[int, int | None]:
+    """Fork a copy of this frozen snapshot: ``(0, None)`` in the copy, ``(pid, host pid)`` here
+    (the host pid None with ``want_host=False``: a clone's controller learns it from the copy's
+    ``hello``, and looking it up costs the frozen process ~0.3 ms a copy just after a fork).
 
     A copy of an env that has started processes of its own (:data:`fswatch.spawned`) is made
     PID 1 of a namespace of its own, like a CRIU-restored worker: should its env start a child
@@ -459,7 +461,7 @@ def _fork_copy_process(fd: int, frozen_chan: Channel) -> tuple[int, int | None]:
         _subreaper = True
     if not fswatch.spawned:
         pid = _fork_child(fd, frozen_chan)
-        return (0, None) if pid == 0 else (pid, resources.host_pid_of_child(pid))
+        return (0, None) if pid == 0 else (pid, resources.host_pid_of_child(pid) if want_host else None)
     pid, host = _fork_ns_init(fd, frozen_chan)
     if pid == 0:
         # keeps its fork-tier name: orphaned to the worker (its parent exited), it must not
