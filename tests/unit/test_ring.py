@@ -148,3 +148,45 @@ def test_scan_exempts_the_ring_but_not_other_shared_memory(pair):
         assert [x for x in resources._scan_maps("self", os.getpid()) if x.kind == "shared-memory"]
     finally:
         m.close()
+
+
+def test_a_peer_slower_than_a_short_spin_is_still_spun_for():
+    """A worker whose steps take ~150 µs (a MuJoCo step): the controller keeps spinning for its
+    replies -- it learns when to spin, and spins up to the cap -- instead of sleeping through
+    them (a fixed 100 µs spin, given up after 8 misses, slept through most of HalfCheetah's)."""
+    a, b = socket.socketpair()
+    ctl, fd = rings.Ring.create()
+    os.set_inheritable(fd, True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            a.close()
+            wrk = rings.Ring.attach(fd)
+            wc = Channel(b)
+            while True:
+                (cmd, args), in_ring = wrk.wait_request(wc)
+                if cmd == "exit":
+                    os._exit(0)
+                end = time.perf_counter() + 150e-6
+                while time.perf_counter() < end:
+                    pass
+                wrk.reply(wc, reply_parts((OK, (np.int64(args[0] + 1), 0.0, False, False, {}))))
+        finally:
+            os._exit(1)
+    os.close(fd)
+    b.close()
+    cc = Channel(a)
+    try:
+        spinning = 0
+        for i in range(200):
+            assert ctl.post(cc, step_parts(i))
+            assert ctl.wait_reply(cc)[1][0] == i + 1
+            spinning += ctl.pace.budget > 0.0
+        assert spinning >= 180, f"spun for only {spinning} of 200 replies"
+        ctl.announce()
+        cc.send(("exit", ()))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        ctl.close()
+        a.close()
