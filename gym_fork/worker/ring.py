@@ -28,7 +28,7 @@ copy (the requests that come before a dump).
 Opt-in: ``GYM_FORK_RING=1`` in the controller's environment.  Spinning needs a free CPU, so a
 controller keeps at most ``cpu_count - 1`` rings (at least one) and opens them only for envs
 stepped one request at a time (``ForkableEnv.step``), never for vector envs, whose workers step
-concurrently; each side spins for up to twice the average wait it has seen, capped by
+concurrently; while its waits are short on average, each side spins for up to
 ``GYM_FORK_RING_SPIN_US`` (default 300), then sleeps.
 
 Example::
