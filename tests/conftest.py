@@ -48,6 +48,27 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def run_in_child(fn) -> bytes:
+    """Run ``fn()`` in a forked child; returns what it returned (bytes), through a pipe. Every
+    process that returns from ``fn`` in that child writes what it returned (a child of the child
+    that returns too -- PID 1 of a namespace ``fn`` made -- adds its bytes)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.write(w, fn())
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return out
+
+
 def eventually(cond, timeout: float = 5.0, every: float = 0.01) -> bool:
     """Whether ``cond()`` becomes true within ``timeout`` seconds (asked every ``every``)."""
     deadline = time.monotonic() + timeout

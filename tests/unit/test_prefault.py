@@ -6,6 +6,8 @@ import mmap
 
 import numpy as np
 
+from conftest import run_in_child
+
 from gym_fork.worker import prefault
 
 
@@ -13,25 +15,6 @@ def _pagemap_entry(pid: int, addr: int) -> int:
     with open(f"/proc/{pid}/pagemap", "rb") as f:
         f.seek(addr // prefault.PAGE * 8)
         return int.from_bytes(f.read(8), "little")
-
-
-def _run_in_child(fn) -> bytes:
-    """Run ``fn()`` in a forked child; returns what it wrote to a pipe."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            os.write(w, fn())
-        finally:
-            os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return out
 
 
 def test_learns_what_a_sibling_wrote_and_a_copy_faults_it_in_unchanged():
@@ -71,7 +54,7 @@ def test_learns_what_a_sibling_wrote_and_a_copy_faults_it_in_unchanged():
         same = bool((arr == np.arange(arr.size) % 251).all())
         return repr((before, after, other, same, n > 0)).encode()
 
-    before, after, other, same, did = eval(_run_in_child(copy))  # noqa: S307 - our own child's repr
+    before, after, other, same, did = eval(run_in_child(copy))  # noqa: S307 - our own child's repr
     assert before == [False] * len(written)  # shared with this process after the fork
     assert after == [True] * len(written)  # faulted in for writing: its own now
     assert other is False  # a page the sibling did not write stays shared
@@ -118,9 +101,9 @@ def test_apply_stops_when_asked_and_leaves_the_rest_shared_and_unchanged():
         same = bool((arr[:: prefault.PAGE] == np.arange(pages) % 251).all())
         return repr((n, own, len(asked), same)).encode()
 
-    n, own, asked, same = eval(_run_in_child(lambda: copy(True)))  # noqa: S307 - our own child's repr
+    n, own, asked, same = eval(run_in_child(lambda: copy(True)))  # noqa: S307 - our own child's repr
     assert asked == 1 and n < pages and own == n and same  # stopped at the first question
-    n, own, asked, same = eval(_run_in_child(lambda: copy(False)))  # noqa: S307
+    n, own, asked, same = eval(run_in_child(lambda: copy(False)))  # noqa: S307
     assert n == pages and own == pages and same  # never told to stop: all of it
 
 

@@ -4,6 +4,7 @@ and the fork-tier scan not refusing it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -78,36 +79,40 @@ def test_big_frames_and_other_commands_go_on_the_socket(pair):
     assert ctl.wait_reply(cc) == (OK, 7)
 
 
-def test_wake_up_after_a_sleep():
-    """A worker that spun out and sleeps on its socket is woken by the next step; the reply
-    wakes a controller asleep likewise (no spinning at all: every wait sleeps)."""
+@contextlib.contextmanager
+def _forked_worker(busy_s: float = 0.0, sleep_s: float = 0.0, spin_ns: int | None = None):
+    """A worker process on a ring that answers each step with its action + 1, after
+    ``busy_s`` of CPU and ``sleep_s`` asleep; yields the controller's ring and channel
+    (``spin_ns``: both sides' spin cap, None for the default), and stops the worker after."""
     a, b = socket.socketpair()
     ctl, fd = rings.Ring.create()
     os.set_inheritable(fd, True)
     pid = os.fork()
-    if pid == 0:  # the worker: answers each step with its action + 1
+    if pid == 0:
         try:
             a.close()
             wrk = rings.Ring.attach(fd)
-            wrk.spin_ns = 0
+            if spin_ns is not None:
+                wrk.spin_ns = spin_ns
             wc = Channel(b)
             while True:
                 (cmd, args), in_ring = wrk.wait_request(wc)
                 if cmd == "exit":
                     os._exit(0)
-                time.sleep(0.002)  # the controller goes to sleep meanwhile
+                end = time.perf_counter() + busy_s
+                while time.perf_counter() < end:
+                    pass
+                time.sleep(sleep_s)
                 wrk.reply(wc, reply_parts((OK, (np.int64(args[0] + 1), 0.0, False, False, {}))))
         finally:
             os._exit(1)
     os.close(fd)
     b.close()
     cc = Channel(a)
-    ctl.spin_ns = 0
+    if spin_ns is not None:
+        ctl.spin_ns = spin_ns
     try:
-        for i in range(20):
-            time.sleep(0.002)  # the worker sleeps on its socket by now
-            assert ctl.post(cc, step_parts(i))
-            assert ctl.wait_reply(cc)[1][0] == i + 1
+        yield ctl, cc
         ctl.announce()
         cc.send(("exit", ()))
         _, status = os.waitpid(pid, 0)
@@ -115,6 +120,29 @@ def test_wake_up_after_a_sleep():
     finally:
         ctl.close()
         a.close()
+
+
+def test_wake_up_after_a_sleep():
+    """A worker that spun out and sleeps on its socket is woken by the next step; the reply
+    wakes a controller asleep likewise (no spinning at all: every wait sleeps)."""
+    with _forked_worker(sleep_s=0.002, spin_ns=0) as (ctl, cc):  # the controller goes to sleep meanwhile
+        for i in range(20):
+            time.sleep(0.002)  # the worker sleeps on its socket by now
+            assert ctl.post(cc, step_parts(i))
+            assert ctl.wait_reply(cc)[1][0] == i + 1
+
+
+def test_a_peer_slower_than_a_short_spin_is_still_spun_for():
+    """A worker whose steps take ~150 µs (a MuJoCo step): the controller keeps spinning for its
+    replies -- it learns when to spin, and spins up to the cap -- instead of sleeping through
+    them (a fixed 100 µs spin, given up after 8 misses, slept through most of HalfCheetah's)."""
+    with _forked_worker(busy_s=150e-6) as (ctl, cc):
+        spinning = 0
+        for i in range(200):
+            assert ctl.post(cc, step_parts(i))
+            assert ctl.wait_reply(cc)[1][0] == i + 1
+            spinning += ctl.pace.budget > 0.0
+        assert spinning >= 180, f"spun for only {spinning} of 200 replies"
 
 
 def test_fork_child_drops_the_parents_ring(pair):
@@ -148,45 +176,3 @@ def test_scan_exempts_the_ring_but_not_other_shared_memory(pair):
         assert [x for x in resources._scan_maps("self", os.getpid()) if x.kind == "shared-memory"]
     finally:
         m.close()
-
-
-def test_a_peer_slower_than_a_short_spin_is_still_spun_for():
-    """A worker whose steps take ~150 µs (a MuJoCo step): the controller keeps spinning for its
-    replies -- it learns when to spin, and spins up to the cap -- instead of sleeping through
-    them (a fixed 100 µs spin, given up after 8 misses, slept through most of HalfCheetah's)."""
-    a, b = socket.socketpair()
-    ctl, fd = rings.Ring.create()
-    os.set_inheritable(fd, True)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            a.close()
-            wrk = rings.Ring.attach(fd)
-            wc = Channel(b)
-            while True:
-                (cmd, args), in_ring = wrk.wait_request(wc)
-                if cmd == "exit":
-                    os._exit(0)
-                end = time.perf_counter() + 150e-6
-                while time.perf_counter() < end:
-                    pass
-                wrk.reply(wc, reply_parts((OK, (np.int64(args[0] + 1), 0.0, False, False, {}))))
-        finally:
-            os._exit(1)
-    os.close(fd)
-    b.close()
-    cc = Channel(a)
-    try:
-        spinning = 0
-        for i in range(200):
-            assert ctl.post(cc, step_parts(i))
-            assert ctl.wait_reply(cc)[1][0] == i + 1
-            spinning += ctl.pace.budget > 0.0
-        assert spinning >= 180, f"spun for only {spinning} of 200 replies"
-        ctl.announce()
-        cc.send(("exit", ()))
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        ctl.close()
-        a.close()

@@ -122,51 +122,41 @@ def test_a_childs_host_pid_comes_from_its_pidfd_and_matches_the_status_scan():
     import time
 
     import pytest
+    from conftest import run_in_child
 
     from gym_fork.worker import resources
 
     if os.geteuid() != 0:
         pytest.skip("a PID namespace needs root here")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        out = {"ok": False}
-        try:
-            os.close(r)
-            if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID
-                raise OSError(ctypes.get_errno(), "unshare")
-            init = os.fork()
-            if init == 0:  # PID 1 of the new namespace
-                kids = []
-                for _ in range(8):
-                    k = os.fork()
-                    if k == 0:
-                        time.sleep(30)
-                        os._exit(0)
-                    kids.append(k)
-                level = resources._own_level()
-                by_scan = {}
-                for p in resources._children("self"):
-                    st = resources._status(p, level)
-                    if st is not None:
-                        by_scan[st[2]] = p
-                res = {"level": level, "kids": kids, "pidfd": [resources._pid_via_pidfd(k) for k in kids],
-                       "host": [resources.host_pid_of_child(k) for k in kids],
-                       "scan": [by_scan.get(k) for k in kids]}
-                for k in kids:
-                    os.kill(k, 9)
-                    os.waitpid(k, 0)
-                os.write(w, json.dumps(res).encode())
-                os._exit(0)
+
+    def in_a_new_pid_namespace() -> bytes:
+        if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID
+            raise OSError(ctypes.get_errno(), "unshare")
+        init = os.fork()
+        if init:
             os.waitpid(init, 0)
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+            return b""
+        kids = []  # PID 1 of the new namespace from here on
+        for _ in range(8):
+            k = os.fork()
+            if k == 0:
+                time.sleep(30)
+                os._exit(0)
+            kids.append(k)
+        level = resources._own_level()
+        by_scan = {}
+        for p in resources._children("self"):
+            st = resources._status(p, level)
+            if st is not None:
+                by_scan[st[2]] = p
+        res = {"level": level, "kids": kids, "pidfd": [resources._pid_via_pidfd(k) for k in kids],
+               "host": [resources.host_pid_of_child(k) for k in kids], "scan": [by_scan.get(k) for k in kids]}
+        for k in kids:
+            os.kill(k, 9)
+            os.waitpid(k, 0)
+        return json.dumps(res).encode()
+
+    data = run_in_child(in_a_new_pid_namespace)
     res = json.loads(data)
     assert res["level"] == 1 and res["kids"] == list(range(2, 10))  # pids as the namespace sees them
     assert None not in res["scan"] and all(p > 10 for p in res["scan"])  # host pids
