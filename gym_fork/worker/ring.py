@@ -57,7 +57,7 @@ import weakref
 from typing import Any
 
 from gym_fork.worker import resources
-from gym_fork.worker.channel import WAKE, Channel, ChannelClosed, SpinWait, unpack_frame
+from gym_fork.worker.channel import WAKE, Channel, ChannelClosed, SpinWait, spin_cap, unpack_frame
 
 AREA = 1 << 16  # bytes per direction; larger frames go on the socket
 _HEAD = 128  # two cache lines of 8-byte words, one written by each side
@@ -114,10 +114,9 @@ def wanted() -> bool:
 
 
 def _spin_ns() -> int:
-    try:
-        return max(0, int(float(os.environ.get("GYM_FORK_RING_SPIN_US", str(SPIN_US))) * 1000))
-    except ValueError:
-        return SPIN_US * 1000
+    """The spin cap in ns, read as the socket's polling caps are (:func:`spin_cap`: a value that
+    is not a number warns and falls back to the default; 0 where this process has one CPU)."""
+    return round(spin_cap("GYM_FORK_RING_SPIN_US", SPIN_US) * 1e9)
 
 
 #: the default cap, in µs, on how long each side spins for its peer (``GYM_FORK_RING_SPIN_US``)

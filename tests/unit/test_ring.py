@@ -178,3 +178,11 @@ def test_scan_exempts_the_ring_but_not_other_shared_memory(pair):
         assert [x for x in resources._scan_maps("self", os.getpid()) if x.kind == "shared-memory"]
     finally:
         m.close()
+
+
+def test_a_spin_cap_that_is_not_a_number_warns_and_keeps_the_default(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_RING_SPIN_US", "fast")
+    with pytest.warns(RuntimeWarning, match="GYM_FORK_RING_SPIN_US='fast' is not a number"):
+        assert rings._spin_ns() == rings.SPIN_US * 1000
+    monkeypatch.setenv("GYM_FORK_RING_SPIN_US", "50")
+    assert rings._spin_ns() == 50_000
