@@ -4,6 +4,9 @@ around CRIU dumps (which drop the ring; it is offered again after)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 from conftest import assert_same_traj, run_actions
@@ -11,6 +14,7 @@ from conftest import assert_same_traj, run_actions
 import gym_fork
 from gym_fork.backends.base import RemoteHandle
 from gym_fork.worker import ring as rings
+from gym_fork.worker.channel import Channel, SpinWait
 
 pytestmark = pytest.mark.skipif(not rings.supported(), reason="step rings need x86-64 Linux")
 
@@ -134,5 +138,83 @@ def test_ring_survives_env_output(ring_on):
         assert isinstance(out[0], np.ndarray)
         obs, _ = env.reset(seed=1)
         assert env.step(1)[0].shape == obs.shape
+    finally:
+        env.close()
+
+
+def test_a_restored_copy_polls_at_its_predecessors_ring_pace(monkeypatch):
+    """Steps through a ring teach the ring's pace, not the socket's: a restored copy's handle
+    polls for its first replies at that pace (they go on the socket until its own ring is
+    offered) instead of sleeping through them, and its branch is the snapshot's."""
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 3)
+    monkeypatch.setattr(rings, "wanted", lambda: True)
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        expected = [env.step(a)[0] for a in (0, 1, 1, 0, 1, 0)]
+        old = env._handle
+        assert old.ring is not None
+        old.ring.pace = SpinWait(old.ring.pace.cap, 30e-6)  # as learned over 30 µs replies
+        env.restore(snap)
+        new = env._handle
+        assert new is not old
+        assert new._spin.avg == pytest.approx(30e-6) and new._spin.budget > 0.0
+        polled = []
+        step = new._step
+        new._step = lambda action: (polled.append(action), step(action))[1]
+        got = [env.step(a)[0] for a in (0, 1, 1, 0, 1, 0)]
+        assert len(polled) == RemoteHandle.RING_AFTER  # the steps before its ring: polled
+        assert _uses_ring(env)  # then a ring of its own
+        for a, b in zip(expected, got):
+            assert np.array_equal(a, b)
+    finally:
+        env.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a ring spins only with a second CPU")
+def test_a_worker_spins_for_requests_through_the_learners_work_between_steps(ring_on, monkeypatch):
+    """A learner that works ~330 µs between steps (a policy, a replay buffer) is answered by a
+    worker that waited for the request spinning, not asleep: the worker spins as long as the
+    socket would poll (GYM_FORK_WORKER_SPIN_US, 500 µs), not just the controller's 300 µs, so
+    the learner seldom has to wake it. (With the controller's cap it slept for nearly every
+    step: ~330 µs waits are over that cap; 200 wake-ups in 200 steps.)"""
+    wakes = []
+    send_wake = Channel.send_wake
+    monkeypatch.setattr(Channel, "send_wake", lambda self: (wakes.append(1), send_wake(self))[1])
+    ring_on()
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        steps, starts = 0, []
+
+        def work_then_step() -> None:
+            nonlocal steps
+            until = time.perf_counter() + 330e-6
+            while time.perf_counter() < until:
+                pass
+            t = time.perf_counter()
+            if any(env.step(steps % 2)[2:4]):
+                env.reset()
+            starts.append((t, time.perf_counter()))
+            steps += 1
+
+        for _ in range(100):  # the worker learns the pace
+            work_then_step()
+        assert _uses_ring(env)
+        seen = []
+        for _window in range(3):  # a window with another process on a CPU may sleep through; not all
+            wakes.clear()
+            starts.clear()
+            for _ in range(200):
+                work_then_step()
+            # the worker's waits: from a reply to the next request (the learner's work, ~330 µs)
+            wait = float(np.median([nxt[0] - prev[1] for prev, nxt in zip(starts, starts[1:])]))
+            if wait > 450e-6:  # the learner itself was held off the CPU: too long for any spin
+                pytest.skip(f"inconclusive on a machine this busy: the worker waited {wait * 1e6:.0f} µs a request")
+            seen.append(len(wakes))
+            if len(wakes) < 100:
+                break
+        assert min(seen) < 100, f"the learner had to wake the worker for {seen} of 200 steps"
     finally:
         env.close()

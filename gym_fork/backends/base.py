@@ -142,6 +142,9 @@ class RemoteHandle(Handle):
                     if self.packed and ring_wanted:
                         self._open_ring()
                     self._fast_steps = self.packed and self.ring is None
+                elif self.packed and not (self._pending or self.closed):
+                    # until the ring is offered, steps poll for their replies as fast steps do
+                    return self._step(args[0])
         self.send(cmd, *args)
         return self.receive()
 
@@ -149,7 +152,9 @@ class RemoteHandle(Handle):
         """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a
         restored copy steps like its predecessor, and a learner that restores every few steps
         would otherwise sleep through each copy's first dozen steps while it learns again."""
-        spin = getattr(other, "_spin", None)
+        ring = getattr(other, "ring", None)
+        # with a ring, steps went through it: its pace is what was learned (the socket's is stale)
+        spin = ring.pace if ring is not None and not ring.closed else getattr(other, "_spin", None)
         if spin is not None:
             self._spin = SpinWait(self._spin.cap, spin.avg)
 

@@ -210,7 +210,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
         drop_ring = False  # a CRIU dump may follow this reply: no image may hold the ring
         try:
             if cmd == "fork_snapshot":
-                server.pace = spin.avg  # its copies go on at this pace
+                # its copies go on at this pace (the ring's, where steps came through one)
+                server.pace = spin.avg
                 fd = _recv_one_fd(chan)
                 try:
                     # What fork() cannot copy (threads, children, shared descriptors): then no
@@ -256,7 +257,9 @@ def serve(chan: Channel, server: EnvServer) -> None:
             elif cmd == "ring":  # the controller's step ring: requests are announced there from now on
                 fd = _recv_one_fd(chan)
                 new = Ring.attach(fd)
-                new.spin_ns = int(args[0])
+                # waiting for requests, spin as long as the socket would poll for them (the
+                # learner's own work between steps: 300 µs of it slept through a 300 µs cap)
+                new.spin_ns = max(int(args[0]), round(spin.cap * 1e9))
                 _Replies(chan, ring).send((OK, None))
                 if ring is not None:
                     ring.close()

@@ -28,8 +28,10 @@ copy (the requests that come before a dump).
 Opt-in: ``GYM_FORK_RING=1`` in the controller's environment.  Spinning needs a free CPU, so a
 controller keeps at most ``cpu_count - 1`` rings (at least one) and opens them only for envs
 stepped one request at a time (``ForkableEnv.step``), never for vector envs, whose workers step
-concurrently; while its waits are short on average, each side spins for up to
-``GYM_FORK_RING_SPIN_US`` (default 300), then sleeps.
+concurrently; while its waits are short on average, each side spins, then sleeps: the
+controller for up to ``GYM_FORK_RING_SPIN_US`` (default 300) for a reply, the worker for a
+request as long as it would poll its socket (``GYM_FORK_WORKER_SPIN_US``, 500; the learner's own
+work between steps is part of that wait).
 
 Example::
 
