@@ -385,7 +385,7 @@ def test_a_restored_copy_steps_at_its_predecessors_pace_from_its_first_step(monk
     the polling its predecessor had learned, and the fast step path at once (no ring wanted)."""
     from gym_fork.worker.channel import SpinWait
 
-    monkeypatch.delenv("GYM_FORK_RING", raising=False)
+    monkeypatch.setenv("GYM_FORK_RING", "0")  # the socket's fast path (the ring's: test_ring_exactness)
     env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
     try:
         env.reset(seed=0)

@@ -128,7 +128,9 @@ class RemoteHandle(Handle):
         self._spin = SpinWait(spin_cap("GYM_FORK_SPIN_US", SPIN_US))
 
     #: steps made through :meth:`request` before a ring is offered (when rings are wanted)
-    RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "8"))
+    #: (opening one costs a fresh copy ~0.7 ms, which its steps repay after ~50: copies in a
+    #: search loop, a few steps each, never pay for one)
+    RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "64"))
 
     def request(self, cmd: str, *args: Any) -> Any:
         if cmd == "step":

@@ -25,10 +25,12 @@ worker gets a ring of its own from its controller.  A CRIU image never holds a r
 drop it after answering ``resources`` or a ``fork_snapshot`` that found what ``fork()`` cannot
 copy (the requests that come before a dump).
 
-Opt-in: ``GYM_FORK_RING=1`` in the controller's environment.  Spinning needs a free CPU, so a
-controller keeps at most ``cpu_count - 1`` rings (at least one) and opens them only for envs
-stepped one request at a time (``ForkableEnv.step``), never for vector envs, whose workers step
-concurrently; while its waits are short on average, each side spins, then sleeps: the
+On by default since stop 30 (``GYM_FORK_RING=0`` in the controller's environment turns it off):
+an env gets a ring once it has made ``GYM_FORK_RING_AFTER`` (64) steps one request at a time
+(``ForkableEnv.step``) -- opening one costs a fresh copy ~0.7 ms, which a search loop's short
+branches would not repay -- never a vector env, whose workers step concurrently.  Spinning
+needs a free CPU, so a controller keeps at most ``cpu_count - 1`` rings, none where it may run
+on one CPU only; while its waits are short on average, each side spins, then sleeps: the
 controller for up to ``GYM_FORK_RING_SPIN_US`` (default 300) for a reply, the worker for a
 request as long as it would poll its socket (``GYM_FORK_WORKER_SPIN_US``, 500; the learner's own
 work between steps is part of that wait).
@@ -108,11 +110,15 @@ def supported() -> bool:
 
 
 def wanted() -> bool:
-    """Whether the controller should open a ring for one more env now: ``GYM_FORK_RING=1``, a
-    supported machine, and a CPU left to spin on."""
-    if os.environ.get("GYM_FORK_RING", "0") in ("", "0") or not supported():
+    """Whether the controller should open a ring for one more env now: not turned off
+    (``GYM_FORK_RING=0``), a supported machine, and a CPU left to spin on."""
+    if os.environ.get("GYM_FORK_RING", "1") in ("", "0") or not supported():
         return False
-    return _owned < max(1, (os.cpu_count() or 1) - 1)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except OSError:
+        cpus = os.cpu_count() or 1
+    return _owned < cpus - 1
 
 
 def _spin_ns() -> int:

@@ -186,3 +186,21 @@ def test_a_spin_cap_that_is_not_a_number_warns_and_keeps_the_default(monkeypatch
         assert rings._spin_ns() == rings.SPIN_US * 1000
     monkeypatch.setenv("GYM_FORK_RING_SPIN_US", "50")
     assert rings._spin_ns() == 50_000
+
+
+def test_rings_are_wanted_by_default_with_a_cpu_to_spin_on(monkeypatch):
+    """On by default; GYM_FORK_RING=0 turns rings off; a controller that may run on one CPU
+    opens none (its peer could not answer while it spins) and one with two CPUs at most one."""
+    monkeypatch.delenv("GYM_FORK_RING", raising=False)
+    monkeypatch.setattr(rings, "_owned", 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert rings.wanted()
+    monkeypatch.setenv("GYM_FORK_RING", "0")
+    assert not rings.wanted()
+    monkeypatch.setenv("GYM_FORK_RING", "1")
+    assert rings.wanted()
+    monkeypatch.setattr(rings, "_owned", 1)  # one ring open already: the second CPU is taken
+    assert not rings.wanted()
+    monkeypatch.setattr(rings, "_owned", 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert not rings.wanted()
