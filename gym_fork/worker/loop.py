@@ -210,8 +210,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
         drop_ring = False  # a CRIU dump may follow this reply: no image may hold the ring
         try:
             if cmd == "fork_snapshot":
-                # its copies go on at this pace (the ring's, where steps came through one)
-                server.pace = spin.avg
+                server.pace = spin.avg  # its copies go on at this pace
                 fd = _recv_one_fd(chan)
                 try:
                     # What fork() cannot copy (threads, children, shared descriptors): then no
