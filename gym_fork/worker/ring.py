@@ -112,7 +112,13 @@ def supported() -> bool:
 def wanted() -> bool:
     """Whether the controller should open a ring for one more env now: not turned off
     (``GYM_FORK_RING=0``), a supported machine, and a CPU left to spin on."""
-    if os.environ.get("GYM_FORK_RING", "1") in ("", "0") or not supported():
+    value = os.environ.get("GYM_FORK_RING", "1")
+    if value not in ("0", "1", ""):
+        import warnings
+
+        warnings.warn(f"GYM_FORK_RING={value!r}: use 1 (rings on, the default) or 0 (off); "
+                      "taking it as 1", RuntimeWarning, stacklevel=2)
+    if value in ("", "0") or not supported():
         return False
     try:
         cpus = len(os.sched_getaffinity(0))

@@ -204,3 +204,11 @@ def test_rings_are_wanted_by_default_with_a_cpu_to_spin_on(monkeypatch):
     monkeypatch.setattr(rings, "_owned", 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert not rings.wanted()
+
+
+def test_a_ring_setting_that_is_not_0_or_1_warns(monkeypatch):
+    monkeypatch.setattr(rings, "_owned", 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("GYM_FORK_RING", "maybe")
+    with pytest.warns(RuntimeWarning, match="GYM_FORK_RING='maybe'"):
+        assert rings.wanted()
