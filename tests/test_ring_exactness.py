@@ -172,6 +172,38 @@ def test_a_restored_copy_polls_at_its_predecessors_ring_pace(monkeypatch):
         env.close()
 
 
+def test_whether_a_ring_is_wanted_is_asked_twice_per_handle_not_at_every_step(monkeypatch):
+    """rings.wanted() reads the CPU affinity (a system call): a handle asks at its first step and
+    when its ring is due, not at each step before it (a search loop's short-lived copies make
+    nothing but such steps). Its steps are the same either way."""
+    asked = []
+
+    def wanted() -> bool:
+        asked.append(1)
+        return True
+
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 20)
+    monkeypatch.setattr(rings, "wanted", wanted)
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        for i in range(30):
+            env.step(i % 2)
+        assert len(asked) == 2 and _uses_ring(env)
+    finally:
+        env.close()
+    monkeypatch.setattr(rings, "wanted", lambda: (asked.append(1), False)[1])
+    asked.clear()
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        for i in range(30):
+            env.step(i % 2)
+        assert len(asked) == 1 and not _uses_ring(env) and env._handle._fast_steps
+    finally:
+        env.close()
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a ring spins only with a second CPU")
 def test_a_worker_spins_for_requests_through_the_learners_work_between_steps(ring_on, monkeypatch):
     """A learner that works ~330 µs between steps (a policy, a replay buffer) is answered by a

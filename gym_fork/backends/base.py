@@ -137,11 +137,16 @@ class RemoteHandle(Handle):
             if self._fast_steps and not (self._pending or self.closed):
                 return self._step(args[0])
             if self.ring is None and self._sync_steps <= self.RING_AFTER:
+                # rings.wanted() reads the CPU affinity (a system call): asked at the first step
+                # and when the ring is due, not at every step between
+                first = self._sync_steps == 0
                 self._sync_steps += 1
-                ring_wanted = rings.wanted()
-                if self._sync_steps > self.RING_AFTER or not ring_wanted:  # no ring: fast at once
+                due = self._sync_steps > self.RING_AFTER
+                if (first or due) and not rings.wanted():  # no ring: fast at once
                     self._sync_steps = self.RING_AFTER + 1
-                    if self.packed and ring_wanted:
+                    self._fast_steps = self.packed
+                elif due:
+                    if self.packed:
                         self._open_ring()
                     self._fast_steps = self.packed and self.ring is None
                 elif self.packed and not (self._pending or self.closed):

@@ -126,6 +126,8 @@ class SpinWait:
 
     def observe(self, wait: float) -> None:  # every step, on both sides: kept inline
         cap, avg = self.cap, self.avg
+        if wait < 0.0:  # the clock went back (restored by CRIU on another machine): a negative
+            wait = 0.0  # wait would drive the average below zero, and polling off for good
         if self.idle < 0 and wait <= cap:  # a probe answered while it polled: fast after all
             avg = wait
         else:
@@ -307,12 +309,16 @@ class Channel:
         A peer on another core answers within microseconds; going to sleep and being woken costs
         the kernel's (a virtual machine's: the hypervisor's) wake-up, 10-20 µs here, per message."""
         sock, clock = self.sock, time.perf_counter
-        deadline = clock() + spin
+        start = clock()
+        deadline = start + spin
         while True:
             try:
                 return sock.recv_into(buf, first, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                if clock() >= deadline:
+                now = clock()
+                # a clock that went back (a process restored by CRIU on another machine, in the
+                # middle of this poll) would otherwise keep it polling until a message comes
+                if now >= deadline or now < start:
                     return sock.recv_into(buf, first)
                 os.sched_yield()  # whatever else wants this CPU (a sibling worker, the learner) runs first
 

@@ -305,7 +305,10 @@ class Ring:
                     # a peer that waits for this CPU gets it at once (with few CPUs, spinning
                     # would otherwise hold it for a whole time slice)
                     yield_()
-                    if clock() > deadline:
+                    now = clock()
+                    # past the cap, or the clock went back (restored by CRIU on another machine
+                    # mid-spin: it would spin until the peer publishes, however long that takes)
+                    if now > deadline or now < t0:
                         break
             if w[seq] != target and self._sleep(chan, seq, sleeping, target):
                 return True

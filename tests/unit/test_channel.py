@@ -290,3 +290,50 @@ def test_a_handle_polls_for_the_reply_of_a_mujoco_sized_step_by_default(monkeypa
     for _ in range(20):
         spin.observe(2e-3)
     assert spin.budget == 0.0
+
+
+class _ClockGoingBack:
+    """``time`` for a module under test whose perf_counter reads far ahead once, then far back:
+    a process restored by CRIU on a machine booted later, in the middle of a wait."""
+
+    def __init__(self, ahead: float):
+        self.calls, self.ahead = 0, ahead
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        return self.ahead if self.calls == 1 else 0.0
+
+    def perf_counter_ns(self) -> int:
+        return round(self.perf_counter())
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_poll_whose_clock_goes_back_sleeps_instead_of_polling_on(monkeypatch):
+    """A poll that started before the clock went back would otherwise poll (a CPU busy) until
+    the next message, however long the learner leaves it idle."""
+    from gym_fork.worker import channel as channel_mod
+
+    a, b = socket.socketpair()
+    clock = _ClockGoingBack(1e6)
+    monkeypatch.setattr(channel_mod, "time", clock)
+    later = threading.Timer(0.3, lambda: Channel(a).send(("step", (1,))))
+    later.start()
+    try:
+        assert Channel(b).recv(spin=1e-3) == ("step", (1,))
+        assert clock.calls <= 3, f"polled on after the clock went back ({clock.calls} clock reads)"
+    finally:
+        later.cancel()
+        a.close()
+        b.close()
+
+
+def test_a_wait_that_reads_as_negative_does_not_turn_polling_off_for_good():
+    """A wait measured across a clock that went back is negative; taken as it is, it drove the
+    average below zero, and every later wait further down (no polling, no probes, ever)."""
+    w = SpinWait(cap=100e-6, avg=30e-6)
+    w.observe(-1e3)
+    for _ in range(20):
+        w.observe(30e-6)
+    assert 0.0 < w.avg < 100e-6 and w.budget > 0.0

@@ -212,3 +212,32 @@ def test_a_ring_setting_that_is_not_0_or_1_warns(monkeypatch):
     monkeypatch.setenv("GYM_FORK_RING", "maybe")
     with pytest.warns(RuntimeWarning, match="GYM_FORK_RING='maybe'"):
         assert rings.wanted()
+
+
+def test_a_spin_whose_clock_goes_back_sleeps_instead_of_spinning_on(pair, monkeypatch):
+    """A worker restored by CRIU on a machine booted later, mid-spin, reads a clock far behind
+    the spin's start: it sleeps at once (and is woken by the next request) instead of spinning
+    until that request comes, however long the learner leaves it idle."""
+    import threading
+
+    ctl, cc, wrk, wc = pair
+    reads = []
+
+    class ClockGoingBack:
+        def perf_counter_ns(self) -> int:
+            reads.append(1)
+            return 10**15 if len(reads) == 1 else 0
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    assert wrk.pace.budget > 0.0  # a fresh ring spins for its first wait
+    monkeypatch.setattr(rings, "time", ClockGoingBack())
+    later = threading.Timer(0.3, lambda: ctl.post(cc, step_parts(5)))
+    later.start()
+    try:
+        (cmd, args), in_ring = wrk.wait_request(wc)
+        assert (cmd, args, in_ring) == ("step", (5,), True)
+        assert len(reads) <= 3, f"spun on after the clock went back ({len(reads)} clock reads)"
+    finally:
+        later.cancel()
