@@ -44,10 +44,13 @@ class Progress(BaseCallback):
     def __init__(self, mig):
         super().__init__()
         self.mig, self.ep_ret, self.node = mig, 0.0, os.environ.get("GYM_FORK_NODE", "local")
+        self.step_paths = []  # with --forkable: [node, how its steps travel], at each change
 
     def _on_step(self):
         if self.mig is not None and self.mig.history and self.mig.history[-1].get("status") == "arrived":
             self.node = self.mig.history[-1]["node"]
+        if fenv is not None and [self.node, fenv.step_path] not in self.step_paths[-1:]:
+            self.step_paths.append([self.node, fenv.step_path])
         self.ep_ret += float(self.locals["rewards"][0])
         if self.locals["dones"][0]:
             print(json.dumps({"t": self.num_timesteps, "ret": self.ep_ret, "node": self.node, "wall": time.time()}), flush=True)
@@ -102,7 +105,8 @@ if target:
     trig = ["SIGUSR1"] + ([int(x) for x in args.at.split(",")] if args.at is not None else []) + ([f"file:{args.notice_file}"] if args.notice_file else [])
     mig = LiveMigrationCallback(target, trigger=trig)
     cbs.append(mig)
-cbs.append(Progress(mig))
+progress = Progress(mig)
+cbs.append(progress)
 snap_cb = SnapshotAt(args.snap_at) if fenv is not None and args.snap_at is not None else None
 if snap_cb:
     cbs.append(snap_cb)
@@ -110,6 +114,7 @@ model.learn(args.total, callback=cbs)
 extra = {}
 if fenv is not None:
     extra["backend"] = fenv.backend
+    extra["step_paths"] = progress.step_paths
 if snap_cb and snap_cb.snap is not None:  # taken before the move, restored after it
     obs, _ = fenv.restore(snap_cb.snap)
     traj = [obs.tobytes()] + [fenv.step(a % 4)[0].tobytes() for a in range(50)]

@@ -21,7 +21,7 @@ import numpy as np
 from gym_fork.backends import capacity
 from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
-from gym_fork.backends.base import Handle
+from gym_fork.backends.base import Handle, RemoteHandle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
                              UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
 from gym_fork.proxy import WorkerEnv, read
@@ -531,6 +531,22 @@ class ForkableEnv(gym.Wrapper):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def step_path(self) -> Literal["ring", "socket", "network", "in-process"]:
+        """How a step reaches the env now: ``"ring"`` (the worker's shared-memory step ring,
+        opened after 64 steps made one at a time where a CPU is free to spin; see
+        ``GYM_FORK_RING``), ``"socket"``, ``"network"`` (migrated: the worker runs on another
+        node) or ``"in-process"`` (the pickle backend)."""
+        from gym_fork.migration.client import NetworkHandle
+
+        handle = getattr(self._handle, "inner", self._handle)  # a live migration's stand-in
+        if isinstance(handle, NetworkHandle):
+            return "network"
+        if not isinstance(handle, RemoteHandle):
+            return "in-process"
+        ring = handle.ring
+        return "ring" if ring is not None and not ring.closed else "socket"
 
     @property
     def worker_pid(self) -> int | None:

@@ -96,6 +96,82 @@ def test_migrate_mid_episode_bit_identical_across_netns(netnodes):
     _clean(netnodes.agents["B"])
 
 
+@pytest.fixture
+def rings_at_once(monkeypatch):
+    """Envs stepped one request at a time get their shared-memory step ring at the first step
+    (by default only after 64, and only with a CPU free to spin on)."""
+    from gym_fork.backends.base import RemoteHandle
+    from gym_fork.worker import ring as rings
+
+    if not rings.supported():
+        pytest.skip("step rings need x86-64 Linux")
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 0)
+    monkeypatch.setattr(rings, "wanted", lambda: True)
+
+
+def _in_process_reference(prefix_actions: list[int]) -> gym.Env:
+    """The same env stepped in this process: no gym_fork, no ring, no worker."""
+    ref = gym.make(ENV)
+    ref.reset(seed=3)
+    run_actions(ref, prefix_actions)
+    return ref
+
+
+def test_migrate_with_a_step_ring_open_is_bit_identical(netnodes, rings_at_once):
+    """The source worker drops its ring before the dump (it is answering `resources`), so the
+    image holds none; on the target steps go over the network, bit-identical to an env that
+    never left this process. A migration that fails drops the ring too, and the env that stays
+    here gets one again."""
+    prefix = _actions(60)
+    env = gym_fork.make(ENV)
+    env.reset(seed=3)
+    run_actions(env, prefix)
+    ref = _in_process_reference(prefix)
+    try:
+        assert env.step_path == "ring"
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()  # nothing listens there: this migration fails, the env stays here
+        with pytest.raises(AgentUnreachableError):
+            env.migrate(f"127.0.0.1:{port}", token="x")
+        acts = _actions(40, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        assert env.step_path == "ring"
+        rep = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"])
+        assert rep["node"] == "B" and env.step_path == "network"
+        acts = _actions(150, seed=1)  # crosses episode ends
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(netnodes.agents["B"])
+
+
+def test_live_migration_with_a_step_ring_open_is_bit_identical(netnodes, rings_at_once):
+    """While the snapshot travels the env goes on stepping through its ring (the copy that is
+    dumped was forked, and a fork drops the rings it inherits); the switch replays those steps
+    on the target, bit-identical to an env that never left this process."""
+    prefix = _actions(60)
+    env = gym_fork.make(ENV)
+    env.reset(seed=3)
+    run_actions(env, prefix)
+    ref = _in_process_reference(prefix)
+    try:
+        assert env.step_path == "ring"
+        mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
+        assert env.step_path == "ring"  # still stepping here, through the ring
+        n = _step_until_done(env, ref, mig, _actions(20000, seed=1))
+        rep = mig.result()
+        assert rep["live"] and rep["replayed_ops"] >= n > 0 and env.step_path == "network"
+        acts = _actions(150, seed=4)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(netnodes.agents["B"])
+
+
 def test_agent_down_env_keeps_running():
     env, ref = _pair(_actions(30))
     s = socket.socket()
@@ -676,6 +752,11 @@ def test_job_with_forkable_env_moves_with_its_worker_and_snapshots(netnodes, tmp
     assert [(m["status"], m["node"]) for m in done["migrations"]] == [("arrived", "B")]
     assert done["backend"] == "criu" and done["snap_sha"] == ref["snap_sha"]
     assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+    if len(os.sched_getaffinity(0)) >= 2:  # steps went through the worker's shared-memory ring
+        # before the move and after it (CRIU moved the ring's memory with the job)
+        paths = done["step_paths"]
+        assert ["A", "ring"] in paths and paths[-1] == ["B", "ring"], paths
+        assert paths.index(["A", "ring"]) == len(paths) - 2, paths
     _clean(netnodes.agents["B"])
 
 

@@ -189,7 +189,7 @@ def test_whether_a_ring_is_wanted_is_asked_twice_per_handle_not_at_every_step(mo
         env.reset(seed=0)
         for i in range(30):
             env.step(i % 2)
-        assert len(asked) == 2 and _uses_ring(env)
+        assert len(asked) == 2 and _uses_ring(env) and env.step_path == "ring"
     finally:
         env.close()
     monkeypatch.setattr(rings, "wanted", lambda: (asked.append(1), False)[1])
@@ -200,6 +200,12 @@ def test_whether_a_ring_is_wanted_is_asked_twice_per_handle_not_at_every_step(mo
         for i in range(30):
             env.step(i % 2)
         assert len(asked) == 1 and not _uses_ring(env) and env._handle._fast_steps
+        assert env.step_path == "socket"
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="pickle")
+    try:
+        assert env.step_path == "in-process"
     finally:
         env.close()
 
