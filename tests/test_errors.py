@@ -232,15 +232,18 @@ class _SlowOnOne(gym.Env):
         return np.zeros(1, np.float32), 0.0, False, False, {}
 
 
-def test_worker_killed_while_the_controller_polls_for_its_reply_says_how():
+@pytest.mark.parametrize("path", ["socket", "ring"])
+def test_worker_killed_while_the_controller_polls_for_its_reply_says_how(path, monkeypatch):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing polls (gym_fork.worker.channel.spin_cap)")
+    monkeypatch.setenv("GYM_FORK_RING", "1" if path == "ring" else "0")
     e = gym_fork.ForkableEnv(_SlowOnOne)
     try:
         e.reset(seed=0)
-        for _ in range(200):  # fast steps: the controller polls before it sleeps
+        for _ in range(200):  # fast steps: the controller polls (spins on the ring) before it sleeps
             e.step(0)
-        assert e._handle._spin.budget > 0
+        assert e.step_path == path
+        assert (e._handle.ring.pace if path == "ring" else e._handle._spin).budget > 0
         killer = threading.Timer(0.05, os.kill, (e.worker_pid, signal.SIGKILL))
         killer.start()
         with pytest.raises(WorkerDiedError, match="SIGKILL"):
