@@ -599,7 +599,7 @@ class CriuBackend(Backend):
         if chan is None:
             return None
         try:
-            reply = chan.recv()
+            reply = chan.recv_reply()  # one read: a copy sends nothing after its hello (no fd)
         except (ChannelClosed, OSError):
             reply = None
         if reply is None or reply[0] != OK:  # the copy died or failed: clone on request instead
