@@ -233,10 +233,11 @@ class _SlowOnOne(gym.Env):
 
 
 @pytest.mark.parametrize("path", ["socket", "ring"])
-def test_worker_killed_while_the_controller_polls_for_its_reply_says_how(path, monkeypatch):
+def test_worker_killed_while_the_controller_polls_for_its_reply_says_how(path, monkeypatch, tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing polls (gym_fork.worker.channel.spin_cap)")
     monkeypatch.setenv("GYM_FORK_RING", "1" if path == "ring" else "0")
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "ring-slots"))  # none held elsewhere
     e = gym_fork.ForkableEnv(_SlowOnOne)
     try:
         e.reset(seed=0)

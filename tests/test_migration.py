@@ -102,11 +102,13 @@ def rings_at_once(monkeypatch):
     (by default only after 64, and only with a CPU free to spin on)."""
     from gym_fork.backends.base import RemoteHandle
     from gym_fork.worker import ring as rings
+    from gym_fork.worker import ring_slots
 
     if not rings.supported():
         pytest.skip("step rings need x86-64 Linux")
     monkeypatch.setattr(RemoteHandle, "RING_AFTER", 0)
     monkeypatch.setattr(rings, "wanted", lambda: True)
+    monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))  # whatever else runs
 
 
 def _in_process_reference(prefix_actions: list[int]) -> gym.Env:
@@ -738,11 +740,13 @@ def test_job_migrates_to_a_tls_agent(reference_job, tmp_path):
         _clean(n.agents["B"])
 
 
-def test_job_with_forkable_env_moves_with_its_worker_and_snapshots(netnodes, tmp_path):
+def test_job_with_forkable_env_moves_with_its_worker_and_snapshots(netnodes, tmp_path, monkeypatch):
     """A job training on a ForkableEnv: inside `gym-fork run` its worker has no PID namespace of
     its own (CRIU cannot dump nested ones), so worker and fork-tier snapshots move with the job;
     a snapshot taken on A is restored on B, bit-identical to a run that never moved."""
     args = ["--forkable", "--snap-at", "200", "--total", "1024"]
+    # ring slots of its own: a ring held by anything else on this machine would leave it none
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "ring-slots"))
     out = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=120, check=True)
     ref = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{") and '"done"' in x][0]
     r, lines = _run_job(netnodes, netnodes.target["B"], str(tmp_path / "logs"), 600,

@@ -14,6 +14,7 @@ from conftest import assert_same_traj, run_actions
 import gym_fork
 from gym_fork.backends.base import RemoteHandle
 from gym_fork.worker import ring as rings
+from gym_fork.worker import ring_slots
 from gym_fork.worker.channel import Channel, SpinWait
 
 pytestmark = pytest.mark.skipif(not rings.supported(), reason="step rings need x86-64 Linux")
@@ -30,6 +31,7 @@ def ring_on(monkeypatch):
     def enable() -> None:
         monkeypatch.setattr(RemoteHandle, "RING_AFTER", 0)
         monkeypatch.setattr(rings, "wanted", lambda: True)
+        monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))  # whatever else runs
 
     return enable
 
@@ -148,6 +150,7 @@ def test_a_restored_copy_polls_at_its_predecessors_ring_pace(monkeypatch):
     offered) instead of sleeping through them, and its branch is the snapshot's."""
     monkeypatch.setattr(RemoteHandle, "RING_AFTER", 3)
     monkeypatch.setattr(rings, "wanted", lambda: True)
+    monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))
     env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
     try:
         env.reset(seed=0)
@@ -184,6 +187,7 @@ def test_whether_a_ring_is_wanted_is_asked_twice_per_handle_not_at_every_step(mo
 
     monkeypatch.setattr(RemoteHandle, "RING_AFTER", 20)
     monkeypatch.setattr(rings, "wanted", wanted)
+    monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))
     env = gym_fork.ForkableEnv("CartPole-v1")
     try:
         env.reset(seed=0)
@@ -256,3 +260,52 @@ def test_a_worker_spins_for_requests_through_the_learners_work_between_steps(rin
         assert min(seen) < 100, f"the learner had to wake the worker for {seen} of 200 steps"
     finally:
         env.close()
+
+
+def test_a_ring_waits_for_a_slot_another_process_holds(monkeypatch, tmp_path):
+    """Rings are counted across the machine's processes (gym_fork.worker.ring_slots): with
+    another process (a second training script, one env process of SB3's SubprocVecEnv) already
+    spinning on the only spare CPU, an env steps through its socket -- rings in every process
+    made SubprocVecEnv(4) of ForkableEnvs 1.1-1.3x slower on 2 CPUs -- and gets a ring once
+    that process is gone (killed: its slot is taken over). Its steps are the same throughout."""
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "slots"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # one slot
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 3)
+    monkeypatch.setattr(rings, "wanted", lambda: True)
+    r, w = os.pipe()
+    other = os.fork()
+    if other == 0:  # the other process: an env of its own, stepping through a ring
+        try:
+            os.close(r)
+            e = gym_fork.ForkableEnv("CartPole-v1")
+            e.reset(seed=1)
+            for _ in range(6):
+                e.step(0)
+            os.write(w, e.step_path.encode())
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 16) == b"ring"
+        env = gym_fork.ForkableEnv("CartPole-v1")
+        try:
+            env.reset(seed=0)
+            snap = env.snapshot()
+            first = [env.step(i % 2)[0] for i in range(8)]
+            assert env.step_path == "socket"
+            os.kill(other, 9)
+            os.waitpid(other, 0)
+            other = 0
+            env.restore(snap)  # a new worker: its handle asks for a ring again
+            again = [env.step(i % 2)[0] for i in range(8)]
+            assert env.step_path == "ring"
+            assert all(np.array_equal(a, b) for a, b in zip(first, again))
+        finally:
+            env.close()
+        assert os.listdir(tmp_path / "slots") == []  # closing the env freed its slot
+    finally:
+        os.close(r)
+        if other:
+            os.kill(other, 9)
+            os.waitpid(other, 0)

@@ -20,6 +20,7 @@ from typing import Any
 from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
+from gym_fork.worker import ring_slots
 from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, SpinWait, send_fds, spin_cap, step_parts
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
@@ -189,10 +190,15 @@ class RemoteHandle(Handle):
         """Offer the worker a step ring; the socket stays in use when it cannot take one."""
         if self.chan.sock.family != socket.AF_UNIX or self.closed:
             return  # a relayed (network) worker: no memory to share
+        slot = ring_slots.claim()  # a CPU to spin on, counted across the machine's processes
+        if slot is None:
+            return
         try:
             ring, fd = rings.Ring.create()
         except OSError:
+            slot.release()
             return
+        ring.slot = slot
         try:
             self.request_with_fd("ring", fd, ring.spin_ns)
         except WorkerDiedError:

@@ -29,7 +29,8 @@ On by default since stop 30 (``GYM_FORK_RING=0`` in the controller's environment
 an env gets a ring once it has made ``GYM_FORK_RING_AFTER`` (64) steps one request at a time
 (``ForkableEnv.step``) -- opening one costs a fresh copy ~0.7 ms, which a search loop's short
 branches would not repay -- never a vector env, whose workers step concurrently.  Spinning
-needs a free CPU, so a controller keeps at most ``cpu_count - 1`` rings, none where it may run
+needs a free CPU, so a machine has at most ``cpu_count - 1`` rings (slots claimed across
+processes: :mod:`gym_fork.worker.ring_slots`), a controller no more, none where it may run
 on one CPU only; while its waits are short on average, each side spins, then sleeps: the
 controller for up to ``GYM_FORK_RING_SPIN_US`` (default 300) for a reply, the worker for a
 request as long as it would poll its socket (``GYM_FORK_WORKER_SPIN_US``, 500; the learner's own
@@ -60,7 +61,7 @@ import time
 import weakref
 from typing import Any
 
-from gym_fork.worker import resources
+from gym_fork.worker import resources, ring_slots
 from gym_fork.worker.channel import WAKE, Channel, ChannelClosed, SpinWait, spin_cap, unpack_frame
 
 AREA = 1 << 16  # bytes per direction; larger frames go on the socket
@@ -145,7 +146,7 @@ class Ring:
     """
 
     __slots__ = ("addr", "w", "req", "rep", "sent", "seen", "pace", "pace_ns", "spin_ns", "owner", "mapping",
-                 "__weakref__")
+                 "slot", "__weakref__")
 
     def __init__(self, fd: int, owner: bool):
         if not _init():
@@ -164,13 +165,16 @@ class Ring:
         self.spin_ns = _spin_ns()  # the cap on a spin (the controller hands its own to the worker)
         self.pace, self.pace_ns = _pace(self.spin_ns), self.spin_ns
         self.owner = owner
+        self.slot: ring_slots.Slot | None = None  # the controller's claim on a CPU to spin on
         self.mapping = os.readlink(f"/proc/self/fd/{fd}").encode()  # its name in /proc/self/maps
         resources.OWN_MAPPINGS.add(self.mapping)  # the fork-tier scan knows it is gym_fork's own
         _live.add(self)
 
     @classmethod
     def create(cls) -> tuple["Ring", int]:
-        """A new ring for a worker, and the descriptor to hand it (the caller closes it).
+        """A new ring for a worker, and the descriptor to hand it (the caller closes it). The
+        caller claims a slot for it first (:mod:`gym_fork.worker.ring_slots`) and sets
+        :attr:`slot`, which :meth:`close` releases.
 
         Raises:
             OSError: no memfd or mapping could be made.
@@ -213,6 +217,9 @@ class Ring:
         resources.OWN_MAPPINGS.discard(self.mapping)
         if self.owner:
             _owned -= 1
+            if self.slot is not None:
+                self.slot.release()  # a no-op in a child forked meanwhile: the claim is its parent's
+                self.slot = None
 
     # --- controller side --------------------------------------------------------------------
     def post(self, chan: Channel, parts: list) -> bool:

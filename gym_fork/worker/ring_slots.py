@@ -1,0 +1,149 @@
+"""Machine-wide slots for step rings: at most ``cpus - 1`` rings spin at a time on a machine.
+
+A ring (:mod:`gym_fork.worker.ring`) pays off while its two processes can spin on CPUs of their
+own. One controller process keeps at most ``cpus - 1`` rings, but a machine often runs several:
+SB3's ``SubprocVecEnv`` over ``ForkableEnv`` factories (one controller per env), two training
+scripts side by side, Ray actors. Each of them, counting only its own rings, opened one, and on
+2 CPUs their spinning took the CPUs their workers needed: ``SubprocVecEnv(4)`` of CartPole stepped
+1.11-1.29x slower with rings than without, ``SubprocVecEnv(8)`` up to 1.5x.
+
+So a controller claims a *slot* before it opens a ring: a file ``slot-I`` (``I < cpus - 1``)
+created with ``O_EXCL`` in a directory private to the user (``/dev/shm/gym_fork-rings-UID``, mode
+0700, or ``$GYM_FORK_RING_SLOTS_DIR``), holding the claimant's pid and start time. Claiming needs no lock and holds no descriptor
+(a CRIU image of a job holds none of it); a slot whose process is gone -- or whose pid now
+belongs to another process -- is stale and taken over. A process in another PID namespace may
+find a live claimant's slot stale and take it: one ring too many, never a wrong step.
+
+Example::
+
+    >>> slot = claim()  # None where no CPU is free for another ring
+    >>> slot is None or (slot.release() is None)
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import time
+
+
+class Slot:
+    """A claimed slot; :meth:`release` frees it (only in the process that claimed it: a child
+    forked meanwhile inherits the object, not the claim)."""
+
+    __slots__ = ("path", "pid", "identity")
+
+    def __init__(self, path: str | None, identity: bytes = b""):
+        self.path = path  # None: a slot that stands for none (tests that force rings)
+        self.pid = os.getpid()
+        self.identity = identity
+
+    def release(self) -> None:
+        path, self.path = self.path, None
+        if path is None or os.getpid() != self.pid:
+            return
+        if _read(path) == self.identity:  # still ours (not taken over as stale meanwhile)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def directory() -> str:
+    """Where this user's slots live: ``$GYM_FORK_RING_SLOTS_DIR`` (processes given the same one
+    share the slots), else on tmpfs (``/dev/shm``) where there is one."""
+    chosen = os.environ.get("GYM_FORK_RING_SLOTS_DIR")
+    if chosen:
+        return chosen
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"gym_fork-rings-{os.getuid()}")
+
+
+def count() -> int:
+    """How many slots the machine has: one per CPU but one (the learner's)."""
+    return max(0, (os.cpu_count() or 1) - 1)
+
+
+def claim() -> Slot | None:
+    """A free slot, or None when every slot is held by a live process (or the slot directory
+    is not this user's alone: then no ring, rather than trust it)."""
+    d = directory()
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    me = _identity("self")
+    if me is None:
+        return None
+    for i in range(count()):
+        path = os.path.join(d, f"slot-{i}")
+        for _attempt in range(2):  # the second after taking over a stale slot
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                if not _stale(path):
+                    break
+                try:
+                    os.unlink(path)
+                except OSError:
+                    break
+                continue
+            except OSError:
+                return None
+            try:
+                os.write(fd, me)
+            finally:
+                os.close(fd)
+            return Slot(path, me)
+    return None
+
+
+def _identity(pid: int | str) -> bytes | None:
+    """``b"PID STARTTIME"`` of a process (``"self"``: this one), told apart from a later one
+    with the same pid. The pid is as ``/proc`` shows it (this process may be in a PID namespace
+    of its own, where ``os.getpid()`` means another process to everyone else)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            head, tail = f.read().rsplit(b")", 1)
+        return b"%s %s" % (head.split(b" ", 1)[0], tail.split()[19])  # field 22: start time (ticks since boot)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 64)
+    finally:
+        os.close(fd)
+
+
+def _stale(path: str) -> bool:
+    """Whether the process that claimed ``path`` is gone (or its pid is another's now). A slot
+    not written yet (its claimant is between create and write) is stale only once it is old."""
+    content = _read(path)
+    if content is None:
+        return False  # gone already: the next create will say
+    if not content:
+        try:
+            return time.time() - os.stat(path).st_mtime > 5.0
+        except OSError:
+            return False
+    try:
+        pid = int(content.split()[0])
+    except (ValueError, IndexError):
+        return True
+    return _identity(pid) != content
