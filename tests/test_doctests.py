@@ -31,6 +31,7 @@ MODULES = [
     "gym_fork.worker.prefault",
     "gym_fork.worker.files",
     "gym_fork.worker.ring",
+    "gym_fork.worker.ring_slots",
     "gym_fork.worker.channel",
     "gym_fork.backends.treecapture",
     "gym_fork.backends.exactness",
