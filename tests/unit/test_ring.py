@@ -139,12 +139,16 @@ def test_a_peer_slower_than_a_short_spin_is_still_spun_for():
     nine here, and slept through most of HalfCheetah's). A loaded machine can push some waits
     past the cap (300 µs): hence 70 %, not all."""
     with _forked_worker(busy_s=120e-6) as (ctl, cc):
-        spinning = 0
+        spinning, slow = 0, 0
         for i in range(200):
+            t = time.perf_counter()
             assert ctl.post(cc, step_parts(i))
             assert ctl.wait_reply(cc)[1][0] == i + 1
+            slow += time.perf_counter() - t > 450e-6  # past the cap even with a wake-up: held off its CPU
             spinning += ctl.pace.budget > 0.0
-        assert spinning >= 140, f"spun for only {spinning} of 200 replies"
+        if spinning < 140 and slow > 60:
+            pytest.skip(f"inconclusive: {slow} of 200 replies took over 450 µs (the machine is busy)")
+        assert spinning >= 140, f"spun for only {spinning} of 200 replies ({slow} took over 450 µs)"
 
 
 def test_fork_child_drops_the_parents_ring(pair):
