@@ -883,7 +883,10 @@ class ForkableEnv(gym.Wrapper):
         """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
         old = self._swap_worker(new)
         new.adopt_pace(old)
-        old.kill()
+        if type(old) is RemoteHandle:
+            old.retire()  # told to go, off the learner's path (see RemoteHandle.retire)
+        else:
+            old.kill()
         self._steps = snapshot.steps
         self._parent_id = snapshot.id
         if self._actions is not None:

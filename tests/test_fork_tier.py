@@ -650,3 +650,30 @@ def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(mon
         assert judged >= 20, f"only {judged} slow steps came after fast ones: this machine's replies are slow"
     finally:
         env.close()
+
+
+def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch):
+    """A restore does not kill the copy it replaces (a /proc scan for its env's processes,
+    ~100 µs of the learner's time): it closes the copy's channel, and the copy stops its env's
+    processes and exits on that EOF. The original worker, its PID namespace's init, is still
+    stopped through kill()."""
+    from gym_fork.backends.base import RemoteHandle
+
+    killed = []
+    kill = RemoteHandle.kill
+    monkeypatch.setattr(RemoteHandle, "kill", lambda self: (killed.append(self.pid), kill(self))[1])
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        original = env.worker_pid
+        env.restore(snap)
+        copy = env.worker_pid
+        env.step(0)
+        env.restore(snap)
+        assert killed == [original]  # the copy was told to go, not killed
+        # (the original, its namespace's init, lives on as a reaper while the snapshot does)
+        assert not _wait_gone({copy}), "the replaced copy is still running"
+        assert env.step(1)[0].shape == (4,)
+    finally:
+        env.close()
