@@ -309,3 +309,31 @@ def test_a_ring_waits_for_a_slot_another_process_holds(monkeypatch, tmp_path):
         if other:
             os.kill(other, 9)
             os.waitpid(other, 0)
+
+
+def test_a_copy_replaced_while_it_spins_on_its_ring_exits_at_once(ring_on, monkeypatch):
+    """A restore closes the replaced copy's channel and announces a message in its ring, so a
+    copy spinning there for its next step reads the socket -- the EOF -- instead of spinning on
+    (at full priority, beside the new copy's first step) until its cap runs out. The cap is 6 s
+    here, so that a copy that spun on would still be running when the test looks."""
+    monkeypatch.setenv("GYM_FORK_WORKER_SPIN_US", "6000000")
+    ring_on()
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.restore(snap)
+        for i in range(20):
+            env.step(i % 2)
+        assert _uses_ring(env)
+        copy = env.worker_pid
+        env.restore(snap)
+        deadline = time.monotonic() + 1.5
+        while os.path.exists(f"/proc/{copy}") and time.monotonic() < deadline:
+            with open(f"/proc/{copy}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    break
+            time.sleep(0.001)
+        assert time.monotonic() < deadline, "the replaced copy spun on instead of exiting"
+    finally:
+        env.close()

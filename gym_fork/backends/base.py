@@ -350,6 +350,8 @@ class RemoteHandle(Handle):
             self.kill()
             return
         self.closed = True
+        if self.ring is not None:
+            self.ring.announce()  # a worker spinning on the ring reads the socket now: the EOF
         self._drop_ring()
         self.chan.close()
 
