@@ -111,12 +111,16 @@ def rings_at_once(monkeypatch):
     monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))  # whatever else runs
 
 
-def _in_process_reference(prefix_actions: list[int]) -> gym.Env:
-    """The same env stepped in this process: no gym_fork, no ring, no worker."""
+def _ring_pair(prefix_actions: list[int]) -> tuple:
+    """An env stepping through its ring, and the same env stepped in this process (no gym_fork,
+    no ring, no worker), both through the same prefix."""
+    env = gym_fork.make(ENV)
     ref = gym.make(ENV)
-    ref.reset(seed=3)
-    run_actions(ref, prefix_actions)
-    return ref
+    for e in (env, ref):
+        e.reset(seed=3)
+        run_actions(e, prefix_actions)
+    assert env.step_path == "ring"
+    return env, ref
 
 
 def test_migrate_with_a_step_ring_open_is_bit_identical(netnodes, rings_at_once):
@@ -124,13 +128,8 @@ def test_migrate_with_a_step_ring_open_is_bit_identical(netnodes, rings_at_once)
     image holds none; on the target steps go over the network, bit-identical to an env that
     never left this process. A migration that fails drops the ring too, and the env that stays
     here gets one again."""
-    prefix = _actions(60)
-    env = gym_fork.make(ENV)
-    env.reset(seed=3)
-    run_actions(env, prefix)
-    ref = _in_process_reference(prefix)
+    env, ref = _ring_pair(_actions(60))
     try:
-        assert env.step_path == "ring"
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -154,13 +153,8 @@ def test_live_migration_with_a_step_ring_open_is_bit_identical(netnodes, rings_a
     """While the snapshot travels the env goes on stepping through its ring (the copy that is
     dumped was forked, and a fork drops the rings it inherits); the switch replays those steps
     on the target, bit-identical to an env that never left this process."""
-    prefix = _actions(60)
-    env = gym_fork.make(ENV)
-    env.reset(seed=3)
-    run_actions(env, prefix)
-    ref = _in_process_reference(prefix)
+    env, ref = _ring_pair(_actions(60))
     try:
-        assert env.step_path == "ring"
         mig = env.migrate(netnodes.target["B"], token=netnodes.token, netns=netnodes.netns["A"], live=True)
         assert env.step_path == "ring"  # still stepping here, through the ring
         n = _step_until_done(env, ref, mig, _actions(20000, seed=1))
