@@ -133,3 +133,25 @@ def test_reader_that_left_is_no_error(tmp_path, argv):
         os.close(w)
     assert p.stderr == "", p.stderr
     assert p.returncode in (0, 1)
+
+
+def test_doctor_says_whether_envs_get_step_rings_and_who_holds_them(capsys, monkeypatch, tmp_path):
+    """The step-rings line: how many slots the machine has and which processes hold them now
+    (an env steps through its socket while none is free), or why there are none."""
+    from gym_fork.worker import ring_slots
+
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "slots"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    code, out = run_main(capsys, "doctor", "--json", "--no-probe")
+    ring = json.loads(out)["checks"]["step_rings"]
+    assert ring["data"]["slots"] == 1 and ring["data"]["held_by"] == [] and ring["value"].startswith("on:")
+    slot = ring_slots.claim()
+    try:
+        code, out = run_main(capsys, "doctor", "--no-probe")
+        line = [ln for ln in out.splitlines() if "step rings" in ln][0]
+        assert "1 held now" in line and str(os.getpid()) in line, line
+    finally:
+        slot.release()
+    monkeypatch.setenv("GYM_FORK_RING", "0")
+    code, out = run_main(capsys, "doctor", "--json", "--no-probe")
+    assert json.loads(out)["checks"]["step_rings"]["value"].startswith("off")

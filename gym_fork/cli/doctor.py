@@ -198,6 +198,25 @@ def system_checks() -> tuple[list[Check], Any]:
     checks.append(Check("file_watch", "writes below Python", True if watching else None, fw_val,
                         data={"fanotify": watching, "unwatched": unwatched}))
 
+    # the shared-memory step rings (gym_fork.worker.ring): whether an env will get one
+    from gym_fork.worker import ring as rings, ring_slots
+
+    setting, slots, holders = os.environ.get("GYM_FORK_RING", "1"), ring_slots.count(), ring_slots.held()
+    if setting == "0":
+        ring_val = "off (GYM_FORK_RING=0): every step goes through the worker's socket"
+    elif not rings.supported():
+        ring_val = "none: rings need x86-64 Linux with memfd_create; steps go through the worker's socket"
+    elif slots == 0:
+        ring_val = "none: one CPU (a ring spins on a CPU beside the learner's); steps go through the socket"
+    else:
+        ring_val = (f"on: an env stepped one request at a time gets one after 64 steps while a slot is free; "
+                    f"{slots} slot(s) on this machine, {len(holders)} held now"
+                    + (f" (pids {', '.join(map(str, holders))})" if holders else "")
+                    + f"; see env.step_path")
+    checks.append(Check("step_rings", "step rings", None, ring_val,
+                        data={"setting": setting, "supported": rings.supported(), "slots": slots,
+                              "held_by": holders, "dir": ring_slots.directory()}))
+
     # system
     checks.append(Check("kernel", "kernel", None, f"{platform.system()} {platform.release()} ({platform.machine()})",
                         data={"release": platform.release(), "machine": platform.machine()}))

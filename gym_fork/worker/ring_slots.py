@@ -66,6 +66,17 @@ def count() -> int:
     return max(0, (os.cpu_count() or 1) - 1)
 
 
+def held() -> list[int]:
+    """The pids (as ``/proc`` shows them) of the live processes holding a slot now."""
+    d = directory()
+    out = []
+    for i in range(count()):
+        content = _read(os.path.join(d, f"slot-{i}"))
+        if content and _identity(int(content.split()[0])) == content:
+            out.append(int(content.split()[0]))
+    return out
+
+
 def claim() -> Slot | None:
     """A free slot, or None when every slot is held by a live process (or the slot directory
     is not this user's alone: then no ring, rather than trust it)."""
