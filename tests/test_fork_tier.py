@@ -640,6 +640,7 @@ def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(mon
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing polls")
     monkeypatch.delenv("GYM_FORK_SPIN_US", raising=False)
+    monkeypatch.setenv("GYM_FORK_RING", "0")  # the socket's polling (a ring learns its own pace)
     env = gym_fork.ForkableEnv(_cartpole_with_a_slow_fifth_step, backend="criu", fork_tier=True)
     try:
         env.reset(seed=0)
