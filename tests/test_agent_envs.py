@@ -479,9 +479,14 @@ def test_children_after_fork_tier_snapshots_move_them_out():
         env.close()
 
 
-def test_restore_away_from_a_clone_with_children_leaves_none():
+def test_restore_away_from_a_clone_with_children_leaves_none(monkeypatch):
     """A copy-on-write clone that started a child is replaced by a restore (killed, not asked to
-    close): its env's child goes with it."""
+    close, nor retired to stop its children itself later): its env's child goes with it."""
+    from gym_fork.backends.base import RemoteHandle
+
+    killed = []
+    kill = RemoteHandle.kill
+    monkeypatch.setattr(RemoteHandle, "kill", lambda self: (killed.append(self.pid), kill(self))[1])
     env = gym_fork.ForkableEnv(agent_envs.redis_unix)  # redis-server does not stop with its client
     try:
         s0 = env.snapshot()  # before reset(): a fork-tier snapshot
@@ -490,7 +495,10 @@ def test_restore_away_from_a_clone_with_children_leaves_none():
         env.step(1)
         pids = _tree(env.worker_pid)
         assert len(pids) >= 2
-        env.restore(s0)  # the clone is killed
+        clone = env._handle.pid
+        assert env._handle.chan.spawned  # the worker said so: a restore kills it (and them) at once
+        env.restore(s0)  # the clone is killed, not retired (RemoteHandle.retire)
+        assert clone in killed
         assert_gone(pids)
     finally:
         env.close()

@@ -341,12 +341,13 @@ class RemoteHandle(Handle):
         worker waiting for its next request only has its channel closed (on that EOF it lowers
         its own priority, stops its env's processes and exits: ``worker/loop.py``), instead of
         being killed here after a ``/proc`` scan for those processes (~100 µs of the restore).
-        A worker with a request in flight, a namespace's init, or one this process reaps is
-        killed (:meth:`kill`)."""
+        A worker with a request in flight, a namespace's init, one this process reaps, or one
+        whose env has started processes (they would run on until the worker gets to them, beside
+        the restored copy: those are killed here, at once) is killed (:meth:`kill`)."""
         if self.closed:
             return
         if (self._pending or self.ns_root or self._popen is not None or self._child or not self.pid
-                or type(self) is not RemoteHandle):  # e.g. a network handle: its own kill()
+                or self.chan.spawned or type(self) is not RemoteHandle):  # (a network handle: its kill())
             self.kill()
             return
         self.closed = True

@@ -101,12 +101,12 @@ def _retire_or_exit(code: int = 0) -> None:
     """Leave the loop. The env's own child processes are killed (no process outlives its env). A
     PID-namespace init becomes a reaper so that its namespace's other processes (clones, frozen
     snapshots) live on; any other process just exits."""
+    resources.kill_env_processes(_FORKED)  # first, at full priority: nothing of the env runs on
     try:  # its exit (tearing down tens of MB) must not preempt the learner or its new worker
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, 0, 19)
     except OSError:
         pass
-    resources.kill_env_processes(_FORKED)
     if os.getpid() == 1:
         os.closerange(3, 65536)
         os.execv(sys.executable, [sys.executable, "-S", "-c", REAPER])
