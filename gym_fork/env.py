@@ -883,9 +883,10 @@ class ForkableEnv(gym.Wrapper):
         """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
         old = self._swap_worker(new)
         new.adopt_pace(old)
-        if type(old) is RemoteHandle:
+        if type(old) is RemoteHandle and self._workspace is None and self._private is None:
             old.retire()  # told to go, off the learner's path (see RemoteHandle.retire)
         else:
+            # a thread of the old copy's env must not write into files restored right after this
             old.kill()
         self._steps = snapshot.steps
         self._parent_id = snapshot.id

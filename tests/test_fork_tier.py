@@ -662,7 +662,7 @@ def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(mon
         env.close()
 
 
-def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch):
+def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch, tmp_path):
     """A restore does not kill the copy it replaces (a /proc scan for its env's processes,
     ~100 µs of the learner's time): it closes the copy's channel, and the copy stops its env's
     processes and exits on that EOF. The original worker, its PID namespace's init, is still
@@ -685,5 +685,19 @@ def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch):
         # (the original, its namespace's init, lives on as a reaper while the snapshot does)
         assert not _wait_gone({copy}), "the replaced copy is still running"
         assert env.step(1)[0].shape == (4,)
+    finally:
+        env.close()
+    # with a workspace, which the restore brings back right after, the copy is killed at once:
+    # a thread of its env must not write there meanwhile
+    killed.clear()
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True, workspace=str(tmp_path / "ws"))
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.restore(snap)
+        copy = env.worker_pid
+        env.step(0)
+        env.restore(snap)
+        assert copy in killed
     finally:
         env.close()
