@@ -152,6 +152,12 @@ def test_doctor_says_whether_envs_get_step_rings_and_who_holds_them(capsys, monk
         assert "1 held now" in line and str(os.getpid()) in line, line
     finally:
         slot.release()
+    (tmp_path / "a_file").write_bytes(b"")
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "a_file"))  # cannot hold slots
+    code, out = run_main(capsys, "doctor", "--json", "--no-probe")
+    ring = json.loads(out)["checks"]["step_rings"]
+    assert ring["value"].startswith("none:") and "a_file" in ring["value"] and "not a directory" in ring["value"]
+    assert ring["data"]["dir_problem"] == "it is not a directory"
     monkeypatch.setenv("GYM_FORK_RING", "0")
     code, out = run_main(capsys, "doctor", "--json", "--no-probe")
     assert json.loads(out)["checks"]["step_rings"]["value"].startswith("off")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from conftest import assert_same_traj, run_actions
@@ -339,3 +340,28 @@ def test_a_copy_replaced_while_it_spins_on_its_ring_exits_at_once(ring_on, monke
         assert time.monotonic() < deadline, "the replaced copy spun on instead of exiting"
     finally:
         env.close()
+
+
+def test_a_slot_directory_that_cannot_hold_slots_warns_once_and_the_env_steps_through_its_socket(
+        monkeypatch, tmp_path):
+    """``GYM_FORK_RING_SLOTS_DIR`` naming a place where no slot can be made gives no ring -- and
+    says so once, naming the directory and what to do -- instead of silently running slower."""
+
+    monkeypatch.setattr(ring_slots, "_warned", set())
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "nonexistent" / "slots"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 3)
+    monkeypatch.setattr(rings, "wanted", lambda: True)
+    ref = gym.make("CartPole-v1")
+    ref.reset(seed=0)
+    with pytest.warns(RuntimeWarning, match="nonexistent/slots cannot be used") as seen:
+        env = gym_fork.ForkableEnv("CartPole-v1")
+        try:
+            env.reset(seed=0)
+            for i in range(12):
+                got, want = env.step(i % 2), ref.step(i % 2)
+                assert np.array_equal(got[0], want[0]) and got[1:4] == want[1:4]
+            assert env.step_path == "socket"
+        finally:
+            env.close()
+    assert len([w for w in seen if "ring slot directory" in str(w.message)]) == 1

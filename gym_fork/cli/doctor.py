@@ -202,12 +202,16 @@ def system_checks() -> tuple[list[Check], Any]:
     from gym_fork.worker import ring as rings, ring_slots
 
     setting, slots, holders = os.environ.get("GYM_FORK_RING", "1"), ring_slots.count(), ring_slots.held()
+    slot_problem = ring_slots.problem()
     if setting == "0":
         ring_val = "off (GYM_FORK_RING=0): every step goes through the worker's socket"
     elif not rings.supported():
         ring_val = "none: rings need x86-64 Linux with memfd_create; steps go through the worker's socket"
     elif slots == 0:
         ring_val = "none: one CPU (a ring spins on a CPU beside the learner's); steps go through the socket"
+    elif slot_problem is not None:
+        ring_val = (f"none: the ring slot directory {ring_slots.directory()} cannot be used: {slot_problem}; "
+                    "set GYM_FORK_RING_SLOTS_DIR to a directory only you can write (mode 700)")
     else:
         ring_val = (f"on: an env stepped one request at a time gets one after 64 steps while a slot is free; "
                     f"{slots} slot(s) on this machine, {len(holders)} held now"
@@ -215,7 +219,8 @@ def system_checks() -> tuple[list[Check], Any]:
                     + f"; see env.step_path")
     checks.append(Check("step_rings", "step rings", None, ring_val,
                         data={"setting": setting, "supported": rings.supported(), "slots": slots,
-                              "held_by": holders, "dir": ring_slots.directory()}))
+                              "held_by": holders, "dir": ring_slots.directory(),
+                              "dir_problem": slot_problem}))
 
     # system
     checks.append(Check("kernel", "kernel", None, f"{platform.system()} {platform.release()} ({platform.machine()})",

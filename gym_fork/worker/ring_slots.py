@@ -27,6 +27,10 @@ import os
 import stat
 import tempfile
 import time
+import warnings
+
+# The slot directories already warned about (once each: a bad directory is asked at every env).
+_warned: set[str] = set()
 
 
 class Slot:
@@ -78,24 +82,16 @@ def held() -> list[int]:
 
 
 def claim() -> Slot | None:
-    """A free slot, or None when every slot is held by a live process (or the slot directory
-    is not this user's alone: then no ring, rather than trust it)."""
+    """A free slot, or None when every slot is held by a live process. A slot directory that
+    cannot hold slots, or is not this user's alone, gives None too (no ring, rather than trust
+    it) and a :class:`RuntimeWarning` naming it, once per directory."""
     d = directory()
-    try:
-        os.mkdir(d, 0o700)
-    except FileExistsError:
-        pass
-    except OSError:
-        return None
-    try:
-        st = os.lstat(d)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
+    why = problem(d, create=True)
+    if why is not None:
+        return _refuse(d, why)
     me = _identity("self")
     if me is None:
-        return None
+        return _refuse(d, "/proc/self/stat cannot be read (is /proc mounted?)")
     for i in range(count()):
         path = os.path.join(d, f"slot-{i}")
         for _attempt in range(2):  # the second after taking over a stale slot
@@ -109,13 +105,55 @@ def claim() -> Slot | None:
                 except OSError:
                     break
                 continue
-            except OSError:
-                return None
+            except OSError as e:
+                return _refuse(d, f"a slot cannot be written there ({e.strerror})")
             try:
                 os.write(fd, me)
             finally:
                 os.close(fd)
             return Slot(path, me)
+    return None
+
+
+def problem(d: str | None = None, *, create: bool = False) -> str | None:
+    """Why slot directory ``d`` (default: :func:`directory`) cannot hold slots, or None where it
+    can. With ``create``, a missing directory is made (mode 0700); without, a missing one is
+    fine where its parent lets this user make it."""
+    d = d or directory()
+    if create:
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            return f"it cannot be created ({e.strerror})"
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(d))
+        if not create and os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+            return None
+        return "it does not exist and cannot be created there"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"user {st.st_uid} owns it, not this user ({os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"others may use it (mode {stat.S_IMODE(st.st_mode):o}; it must be 700)"
+    return None
+
+
+def _refuse(d: str, why: str) -> None:
+    """No slot from directory ``d``; say so once, with what to do (the env still steps, through
+    its socket: correct, only slower)."""
+    if d not in _warned:
+        _warned.add(d)
+        warnings.warn(f"no step ring: the ring slot directory {d} cannot be used: {why}. Envs step "
+                      "through their sockets instead (slower). Set GYM_FORK_RING_SLOTS_DIR to a "
+                      "directory only you can write (mode 700), or GYM_FORK_RING=0 to turn rings "
+                      "off and silence this.", RuntimeWarning, stacklevel=4)
     return None
 
 

@@ -24,6 +24,12 @@ def slots(tmp_path, monkeypatch):
     return machine
 
 
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which slot directories were warned about, so each test sees its own warning."""
+    monkeypatch.setattr(ring_slots, "_warned", set())
+
+
 def _child(fn, *, then_exit: bool) -> tuple[int, int]:
     """Fork a child that runs ``fn`` and reports on a pipe; it exits, or stays until killed."""
     r, w = os.pipe()
@@ -97,12 +103,56 @@ def test_a_child_forked_from_the_claimant_does_not_free_its_slot(slots):
     assert os.listdir(ring_slots.directory()) == []
 
 
-def test_a_slot_directory_others_can_write_gives_no_slot(slots):
+def test_a_slot_directory_others_can_write_gives_no_slot(slots, fresh_warnings):
     d = slots(4)
     os.makedirs(d)
     os.chmod(d, 0o777)
-    assert ring_slots.claim() is None  # rather no ring than a directory another user controls
+    with pytest.warns(RuntimeWarning, match="others may use it"):
+        assert ring_slots.claim() is None  # rather no ring than a directory another user controls
     os.chmod(d, 0o700)
     slot = ring_slots.claim()
     assert slot is not None
     slot.release()
+
+
+@pytest.mark.parametrize("case", ["missing_parent", "a_file", "others_can_write", "another_owner"])
+def test_a_slot_directory_that_cannot_be_used_warns_once_and_says_what_to_do(case, tmp_path, monkeypatch,
+                                                                            fresh_warnings):
+    d = tmp_path / "slots"
+    if case == "missing_parent":
+        d = tmp_path / "nonexistent" / "slots"
+    elif case == "a_file":
+        d.write_bytes(b"")
+    elif case == "others_can_write":
+        d.mkdir(mode=0o700)
+        os.chmod(d, 0o777)
+    else:
+        if os.getuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        d.mkdir(mode=0o700)
+        os.chown(d, 65534, 65534)
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(d))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert ring_slots.problem() is not None  # what `gym-fork doctor` reports
+    with pytest.warns(RuntimeWarning, match="GYM_FORK_RING_SLOTS_DIR") as seen:
+        assert ring_slots.claim() is None
+    assert str(d) in str(seen[0].message)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second env asking must not warn again
+        assert ring_slots.claim() is None
+
+
+def test_a_usable_slot_directory_warns_nothing(tmp_path, monkeypatch, fresh_warnings):
+    import warnings
+
+    monkeypatch.setenv("GYM_FORK_RING_SLOTS_DIR", str(tmp_path / "slots"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert ring_slots.problem() is None  # missing, but it can be made
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = ring_slots.claim()
+        assert a is not None
+        assert ring_slots.claim() is None  # all slots held: no ring, and nothing wrong to warn about
+    a.release()
