@@ -174,10 +174,36 @@ def new_client(binary: str):
     """A pycriu client bound to ``binary`` (absolute: pycriu execs it without a PATH lookup)."""
     import pycriu
 
-    c = pycriu.criu()
+    c = _client_class(pycriu.criu)()
     c.use_binary(binary)
     c._comm = _safe_comm(type(c._comm))(binary)
     return c
+
+
+_CLIENT: Any = None
+
+
+def _client_class(base: type) -> type:
+    """pycriu's client, made to wait for its criu when a request fails: pycriu waits for criu
+    only after a complete exchange, so a criu that exited before our request was sent (the send
+    fails) stayed a zombie, and its socket open, for as long as the learner ran."""
+    global _CLIENT
+    if _CLIENT is not None:
+        return _CLIENT
+
+    class Client(base):  # type: ignore[misc, valid-type]
+        def _send_req_and_recv_resp(self, req: Any) -> Any:
+            try:
+                return super()._send_req_and_recv_resp(req)
+            except BaseException:
+                if not getattr(req, "keep_open", False):
+                    abandon = getattr(self._comm, "abandon", None)
+                    if abandon is not None:
+                        abandon()
+                raise
+
+    _CLIENT = Client
+    return Client
 
 
 _SAFE_COMM: Any = None
@@ -253,6 +279,21 @@ def _safe_comm(base: type) -> type:
                 return super().disconnect()
             self.sk.close()
             self._proc.wait()
+
+        def abandon(self) -> None:
+            """After a failed exchange: close our end (a criu still reading gets EOF and exits)
+            and wait for criu, killing it if it does not exit within a few seconds."""
+            proc, self._proc = self._proc, None
+            if proc is None:
+                return
+            sk = getattr(self, "sk", None)
+            if sk is not None:
+                sk.close()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     _SAFE_COMM = SafeBinComm
     return SafeBinComm

@@ -126,3 +126,33 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def test_a_criu_that_exits_before_the_request_is_sent_is_still_reaped(tmp_path, monkeypatch):
+    """pycriu waits for criu only after a complete exchange: a criu that was gone before our
+    request went out (the send fails) was left a zombie, its socket open. The window is a race
+    in real use (the earlier test hit it one run in a few); here criu has exited for sure before
+    the request is sent."""
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o700)
+    client = new_client(str(fake))
+    comm = client._comm
+    connect = comm.connect
+
+    def connect_then_wait_for_exit(daemon: bool):
+        sk = connect(daemon)
+        for _ in range(500):  # until criu is a zombie: it read nothing, and our send will fail
+            if _state(comm.swrk) == "Z":
+                break
+            time.sleep(0.01)
+        assert _state(comm.swrk) == "Z"
+        return sk
+
+    monkeypatch.setattr(comm, "connect", connect_then_wait_for_exit)
+    before = _children(zombies=True)
+    with pytest.raises(Exception):
+        client.check()
+    left = [p for p in _children(zombies=True) - before if _comm(p) == "criu" or _state(p) == "Z"]
+    assert left == [], f"criu was not reaped: {left}"
+    assert comm.sk.fileno() == -1  # our end of its socket is closed
