@@ -25,7 +25,7 @@ from gym_fork.backends.base import Handle, RemoteHandle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
                              UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
 from gym_fork.proxy import WorkerEnv, read
-from gym_fork.snapshots.snapshot import Snapshot, new_id
+from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
 from gym_fork.worker import files
@@ -194,6 +194,7 @@ class ForkableEnv(gym.Wrapper):
         self._actions: list | None = [] if record_actions else None
         self._pending_rollout: list | None = None  # an open-loop rollout's actions, until its reply
         self._snapshots: weakref.WeakValueDictionary[str, Snapshot] = weakref.WeakValueDictionary()
+        self._restore_rate = RestoreRate()  # whether a new snapshot is worth a ready copy
         # Stop the worker even if the user forgets close(): the finalizer sees the current handle.
         self._box = [handle]
         self._finalizer = weakref.finalize(self, _kill_boxed, self._box)
@@ -268,6 +269,7 @@ class ForkableEnv(gym.Wrapper):
             pd = private_dirs_mod.PrivateDirs(private)
             root, binds = pd.new_copy(snapshot.private_dirs)
         try:
+            snapshot._note_restored()
             with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
                 handle = be.restore(payload) if binds is None else be.restore(payload, binds)
         except BaseException:
@@ -561,9 +563,15 @@ class ForkableEnv(gym.Wrapper):
             UnsupportedEnvError: the backend cannot capture this env exactly.
             UncapturedFilesError: the env wrote files outside its workspace (``untracked_paths``).
         """
+        return self._snapshot(ready_copy=self._restore_rate.likely(), counted=True)
+
+    def _snapshot(self, *, ready_copy: bool, counted: bool = False) -> Snapshot:
+        """:meth:`snapshot`; ``ready_copy``: prepare a restore ahead (the backend's hint, see
+        :class:`~gym_fork.snapshots.snapshot.RestoreRate`); ``counted``: one of the snapshots the
+        env's restore rate counts (those the user takes)."""
         self._check_open()
         sid = new_id()
-        payload, size = self._backend.snapshot(self._handle, sid)
+        payload, size = self._backend.snapshot(self._handle, sid, ready_copy=ready_copy)
         try:
             # after the backend: its scan's refusal (e.g. a file still open) names more precisely
             self._refuse_outside_writes()
@@ -575,6 +583,8 @@ class ForkableEnv(gym.Wrapper):
                         env_id=self.spec.id if self.spec else None,
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
+        if counted:
+            self._restore_rate.taken(snap)
         snap._mirror = self._meta  # replaced, never changed in place (_note_meta): no copy needed
         if self._workspace is not None:
             attach_workspace(snap, self._workspace)
@@ -612,6 +622,7 @@ class ForkableEnv(gym.Wrapper):
             raise
         if snapshot._store is not None:
             snapshot._store.touch(snapshot)
+        snapshot._note_restored()
         self._switch_to(new, snapshot)
         if self._private is not None:
             self._private.switch(roots[0])
@@ -660,7 +671,7 @@ class ForkableEnv(gym.Wrapper):
                             f"not {type(snapshot).__name__}")
         check_rng(rng, seeds, n, "n")
         own = snapshot is None
-        snap = self.snapshot() if own else snapshot
+        snap = self._snapshot(ready_copy=False) if own else snapshot  # only cloned, then released
         try:
             self._check_snapshot(snap)
             with snap._open_payload() as payload:
@@ -668,11 +679,11 @@ class ForkableEnv(gym.Wrapper):
                 roots, binds = self._private_copies(snap, n)
                 try:
                     if binds:
-                        handles = self._backend.restore_many(payload, n, binds)
+                        handles = self._backend.restore_many(payload, n, binds, restoring=False)
                     elif policies:
-                        handles = self._backend.restore_many(payload, n, policies=policies)
+                        handles = self._backend.restore_many(payload, n, policies=policies, restoring=False)
                     else:
-                        handles = self._backend.restore_many(payload, n)
+                        handles = self._backend.restore_many(payload, n, restoring=False)
                 except BaseException:
                     private_dirs_mod.remove(roots)
                     raise
@@ -926,7 +937,7 @@ class ForkableEnv(gym.Wrapper):
         """
         parent, actions = self._parent_id, None if self._actions is None else list(self._actions)
         try:
-            snap = self.snapshot()
+            snap = self._snapshot(ready_copy=False)  # dumped or shipped, not restored here
         finally:
             self._parent_id, self._actions = parent, actions
         self._snapshots.pop(snap.id, None)

@@ -152,7 +152,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         act = as_policy(policy, deterministic) if policy is not None else None
     t0 = time.perf_counter()
     own_root = snapshot is None
-    root = env.snapshot() if own_root else snapshot
+    root = env._snapshot(ready_copy=False) if own_root else snapshot  # only cloned, then released
     if rng == "reseed" and seeds is None:
         seeds = [int(s) for s in np.random.SeedSequence().generate_state(n_branches, np.uint64) % (2**63)]
     try:
@@ -175,7 +175,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             _run_closed_loop(kids, branches, act, horizon, stop_at_done, progress)
         if return_snapshots:
             for k, b in zip(kids, branches):
-                b.snapshot = k.snapshot()
+                b.snapshot = k._snapshot(ready_copy=False)  # most are never restored: no copy ahead
                 k._hand_over(b.snapshot, env)  # the branch env is closed below; `env` keeps it
                 b.snapshot.parent_id = root.id if not own_root else None
     except BaseException:

@@ -407,6 +407,7 @@ class ForkableVecEnv(VecEnv):
         for env in targets:  # every target slot must accept it (lineage, backend, not released)
             payload = env._check_snapshot(snapshot)
         roots, binds = targets[0]._private_copies(snapshot, len(targets))  # private_dirs: a copy each
+        snapshot._note_restored()
         try:
             handles = (targets[0]._backend.restore_many(payload, len(targets), binds) if binds
                        else targets[0]._backend.restore_many(payload, len(targets)))

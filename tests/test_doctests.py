@@ -20,6 +20,7 @@ import gym_fork
 # Modules whose examples run (at least one example each).
 MODULES = [
     "gym_fork.snapshots.private_dirs",
+    "gym_fork.snapshots.snapshot",
     "gym_fork",
     "gym_fork.env",
     "gym_fork.exploration",

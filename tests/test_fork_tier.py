@@ -118,11 +118,16 @@ def _children_states(pid: int) -> dict[int, str]:
     return kids
 
 
-def test_released_snapshots_and_their_orphaned_copies_do_not_pile_up_as_zombies():
+def test_released_snapshots_and_their_orphaned_copies_do_not_pile_up_as_zombies(monkeypatch):
     """A worker that is PID 1 of its namespace adopts the ready copies of the snapshots it
     releases (their frozen parent exits first).  Right after a fork the worker only collects
     its own frozen snapshots (no /proc reads while the learner waits); the orphans are collected
     by the next snapshot's scan, which reads them anyway -- so exited copies never pile up."""
+    from gym_fork.snapshots.snapshot import RestoreRate
+
+    # every snapshot gets a ready copy, as in an env that restores its snapshots (this one
+    # releases them unrestored, which would otherwise stop ready copies after the fourth)
+    monkeypatch.setattr(RestoreRate, "likely", lambda self: True)
     env = gym_fork.ForkableEnv("CartPole-v1", backend="criu", fork_tier=True)
     try:
         env.reset(seed=0)
@@ -699,5 +704,89 @@ def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch, tmp_path):
         env.step(0)
         env.restore(snap)
         assert copy in killed
+    finally:
+        env.close()
+
+
+def _ready_copies(payload, wait: float) -> int:
+    """How many ready copies ``payload``'s frozen process has offered within ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        payload.collect()
+        if payload.ready or time.monotonic() >= deadline:
+            return len(payload.ready)
+        time.sleep(0.01)
+
+
+def test_snapshots_an_env_rarely_restores_fork_no_ready_copy_until_restored():
+    """A ready copy (~3 ms of CPU) is forked ahead only where a restore is likely: for an env's
+    first snapshots, and then while at least a quarter of its recent snapshots were restored
+    (gym_fork.snapshots.snapshot.RestoreRate). One without is restored exactly, by a copy made
+    on demand, and from then on keeps a ready copy like any other."""
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
+    ref = gym.make("LunarLander-v3")
+    try:
+        env.reset(seed=7)
+        ref.reset(seed=7)
+        acts = [i % 4 for i in range(40)]
+        first = env.snapshot()  # the first ones: a ready copy each
+        assert _ready_copies(first.payload(), 10.0) == 1
+        first.release()
+        for i in range(8):  # snapshots never restored
+            run_actions(env, acts[i:i + 1])
+            run_actions(ref, acts[i:i + 1])
+            env.snapshot().release()
+        snap = env.snapshot()
+        payload = snap.payload()
+        assert _ready_copies(payload, 0.3) == 0  # 60x the 5 ms after which one comes otherwise
+        expected = run_actions(ref, acts[10:30])
+        run_actions(env, acts[10:30])
+        env.restore(snap)  # cloned on demand
+        assert_same_traj(run_actions(env, acts[10:30]), expected)
+        assert _ready_copies(payload, 10.0) == 1  # restored once: it prepares the next restore
+        ready = payload.ready_pids[0]
+        env.restore(snap)
+        assert env.worker_pid == ready
+        assert_same_traj(run_actions(env, acts[10:30]), expected)
+        others = [env.snapshot() for _ in range(3)]
+        for s in others:  # restoring a quarter of the recent ones brings ready copies back
+            env.restore(s)
+        again = env.snapshot()
+        assert _ready_copies(again.payload(), 10.0) == 1
+        for s in (snap, again, *others):
+            s.release()
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_explores_root_and_the_branch_ends_it_keeps_fork_no_ready_copies():
+    """explore() clones its own root and releases it; the branch ends it returns
+    (``return_snapshots=True``) are mostly never restored: none of them forks a copy ahead (with
+    16 branches one each made that pattern 1.45x slower). A batch of copies for fork() is no
+    restore: it brings none either. Restoring a branch end is exact and then prepares one."""
+    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=3)
+        run_actions(env, [0, 1, 2, 3] * 5)
+        res = gym_fork.explore(env, None, None, actions=[[i % 4] * 6 for i in range(4)], n_branches=4, horizon=6,
+                               return_snapshots=True, progress=False)
+        time.sleep(0.3)
+        assert [_ready_copies(b.snapshot.payload(), 0.0) for b in res.branches] == [0, 0, 0, 0]
+        kids = env.fork(res.branches[0].snapshot, 2)
+        for k in kids:
+            k.close()
+        assert _ready_copies(res.branches[0].snapshot.payload(), 0.3) == 0
+        best = res.branches[2]
+        env.restore(best.snapshot)
+        obs, *_ = env.step(0)
+        fresh = gym_fork.ForkableEnv.from_snapshot(best.snapshot)
+        try:
+            assert np.array_equal(fresh.step(0)[0], obs)
+        finally:
+            fresh.close()
+        assert _ready_copies(best.snapshot.payload(), 10.0) == 1
+        for b in res.branches:
+            b.snapshot.release()
     finally:
         env.close()

@@ -463,8 +463,10 @@ class Backend(abc.ABC):
         """Start the env; returns its handle and its metadata (spaces, spec, ...)."""
 
     @abc.abstractmethod
-    def snapshot(self, handle: Handle, snap_id: str) -> tuple[Any, int]:
-        """Capture the env's whole state; returns (payload, size in bytes)."""
+    def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[Any, int]:
+        """Capture the env's whole state; returns (payload, size in bytes). ``ready_copy``: a
+        hint that a restore of it is likely (a backend may prepare one ahead; the criu backend's
+        fork tier does)."""
 
     @abc.abstractmethod
     def restore(self, payload: Any, binds: Any = None) -> Handle:
@@ -482,10 +484,12 @@ class Backend(abc.ABC):
         """Memory the snapshot holds privately now (None when not measurable)."""
         return None
 
-    def restore_many(self, payload: Any, n: int, binds: Any = None, policies: Any = None) -> list[Handle]:
+    def restore_many(self, payload: Any, n: int, binds: Any = None, policies: Any = None,
+                     restoring: bool = True) -> list[Handle]:
         """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th.
         ``policies``: pickled policies the new workers will run, which a backend may unpickle
-        ahead (see ``CriuBackend.restore_many``); here they are not."""
+        ahead (see ``CriuBackend.restore_many``); here they are not. ``restoring`` false: copies
+        for ``fork()`` (a hint, as ``snapshot``'s ``ready_copy``)."""
         return [self.restore(payload, None if binds is None else binds[i]) for i in range(n)]
 
     def restore_verified(self, payload: Any) -> Handle:

@@ -135,17 +135,19 @@ class ForkPayload:
         _, type_name, message, tb = reply
         raise remote_exception(type_name, message, tb)
 
-    def clone_many(self, fds: Sequence[int]) -> list[Any]:
+    def clone_many(self, fds: Sequence[int], restoring: bool = True) -> list[Any]:
         """One ``clone`` per descriptor, sent back to back (the frozen process forks them one after
         another while the copies made so far start on other CPUs), then every reply read in
-        order: a result or the exception of each, so that the channel stays in step."""
+        order: a result or the exception of each, so that the channel stays in step.
+        ``restoring``: copies for a restore (the frozen process then keeps ready copies from now
+        on), not a batch for ``fork()``."""
         with self.lock:
             if self.chan is None:
                 raise WorkerDiedError("the snapshot's frozen process is gone")
             out: list[Any] = []
             try:
                 for fd in fds:
-                    self.chan.send(("clone", ()))
+                    self.chan.send(("clone", (restoring,)))
                     send_fds(self.chan.sock, b"F", [fd])
                 for _fd in fds:
                     reply = self._reply()
@@ -355,13 +357,14 @@ class CriuBackend(Backend):
         return self.private_network or (self.mode == "root" and not netns.same_netns_as_us(pid))
 
     # --- snapshot --------------------------------------------------------------------------
-    def snapshot(self, handle: Handle, snap_id: str) -> tuple[CriuPayload | ForkPayload, int]:
+    def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[CriuPayload | ForkPayload, int]:
         """A fork-tier snapshot when ``fork()`` copies the worker exactly; else a CRIU dump of its
         whole process tree (one log line says why; later snapshots of this env are dumps too), or
-        UncapturableStateError naming what nothing captures (see :mod:`.treecapture`)."""
+        UncapturableStateError naming what nothing captures (see :mod:`.treecapture`).
+        ``ready_copy``: whether a fork-tier snapshot forks a ready copy ahead of a restore."""
         assert isinstance(handle, RemoteHandle)
         if handle.fork_tier:
-            found = self._fork_snapshot(handle)
+            found = self._fork_snapshot(handle, ready_copy)
             if isinstance(found, ForkPayload):
                 treecapture.remember_frozen(handle, found)
                 return found, 0
@@ -402,12 +405,13 @@ class CriuBackend(Backend):
             last = left
             time.sleep(0.02)
 
-    def _fork_snapshot(self, handle: RemoteHandle) -> ForkPayload | Scan:
+    def _fork_snapshot(self, handle: RemoteHandle, ready_copy: bool = True) -> ForkPayload | Scan:
         """A copy-on-write snapshot, or (no fork happened) what the worker found that ``fork()``
-        cannot copy."""
+        cannot copy. ``ready_copy`` false: its frozen process forks no copy ahead of a restore
+        until it is restored once (see :func:`gym_fork.worker.loop.frozen_loop`)."""
         ours, theirs = socket.socketpair()
         try:
-            found = handle.request_with_fd("fork_snapshot", theirs.fileno())
+            found = handle.request_with_fd("fork_snapshot", theirs.fileno(), ready_copy)
         except WorkerError as e:
             ours.close()
             raise SnapshotError(f"fork snapshot failed: {e}; the env keeps running") from e
@@ -469,12 +473,14 @@ class CriuBackend(Backend):
         return self.restore_many(payload, 1, None if binds is None else [binds])[0]
 
     def restore_many(self, payload: CriuPayload | ForkPayload, n: int,
-                     binds: Sequence[Binds] | None = None, policies: Sequence[bytes] | None = None) -> list[Handle]:
+                     binds: Sequence[Binds] | None = None, policies: Sequence[bytes] | None = None,
+                     restoring: bool = True) -> list[Handle]:
         """``n`` new workers from ``payload``.  ``binds[i]``: ``(host dir, path)`` pairs the i-th
         worker sees in a mount namespace of its own (private directories, see
         :mod:`gym_fork.worker.mounts`).  ``policies``: pickled policies the new workers will run
         (``policy_rollout``), unpickled ahead where that saves work (see :meth:`_clone_preloaded`):
-        a handle's ``preloaded`` says how many of them its worker holds, by index (the first ones)."""
+        a handle's ``preloaded`` says how many of them its worker holds, by index (the first ones).
+        ``restoring`` false: copies for ``fork()``, not restores (see :meth:`ForkPayload.clone_many`)."""
         per = list(binds) if binds is not None else [None] * n
         if len(per) != n:
             raise ValueError(f"{len(per)} bind lists for {n} copies")
@@ -482,7 +488,7 @@ class CriuBackend(Backend):
             if payload.chan is not None:
                 if policies and n > 1 and not any(per) and not payload.spawned:
                     return self._clone_preloaded(payload, n, list(policies))
-                return self._clone_many(payload, n, per)
+                return self._clone_many(payload, n, per, restoring)
             if payload.image is None:
                 raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
             payload = payload.image
@@ -507,7 +513,8 @@ class CriuBackend(Backend):
             raise errors[0]
         return handles
 
-    def _clone_many(self, payload: ForkPayload, n: int, binds: Sequence[Binds | None]) -> list[Handle]:
+    def _clone_many(self, payload: ForkPayload, n: int, binds: Sequence[Binds | None],
+                    restoring: bool = True) -> list[Handle]:
         """``n`` copies of a frozen snapshot: its ready copy if it offered one, the rest cloned
         in one pipelined batch (:meth:`ForkPayload.clone_many`: 16 LunarLander copies in about
         half the time of one round trip each)."""
@@ -526,7 +533,8 @@ class CriuBackend(Backend):
                 h.send("hello")  # waits in the socket until the clone serves it: one round trip less
                 fresh.append(h)
             try:
-                results = payload.clone_many([theirs.fileno() for _ours, theirs in pairs]) if pairs else []
+                results = (payload.clone_many([theirs.fileno() for _ours, theirs in pairs], restoring)
+                           if pairs else [])
             except WorkerDiedError as e:
                 raise RestoreError(f"cloning the frozen snapshot failed: {e}") from e
             finally:
@@ -563,7 +571,7 @@ class CriuBackend(Backend):
         snapshotted in turn (a fork, as for any fork-tier snapshot) and the rest are cloned from
         there; where it fails, saves little, or leaves the copy unforkable (a thread the import
         started), the rest are cloned from ``payload`` as without this."""
-        first = self._clone_many(payload, 1, [None])[0]
+        first = self._clone_many(payload, 1, [None], restoring=False)[0]
         try:
             try:
                 if len(policies) == 1:
@@ -573,10 +581,10 @@ class CriuBackend(Backend):
                     names = list(dict.fromkeys(m for blob in policies for m in pickled_modules(blob)))
                     took = first.request("import_modules", names)
                 if took * (n - 1) >= PRELOAD_MIN_SAVING_S:
-                    found = self._fork_snapshot(first)
+                    found = self._fork_snapshot(first, ready_copy=False)
                     if isinstance(found, ForkPayload):
                         try:
-                            rest = self._clone_many(found, n - 1, [None] * (n - 1))
+                            rest = self._clone_many(found, n - 1, [None] * (n - 1), restoring=False)
                         finally:
                             self.release(found)
                         for h in rest:
@@ -586,7 +594,7 @@ class CriuBackend(Backend):
                 # a policy that does not unpickle there (each branch then says why, as without
                 # preloading), an older worker without these commands, a failed fork
                 log.debug("gym_fork: policies not preloaded: %s", e)
-            return [first, *self._clone_many(payload, n - 1, [None] * (n - 1))]
+            return [first, *self._clone_many(payload, n - 1, [None] * (n - 1), restoring=False)]
         except BaseException:
             first.kill()
             raise

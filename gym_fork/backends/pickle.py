@@ -114,7 +114,7 @@ class PickleBackend(Backend):
         server = EnvServer(env)
         return _PickleHandle(server), server.cmd_meta()
 
-    def snapshot(self, handle: Handle, snap_id: str) -> tuple[bytes, int]:
+    def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[bytes, int]:
         assert isinstance(handle, _PickleHandle)
         s = handle.server
         try:

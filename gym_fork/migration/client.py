@@ -69,13 +69,13 @@ class MigratedBackend(Backend):
     def start(self, source):  # pragma: no cover - never called
         self._refuse("start")
 
-    def snapshot(self, handle, snap_id):
+    def snapshot(self, handle, snap_id, *, ready_copy=True):
         self._refuse("snapshot()")
 
     def restore(self, payload):
         self._refuse("restore()")
 
-    def restore_many(self, payload, n):
+    def restore_many(self, payload, n, *args, **kwargs):
         self._refuse("restore()/fork()")
 
     def release(self, payload) -> None:

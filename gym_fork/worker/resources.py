@@ -116,14 +116,14 @@ def host_pid() -> int:
 try:
     # looked up once: in a freshly forked copy, dlopen() and a new function object cost ~0.4 ms
     # of copy-on-write faults
-    _prctl = ctypes.CDLL(None).prctl
+    prctl = ctypes.CDLL(None).prctl
 except (OSError, AttributeError):
-    _prctl = None
+    prctl = None
 
 
 def _set_comm(name: bytes) -> None:
-    if _prctl is not None:
-        _prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    if prctl is not None:
+        prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
 
 
 def mark_fork_process() -> None:

@@ -94,7 +94,7 @@ def test_criu_gets_exactly_the_descriptors_made_inheritable_and_is_reaped(tmp_pa
     get the descriptors a dump or restore hands it (images dir, inherit_fd channels: made
     inheritable) and nothing else of ours, and be waited for."""
     seen = tmp_path / "fds"
-    fake = tmp_path / "criu"
+    fake = tmp_path / _FAKE  # a name of its own: a real criu some other thread started is not it
     # what each of its descriptors points to (numbers alone would be ambiguous: the shell opens
     # its script at the lowest free number from 10, which may be one our process used)
     fake.write_text(f"#!/bin/sh\nfor f in /proc/$$/fd/*; do readlink $f; done > {seen}\nexit 3\n")
@@ -116,8 +116,11 @@ def test_criu_gets_exactly_the_descriptors_made_inheritable_and_is_reaped(tmp_pa
     # criu was waited for: no child of ours is it, running or a zombie (another child may have
     # started meanwhile, e.g. multiprocessing's resource tracker, spawned when an earlier test's
     # object is collected)
-    left = [p for p in _children(zombies=True) - before if _comm(p) == "criu"]
+    left = [p for p in _children(zombies=True) - before if _comm(p) == _FAKE]
     assert left == [], f"criu was not reaped: {left}"
+
+
+_FAKE = f"fakecriu{os.getpid() % 10**6}"  # (a process name: at most 15 characters)
 
 
 def _comm(pid: int) -> str:
@@ -133,7 +136,7 @@ def test_a_criu_that_exits_before_the_request_is_sent_is_still_reaped(tmp_path, 
     request went out (the send fails) was left a zombie, its socket open. The window is a race
     in real use (the earlier test hit it one run in a few); here criu has exited for sure before
     the request is sent."""
-    fake = tmp_path / "criu"
+    fake = tmp_path / _FAKE
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o700)
     client = new_client(str(fake))
@@ -153,6 +156,6 @@ def test_a_criu_that_exits_before_the_request_is_sent_is_still_reaped(tmp_path, 
     before = _children(zombies=True)
     with pytest.raises(Exception):
         client.check()
-    left = [p for p in _children(zombies=True) - before if _comm(p) == "criu" or _state(p) == "Z"]
+    left = [p for p in _children(zombies=True) - before if _comm(p) == _FAKE]
     assert left == [], f"criu was not reaped: {left}"
     assert comm.sk.fileno() == -1  # our end of its socket is closed
