@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,6 +20,20 @@ import gym_fork
 from gym_fork.errors import BackendUnavailableError
 
 pytestmark = pytest.mark.criu
+
+
+@contextlib.contextmanager
+def _twins(env_id: str, seed: int):
+    """A fork-tier ForkableEnv and the plain env, both reset with ``seed``; closed after."""
+    env = gym_fork.ForkableEnv(env_id, backend="criu", fork_tier=True)
+    ref = gym.make(env_id)
+    try:
+        env.reset(seed=seed)
+        ref.reset(seed=seed)
+        yield env, ref
+    finally:
+        env.close()
+        ref.close()
 
 
 def _gym_fork_pids() -> set[int]:
@@ -347,11 +362,7 @@ def test_a_restore_takes_the_ready_copy_and_its_memory_counts_for_the_snapshot()
     next ready copy appears, and a snapshot's memory_bytes() includes its ready copy's."""
     from gym_fork.backends.criu import private_dirty_bytes
 
-    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
-    ref = gym.make("LunarLander-v3")
-    try:
-        env.reset(seed=4)
-        ref.reset(seed=4)
+    with _twins("LunarLander-v3", seed=4) as (env, ref):
         acts = [i % 4 for i in range(30)]
         run_actions(env, acts[:10])
         run_actions(ref, acts[:10])
@@ -379,9 +390,6 @@ def test_a_restore_takes_the_ready_copy_and_its_memory_counts_for_the_snapshot()
         assert payload.ready_pids and payload.ready_pids[0] != ready
         env.restore(snap)
         assert_same_traj(run_actions(env, acts[10:]), expected)
-    finally:
-        env.close()
-        ref.close()
 
 
 def test_a_restored_copy_steps_at_its_predecessors_pace_from_its_first_step(monkeypatch):
@@ -723,11 +731,7 @@ def test_snapshots_an_env_rarely_restores_fork_no_ready_copy_until_restored():
     first snapshots, and then while at least a quarter of its recent snapshots were restored
     (gym_fork.snapshots.snapshot.RestoreRate). One without is restored exactly, by a copy made
     on demand, and from then on keeps a ready copy like any other."""
-    env = gym_fork.ForkableEnv("LunarLander-v3", backend="criu", fork_tier=True)
-    ref = gym.make("LunarLander-v3")
-    try:
-        env.reset(seed=7)
-        ref.reset(seed=7)
+    with _twins("LunarLander-v3", seed=7) as (env, ref):
         acts = [i % 4 for i in range(40)]
         first = env.snapshot()  # the first ones: a ready copy each
         assert _ready_copies(first.payload(), 10.0) == 1
@@ -755,9 +759,6 @@ def test_snapshots_an_env_rarely_restores_fork_no_ready_copy_until_restored():
         assert _ready_copies(again.payload(), 10.0) == 1
         for s in (snap, again, *others):
             s.release()
-    finally:
-        env.close()
-        ref.close()
 
 
 def test_explores_root_and_the_branch_ends_it_keeps_fork_no_ready_copies():
