@@ -357,7 +357,8 @@ class CriuBackend(Backend):
         return self.private_network or (self.mode == "root" and not netns.same_netns_as_us(pid))
 
     # --- snapshot --------------------------------------------------------------------------
-    def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[CriuPayload | ForkPayload, int]:
+    def snapshot(self, handle: Handle, snap_id: str, *,
+                 ready_copy: bool = True) -> tuple[CriuPayload | ForkPayload, int]:
         """A fork-tier snapshot when ``fork()`` copies the worker exactly; else a CRIU dump of its
         whole process tree (one log line says why; later snapshots of this env are dumps too), or
         UncapturableStateError naming what nothing captures (see :mod:`.treecapture`).

@@ -282,7 +282,8 @@ def _safe_comm(base: type) -> type:
 
         def abandon(self) -> None:
             """After a failed exchange: close our end (a criu still reading gets EOF and exits)
-            and wait for criu, killing it if it does not exit within a few seconds."""
+            and wait for criu; one still running after a few seconds is killed with its process
+            group (its helpers, and the tasks of a restore, share it: see client._kill_criu)."""
             proc, self._proc = self._proc, None
             if proc is None:
                 return
@@ -292,7 +293,10 @@ def _safe_comm(base: type) -> type:
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                try:
+                    os.killpg(proc.pid, 9)  # started with process_group=0: it leads its group
+                except ProcessLookupError:
+                    pass
                 proc.wait()
 
     _SAFE_COMM = SafeBinComm

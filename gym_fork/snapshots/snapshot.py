@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import deque
 import time
 import uuid
 import weakref
+from collections import deque
 from typing import Any, Callable, Iterator, Protocol
 
 from gym_fork.errors import BundleError, SnapshotReleasedError

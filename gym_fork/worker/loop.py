@@ -337,10 +337,8 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
     With ``ready_ahead`` false (the controller expects no restore: the root of an ``explore()``,
     the branch ends it returns, an env that restores few of its snapshots), no copy is forked
     ahead until the snapshot is restored -- a ``taken`` notice, or a ``clone`` made for a restore
-    (``("clone", (True,))``; a batch for ``fork()`` sends ``(False,)``). A ready copy costs
-    ~3 ms of CPU (a fork here, a copy's start and exit), spent while the learner and its worker
-    want the CPUs: snapshotting every step took 6.8 ms a step with one for each snapshot, 3.5
-    without.
+    (``("clone", (True,))``; a batch for ``fork()`` sends ``(False,)``). Why, and what a ready
+    copy costs: :class:`gym_fork.snapshots.snapshot.RestoreRate`.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
     offered = 0  # ready copies whose channels were handed out and not taken yet
