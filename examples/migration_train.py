@@ -30,6 +30,9 @@ p.add_argument("--ray-node", default=None, help="a Ray node id: migrate into tha
                "(a comma-separated list: a route)")
 p.add_argument("--at", default=None, help="migrate at this timestep (comma-separated: one per hop)")
 p.add_argument("--notice-file", default=None)
+p.add_argument("--hold-file", default=None,
+               help="after arriving on a new node, wait (up to 120 s) until this file exists: lets a test "
+                    "look at the job while it still runs there; training is unchanged")
 p.add_argument("--total", type=int, default=3072)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--forkable", action="store_true",
@@ -48,6 +51,10 @@ class Progress(BaseCallback):
 
     def _on_step(self):
         if self.mig is not None and self.mig.history and self.mig.history[-1].get("status") == "arrived":
+            if self.node != self.mig.history[-1]["node"] and args.hold_file:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             self.node = self.mig.history[-1]["node"]
         if fenv is not None and [self.node, fenv.step_path] not in self.step_paths[-1:]:
             self.step_paths.append([self.node, fenv.step_path])

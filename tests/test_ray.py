@@ -478,7 +478,7 @@ def job_reference():
 
 
 def _run_job_to(cluster, node_id: str, logd: str, at: int | str, total: int,
-                token_file: str | None = None) -> subprocess.CompletedProcess:
+                token_file: str | None = None, hold_file: str | None = None) -> subprocess.CompletedProcess:
     """`gym-fork run` on this machine (a driver-side supervisor, no token: the HMAC-derived one, like
     the hosts), the job moving into ``node_id``'s job host at timestep ``at``; returns once the
     supervisor exited (after the move, or the job's end)."""
@@ -487,7 +487,8 @@ def _run_job_to(cluster, node_id: str, logd: str, at: int | str, total: int,
     env.pop("GYM_FORK_TOKEN_FILE", None)
     cmd = [sys.executable, "-m", "gym_fork.cli", "run", "--node", "driver", "--log-dir", logd,
            *(["--token-file", token_file] if token_file else []), "--",
-           sys.executable, TRAIN, "--ray-node", node_id, "--at", str(at), "--total", str(total)]
+           sys.executable, TRAIN, "--ray-node", node_id, "--at", str(at), "--total", str(total),
+           *(["--hold-file", hold_file] if hold_file else [])]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
 
@@ -502,7 +503,8 @@ def test_job_live_migrates_into_ray_node(cluster, job_reference, tmp_path):
     nid = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != head)[0]
     logd = str(tmp_path / "logs")
     at = 520  # just after the first PPO update: the job still has ~500 steps to go on the host
-    r = _run_job_to(cluster, nid, logd, at, JOB_TOTAL)
+    hold = tmp_path / "go-on"  # the job waits on the host until we looked at it (~500 steps take < 1 s)
+    r = _run_job_to(cluster, nid, logd, at, JOB_TOTAL, hold_file=str(hold))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"now runs on Ray node {nid}" in r.stdout, (r.stdout, r.stderr[-3000:])
     src_pid = int(r.stdout.split("job pid ")[1].split()[0])
@@ -514,6 +516,7 @@ def test_job_live_migrates_into_ray_node(cluster, job_reference, tmp_path):
     assert len(info["jobs"]) == 1, info
     job_pid, guard = next(iter(info["jobs"].items()))
     assert job_pid in info["descendants"] and guard["guard"] in info["descendants"]
+    hold.touch()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(x.get("done") for x in _log_lines(logd)):
         time.sleep(0.2)
