@@ -222,6 +222,38 @@ def test_dead_worker_is_reported_and_slot_restorable():
         venv.close()
 
 
+def _sleeps() -> int:
+    """How often this thread has blocked so far (and had to be woken)."""
+    with open("/proc/thread-self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches:"))
+
+
+@pytest.mark.criu
+def test_step_wait_polls_for_fast_replies_instead_of_sleeping_on_each(monkeypatch):
+    """Read in turn, the replies of 4 workers on 2 CPUs put the learner to sleep about twice a
+    batch (each a wake-up costing 10-20 µs here). Each handle polls for a step's reply while its
+    replies come fast, as a single env's steps do; a cap of 0.1 s makes every reply fast here,
+    whatever else runs on the machine (the default is 250 µs). Identical steps either way."""
+    monkeypatch.setenv("GYM_FORK_SPIN_US", "100000")
+    venv = ForkableVecEnv("CartPole-v1", n_envs=4, backend="criu", seed=0)
+    ref = DummyVecEnv([make_cartpole] * 4)
+    try:
+        ref.seed(0)
+        assert same(venv.reset(), ref.reset())
+        rng = np.random.default_rng(2)
+        for phase in ("learn the pace", "count"):
+            n0 = _sleeps()
+            for t in range(200):
+                a = rng.integers(0, 2, size=4)
+                assert_same_step(venv.step(a), ref.step(a), f"at step {t}")
+        woken = _sleeps() - n0
+        assert woken <= 100, f"the learner slept {woken} times in 200 batches"
+        assert all(e._handle._spin.budget > 0 for e in venv.envs)
+    finally:
+        ref.close()
+        venv.close()
+
+
 # --- 2. SB3 training: bit-identical to SubprocVecEnv --------------------------------------------
 @pytest.fixture
 def one_torch_thread():

@@ -127,6 +127,7 @@ class RemoteHandle(Handle):
         # reply is polled for too, not slept for (measured: HalfCheetah 0.67-0.94x the overhead
         # of a 100 µs cap, LunarLander 0.84-0.87x, CartPole unchanged)
         self._spin = SpinWait(spin_cap("GYM_FORK_SPIN_US", SPIN_US))
+        self._sent_at = 0.0  # when the request in flight was sent (its wait, for _spin)
 
     #: steps made through :meth:`request` before a ring is offered (when rings are wanted)
     #: (opening one costs a fresh copy ~0.7 ms, which its steps repay after ~50: copies in a
@@ -244,7 +245,15 @@ class RemoteHandle(Handle):
         """Second half of a request sent with :meth:`send`."""
         cmd = self._cmd
         try:
-            reply = self._read()
+            if cmd == "step" and self.ring is None:
+                # a vector env's step (its workers step concurrently): poll while replies come
+                # fast, as a single env's steps do, so that the learner is not put to sleep and
+                # woken for each reply not there yet
+                spin = self._spin
+                reply = self.chan.recv_reply(spin.budget)
+                spin.observe(time.perf_counter() - self._sent_at)
+            else:
+                reply = self._read()
             self._pending = False
             if cmd == "hello" and self._offered:
                 self._offered = False
@@ -277,6 +286,7 @@ class RemoteHandle(Handle):
             self._pending = False
         self._cmd, self._offered = cmd, False
         ring = self.ring
+        self._sent_at = time.perf_counter()
         if cmd == "step" and self.packed:
             if ring is None:
                 chan.send_step(args[0])
