@@ -373,10 +373,12 @@ class ForkableVecEnv(VecEnv):
         """Host pid of each slot's worker (``None`` for the in-process pickle backend)."""
         return [env.worker_pid for env in self.envs]
 
-    def snapshot(self, index: int) -> Snapshot:
-        """Capture slot ``index`` now (the slot keeps running). Restorable into any slot."""
+    def snapshot(self, index: int, *, restore_soon: bool | None = None) -> Snapshot:
+        """Capture slot ``index`` now (the slot keeps running). Restorable into any slot.
+        ``restore_soon``: as :meth:`gym_fork.ForkableEnv.snapshot` (prepare the first restore
+        ahead; None: guessed from the slot's recent snapshots)."""
         (env,) = self._idle_envs(index, "snapshot")
-        return env.snapshot()
+        return env.snapshot(restore_soon=restore_soon)
 
     def restore(self, index: int, snapshot: Snapshot) -> Any:
         """Put ``snapshot`` (taken in any slot) into slot ``index``; returns the slot's new

@@ -453,15 +453,16 @@ class ForkableVectorEnv(VectorEnv):
             return np.zeros((self.num_envs,), dtype=np.bool_)
         return self._autoreset_envs.copy()
 
-    def snapshot(self, index: int) -> Snapshot:
+    def snapshot(self, index: int, *, restore_soon: bool | None = None) -> Snapshot:
         """Capture sub-env ``index`` now, including whether its episode has just ended; the
-        sub-env keeps running.  Restorable into any slot of this env.
+        sub-env keeps running.  Restorable into any slot of this env. ``restore_soon``: as
+        :meth:`gym_fork.ForkableEnv.snapshot` (prepare the first restore ahead; None: guessed).
 
         Raises:
             IndexError: no such slot.
             gym_fork.errors.SnapshotError: the backend failed; the sub-env is unchanged.
         """
-        return self.envs[self._slot(index)].snapshot()
+        return self.envs[self._slot(index)].snapshot(restore_soon=restore_soon)
 
     def restore(self, index: int, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
         """Put ``snapshot`` (of any slot) into slot ``index``; the other slots are untouched.

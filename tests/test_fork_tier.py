@@ -761,6 +761,32 @@ def test_snapshots_an_env_rarely_restores_fork_no_ready_copy_until_restored():
             s.release()
 
 
+def test_restore_soon_overrides_the_guess_either_way():
+    """``snapshot(restore_soon=...)``: True prepares a ready copy where the env's restore rate
+    would not, False none where it would (an env's first snapshots); both restore exactly."""
+    with _twins("LunarLander-v3", seed=5) as (env, ref):
+        acts = [i % 4 for i in range(60)]
+        kept = env.snapshot(restore_soon=False)  # a first snapshot: it would have had one
+        assert _ready_copies(kept.payload(), 0.3) == 0
+        for i in range(8):  # then snapshots never restored: the guess turns to "no"
+            run_actions(env, acts[i:i + 1])
+            run_actions(ref, acts[i:i + 1])
+            env.snapshot().release()
+        assert not env._restore_rate.likely()
+        soon = env.snapshot(restore_soon=True)
+        assert _ready_copies(soon.payload(), 10.0) == 1
+        ready = soon.payload().ready_pids[0]
+        expected = run_actions(ref, acts[10:40])
+        run_actions(env, acts[10:40])
+        env.restore(soon)
+        assert env.worker_pid == ready  # the prepared copy took over
+        assert_same_traj(run_actions(env, acts[10:40]), expected)
+        with pytest.raises(TypeError, match="restore_soon must be True, False or None"):
+            env.snapshot(restore_soon="yes")
+        for s in (kept, soon):
+            s.release()
+
+
 def test_explores_root_and_the_branch_ends_it_keeps_fork_no_ready_copies():
     """explore() clones its own root and releases it; the branch ends it returns
     (``return_snapshots=True``) are mostly never restored: none of them forks a copy ahead (with
