@@ -129,6 +129,9 @@ class RemoteHandle(Handle):
         self._spin = SpinWait(spin_cap("GYM_FORK_SPIN_US", SPIN_US))
         self._sent_at = 0.0  # when the request in flight was sent (its wait, for _spin)
 
+    #: whether replies are polled for (a local socket); a network channel (TLS) is not
+    POLLS = True
+
     #: steps made through :meth:`request` before a ring is offered (when rings are wanted)
     #: (opening one costs a fresh copy ~0.7 ms, which its steps repay after ~50: copies in a
     #: search loop, a few steps each, never pay for one)
@@ -245,7 +248,7 @@ class RemoteHandle(Handle):
         """Second half of a request sent with :meth:`send`."""
         cmd = self._cmd
         try:
-            if cmd == "step" and self.ring is None:
+            if cmd == "step" and self.ring is None and self.POLLS:
                 # a vector env's step (its workers step concurrently): poll while replies come
                 # fast, as a single env's steps do, so that the learner is not put to sleep and
                 # woken for each reply not there yet

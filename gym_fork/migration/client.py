@@ -31,6 +31,8 @@ from gym_fork.worker.channel import Channel
 class NetworkHandle(RemoteHandle):
     """A worker on another node, reached through its agent's relay (same protocol as locally)."""
 
+    POLLS = False  # a TLS socket takes no MSG_DONTWAIT; and a network round trip is no wake-up's cost
+
     def __init__(self, sock: socket.socket, remote_pid: int, node: str, target: str):
         super().__init__(Channel(sock), remote_pid, 0)
         self.node = node
