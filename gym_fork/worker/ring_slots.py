@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 import time
 import warnings
@@ -153,8 +154,17 @@ def _refuse(d: str, why: str) -> None:
         warnings.warn(f"no step ring: the ring slot directory {d} cannot be used: {why}. Envs step "
                       "through their sockets instead (slower). Set GYM_FORK_RING_SLOTS_DIR to a "
                       "directory only you can write (mode 700), or GYM_FORK_RING=0 to turn rings "
-                      "off and silence this.", RuntimeWarning, stacklevel=4)
+                      "off and silence this.", RuntimeWarning, stacklevel=_outside_gym_fork())
     return None
+
+
+def _outside_gym_fork() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside the
+    gym_fork package: the user's line that led here (a ``step()``), not the ring's opening."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "gym_fork":
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def _identity(pid: int | str) -> bytes | None:
