@@ -79,7 +79,20 @@ def as_policy(policy: Any, deterministic: bool = False) -> Callable[[list], list
         return batch
     if not callable(policy):
         raise TypeError(f"policy must be a callable obs -> action or an SB3 model, not {type(policy).__name__}")
-    return lambda obs_list: [policy(o) for o in obs_list]
+    return _PerObs(policy)
+
+
+class _PerObs:
+    """A callable ``obs -> action`` used as a batch policy; :func:`_run_closed_loop` calls
+    :attr:`policy` itself, one branch at a time (the same calls, in the same order)."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: Callable[[Any], Any]):
+        self.policy = policy
+
+    def __call__(self, obs_list: list) -> list:
+        return [self.policy(o) for o in obs_list]
 
 
 def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches: int = 8,
@@ -269,6 +282,49 @@ def _fill(b: Branch, out: dict) -> None:
     b.final_obs, b.final_info = out["final_obs"], out["final_info"]
 
 
+def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Callable[[Any], Any], obs0: Any,
+                               horizon: int, stop_at_done: bool, bar: Any) -> None:
+    """:func:`_run_closed_loop` for a policy of one observation: each branch's next step is sent
+    as soon as its reply is read and its action chosen, instead of after every branch's reply:
+    the workers that answered first step again while the learner reads the others (a whole
+    round's barrier left a CPU idle ~20% of the time: 16 LunarLander branches on 2 CPUs). The
+    policy sees the same observations in the same order (branch 0, 1, ... at every step), so a
+    stateful policy (its own random generator) draws exactly what the round-by-round loop drew."""
+    live = list(range(len(kids)))
+    pending = {}
+    try:
+        for i in live:  # step 0 of every branch
+            pending[i] = a = policy(obs0)
+            kids[i].step_send(a)
+        for t in range(horizon):
+            if not live:
+                break
+            more = t + 1 < horizon
+            still = []
+            for i in live:
+                a = pending.pop(i)
+                o, r, term, trunc, info = kids[i].step_receive()
+                b = branches[i]
+                b.actions.append(a)
+                b.rewards.append(float(r))
+                b.final_obs, b.final_info = o, info
+                if term or trunc:
+                    b.terminated, b.truncated = bool(term), bool(trunc)
+                    if stop_at_done:
+                        continue
+                    o, _ = kids[i].reset()
+                still.append(i)
+                if more:
+                    pending[i] = a = policy(o)
+                    kids[i].step_send(a)
+            live = still
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon: int, stop_at_done: bool,
                      progress: bool | None) -> None:
     n_branches = len(kids)
@@ -276,6 +332,9 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
     obs = [obs0] * n_branches
     live = list(range(n_branches))
     bar = _progress(horizon, progress if progress is not None else n_branches * horizon >= 20000)
+    if isinstance(act, _PerObs):
+        _run_closed_loop_pipelined(kids, branches, act.policy, obs0, horizon, stop_at_done, bar)
+        return
     for _t in range(horizon):
         if not live:
             break

@@ -136,6 +136,58 @@ def test_explore_with_sb3_model_and_random_policy():
 
 
 @pytest.mark.parametrize("stop_at_done", [True, False])
+def test_closed_loop_explore_calls_the_policy_branch_by_branch_at_every_step(stop_at_done):
+    """A policy of one observation with state of its own (a random generator) is called in the
+    same order as ever -- branch 0, 1, ... at step 0, then again at step 1 -- although each
+    branch's next step now goes out as soon as its reply is read; every branch is exactly the
+    steps its actions give, one call at a time from the same snapshot."""
+    env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=4)
+        run_actions(env, [0, 1, 2, 3] * 5)
+        root = env.snapshot()
+        rng = np.random.default_rng(11)
+        calls = []
+
+        def policy(obs):
+            calls.append(np.array(obs, copy=True))
+            return int(rng.integers(0, 4))
+
+        seeds = [101, 102, 103, 104, 105, 106]
+        res = gym_fork.explore(env, root, policy, n_branches=6, horizon=120, rng="reseed", seeds=seeds,
+                               stop_at_done=stop_at_done, progress=False)
+        draws = np.random.default_rng(11).integers(0, 4, len(calls))  # what the calls drew, in order
+        assert len(calls) == sum(len(b.actions) for b in res.branches)
+        pos = 0
+        seen: dict[int, list] = {b.index: [] for b in res.branches}
+        for t in range(120):  # round t: the branches still running, in index order
+            for b in res.branches:
+                if len(b.actions) > t:
+                    assert b.actions[t] == draws[pos], (t, b.index)
+                    seen[b.index].append(calls[pos])
+                    pos += 1
+        assert pos == len(calls)
+        if stop_at_done:
+            assert any(len(b.actions) < 120 for b in res.branches), "some branch should end early"
+        for b, seed in zip(res.branches, seeds):
+            k = env.fork(root, 1, rng="reseed", seeds=[seed])[0]
+            try:
+                obs = k._request("last")[0]
+                rewards = []
+                for t, a in enumerate(b.actions):
+                    assert same(obs, seen[b.index][t]), f"branch {b.index}: the policy saw another obs at step {t}"
+                    obs, r, term, trunc, _ = k.step(a)
+                    rewards.append(float(r))
+                    if (term or trunc) and not stop_at_done:
+                        obs, _ = k.reset()
+                assert rewards == b.rewards
+            finally:
+                k.close()
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("stop_at_done", [True, False])
 def test_open_loop_explore_equals_stepping(stop_at_done):
     env = gym_fork.make("LunarLander-v3", backend="criu")
     try:
