@@ -434,6 +434,13 @@ class ForkableEnv(gym.Wrapper):
             if fin is not None:
                 fin()  # Workspace.discard: deletes only a gym_fork-made branch directory
 
+    def _begin_close(self) -> None:
+        """Send the worker its polite ``close`` now; :meth:`close` reads the reply (see
+        :func:`close_envs`). Nothing is sent while a live migration runs (cancelling it talks to
+        the worker first)."""
+        if not self._closed and self._live is None:
+            self._handle.begin_close()
+
     def _abort(self) -> None:
         """:meth:`close` without waiting for a request in flight whose reply nobody will read
         (explore()'s other branches after one failed): a polite close would first wait for the
@@ -1084,11 +1091,14 @@ def check_rng(rng: str, seeds: Sequence[int] | None, n: int, what: str) -> None:
 
 
 def close_envs(envs: Sequence[ForkableEnv]) -> None:
-    """Close every env in ``envs``, also when one fails to close.
+    """Close every env in ``envs``, also when one fails to close. Their workers close their envs
+    at the same time (every polite ``close`` is sent before any reply is read).
 
     Raises:
         The first ``close()`` error, after trying all of them.
     """
+    for env in envs:
+        env._begin_close()
     error = None
     for env in envs:
         try:

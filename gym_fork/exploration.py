@@ -196,7 +196,9 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             k._abort()
         raise
     finally:
-        for k in kids:
+        for k in kids:  # every worker closes its env at once ...
+            k._begin_close()
+        for k in kids:  # ... then each is stopped
             k.close()
         if own_root:
             root.release()

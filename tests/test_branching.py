@@ -226,3 +226,60 @@ def test_open_loop_explore_equals_stepping(stop_at_done):
         assert env.steps == root.steps + 5 == out["steps"] and len(env.snapshot().actions) == 5
     finally:
         env.close()
+
+
+def test_closing_many_envs_at_once_closes_every_workers_env_and_stops_every_worker(tmp_path):
+    """close_envs (and explore() for its branches) sends every worker its polite close before
+    reading any reply: each worker still runs its env's close(), and every worker is gone after."""
+    marks = str(tmp_path)
+
+    def make():
+        import uuid
+
+        class Closing(gym.Env):
+            observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+            action_space = gym.spaces.Discrete(2)
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                return np.zeros(1, np.float32), {}
+
+            def step(self, action):
+                return np.zeros(1, np.float32), 1.0, False, False, {}
+
+            def close(self):
+                open(os.path.join(marks, uuid.uuid4().hex), "w").close()
+
+        return Closing()
+
+    env = gym_fork.ForkableEnv(make, backend="criu", untracked_paths=[marks])
+    try:
+        env.reset(seed=0)
+        kids = env.fork(env.snapshot(), 4)
+        for k in kids:
+            k.step(0)
+        pids = [k.worker_pid for k in kids]
+        handles = [k._handle for k in kids]
+        sent_before_first_stop = []
+        real_kill = type(handles[0]).kill
+
+        def kill(self):
+            if not sent_before_first_stop:
+                sent_before_first_stop.append(sum(h._close_sent for h in handles))
+            real_kill(self)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(handles[0]), "kill", kill)
+            gym_fork.env.close_envs(kids)
+        assert sent_before_first_stop == [4]  # all four closes were on their way before any stop
+        assert all(k.closed for k in kids)
+        assert len(os.listdir(marks)) == 4  # each copy's env.close() ran, in its worker
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
+            assert time.monotonic() < deadline, "a closed copy's worker is still running"
+            time.sleep(0.02)
+        env.step(0)  # the env they were forked from is untouched
+    finally:
+        env.close()
+    assert len(os.listdir(marks)) == 5
+

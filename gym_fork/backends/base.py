@@ -41,12 +41,30 @@ class Handle(abc.ABC):
         """Take over what ``other``, the handle this one replaces, learned about step timing
         (nothing to learn in process)."""
 
+    #: a polite ``close`` was sent by :meth:`begin_close`; :meth:`close` reads its reply
+    _close_sent = False
+
+    def begin_close(self) -> None:
+        """First half of :meth:`close`: ask the worker to close its env without waiting, so that
+        many workers close at once (a polite close is a round trip: ~0.6 ms a worker here, which
+        closing explore()'s 16 branches one after another spent in the learner)."""
+        if self.closed or self._close_sent or not hasattr(self, "send") or getattr(self, "_pending", False):
+            return
+        try:
+            self.send("close")
+        except Exception:  # noqa: BLE001 - a dead worker: close() stops it
+            return
+        self._close_sent = True
+
     def close(self) -> None:
         """Close the env politely (``env.close()``), then stop the process."""
         if self.closed:
             return
         try:
-            self.request("close")
+            if self._close_sent:
+                self.receive()
+            else:
+                self.request("close")
         except Exception:  # noqa: BLE001 - closing a dead worker is not an error
             pass
         self.kill()
