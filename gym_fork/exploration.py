@@ -284,6 +284,25 @@ def _fill(b: Branch, out: dict) -> None:
     b.final_obs, b.final_info = out["final_obs"], out["final_info"]
 
 
+_ENDED = object()
+
+
+def _take_reply(kid: ForkableEnv, b: Branch, action: Any, stop_at_done: bool) -> Any:
+    """Record the reply to ``kid``'s step with ``action`` in its branch; the observation its
+    next action is chosen from (after an auto-reset where the episode ended), or ``_ENDED``
+    where the branch stops there."""
+    o, r, term, trunc, info = kid.step_receive()
+    b.actions.append(action)
+    b.rewards.append(float(r))
+    b.final_obs, b.final_info = o, info
+    if term or trunc:
+        b.terminated, b.truncated = bool(term), bool(trunc)
+        if stop_at_done:
+            return _ENDED
+        o, _ = kid.reset()
+    return o
+
+
 def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Callable[[Any], Any], obs0: Any,
                                horizon: int, stop_at_done: bool, bar: Any) -> None:
     """:func:`_run_closed_loop` for a policy of one observation: each branch's next step is sent
@@ -304,17 +323,9 @@ def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Calla
             more = t + 1 < horizon
             still = []
             for i in live:
-                a = pending.pop(i)
-                o, r, term, trunc, info = kids[i].step_receive()
-                b = branches[i]
-                b.actions.append(a)
-                b.rewards.append(float(r))
-                b.final_obs, b.final_info = o, info
-                if term or trunc:
-                    b.terminated, b.truncated = bool(term), bool(trunc)
-                    if stop_at_done:
-                        continue
-                    o, _ = kids[i].reset()
+                o = _take_reply(kids[i], branches[i], pending.pop(i), stop_at_done)
+                if o is _ENDED:
+                    continue
                 still.append(i)
                 if more:
                     pending[i] = a = policy(o)
@@ -345,16 +356,9 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
             kids[i].step_send(a)
         still = []
         for i, a in zip(live, actions):
-            o, r, term, trunc, info = kids[i].step_receive()
-            b = branches[i]
-            b.actions.append(a)
-            b.rewards.append(float(r))
-            b.final_obs, b.final_info = o, info
-            if term or trunc:
-                b.terminated, b.truncated = bool(term), bool(trunc)
-                if stop_at_done:
-                    continue
-                o, _ = kids[i].reset()
+            o = _take_reply(kids[i], branches[i], a, stop_at_done)
+            if o is _ENDED:
+                continue
             obs[i] = o
             still.append(i)
         live = still
