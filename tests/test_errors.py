@@ -7,6 +7,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -429,3 +431,56 @@ def test_criu_restores_killed_at_their_timeout_leave_no_process_behind(monkeypat
         for b in burners:
             b.kill()
         env.close()
+
+
+def test_a_worker_that_cannot_import_its_loop_says_why(tmp_path, monkeypatch):
+    # The worker's stderr is /dev/null (no worker_log): before, the learner only read "exited with
+    # code 1". A broken NumPy earlier on the worker's path makes its import fail.
+    broken = tmp_path / "numpy"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('this numpy is broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(_gym_fork_workers())
+    with pytest.raises(WorkerError) as info:
+        gym_fork.ForkableEnv("CartPole-v1")
+    assert isinstance(info.value, ImportError)
+    message = str(info.value)
+    assert "could not start" in message and "this numpy is broken on purpose" in message
+    assert "imports gym_fork and its dependencies" in message
+    assert "ImportError: this numpy is broken on purpose" in info.value.remote_traceback
+    assert eventually(lambda: set(_gym_fork_workers()) <= before), "the worker that failed is still running"
+
+
+def test_the_worker_launcher_answers_init_with_what_failed():
+    # A step of the launcher that fails (here: joining a network namespace through a descriptor
+    # that is not open) ends it before any worker runs; its reason must reach the controller.
+    from gym_fork.backends.criu import _PIDNS_LAUNCHER, _worker_environ
+    from gym_fork.worker.channel import Channel
+
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-S", "-c", _PIDNS_LAUNCHER, str(theirs.fileno()), "root", "", "",
+         sessiondir.session_dir(), "987"], pass_fds=[theirs.fileno()], env=_worker_environ(),
+        stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    theirs.close()
+    chan = Channel(ours)
+    chan.send(("init", None))
+    reply = chan.recv()
+    assert reply[0] == 1 and reply[1] == "OSError"  # channel.ERR
+    assert "setns(network namespace) failed: Bad file descriptor" in reply[2]
+    assert proc.wait(timeout=30) == 125
+    assert b"setns(network namespace) failed" in proc.stderr.read()  # and still in its log
+    ours.close()
+
+
+def _gym_fork_workers() -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"gym_fork.worker" in f.read():
+                        out.append(int(name))
+            except OSError:
+                continue
+    return out

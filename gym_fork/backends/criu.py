@@ -946,12 +946,20 @@ _PIDNS_LAUNCHER = """
 import ctypes, os, signal, sys
 fd, mode, holder, logpath, workdir, netns = sys.argv[1:7]
 binds = sys.argv[7:]  # SOURCE TARGET ...: private directories (gym_fork.worker.mounts), root only
-worker = [sys.executable, "-m", "gym_fork.worker.loop", fd]
+worker = [sys.executable, "-m", "gym_fork.worker", fd]
 if mode == "fork":
     os.execv(sys.executable, worker)
 libc = ctypes.CDLL(None, use_errno=True)
 def die(what):
-    sys.stderr.write("gym_fork: %s failed: %s\\n" % (what, os.strerror(ctypes.get_errno())))
+    why = "gym_fork's worker launcher: %s failed: %s" % (what, os.strerror(ctypes.get_errno()))
+    sys.stderr.write(why + "\\n")
+    # stderr may be /dev/null: the controller's init request gets the reason as its answer
+    # (gym_fork.worker.__main__ does the same; PYTHONPATH finds gym_fork even under -S)
+    try:
+        from gym_fork.worker.__main__ import answer_init_with_error
+        answer_init_with_error(int(fd), "OSError", "it could not start: " + why, "")
+    except Exception:
+        pass
     os._exit(125)
 if mode == "userns":
     for ns, flag in (("user", 0x10000000), ("mnt", 0x00020000)):

@@ -1,7 +1,8 @@
 """The worker process: one env, one channel, a plain command loop.
 
-Started by a backend as ``python -m gym_fork.worker.loop FD`` (for CRIU, as PID 1 of its own PID
-namespace through a small launcher).  It becomes a session leader (CRIU then needs no
+Started by a backend as ``python -m gym_fork.worker FD`` (:mod:`gym_fork.worker.__main__`, which
+reports a failed import on the channel; for CRIU, as PID 1 of its own PID namespace through a
+small launcher).  It becomes a session leader (CRIU then needs no
 ``--shell-job``), receives ``("init", source)``, builds the env and serves commands until
 ``close`` or until the controller goes away (EOF on the channel), so a worker never outlives
 its controller.
@@ -595,10 +596,15 @@ def main(argv: list[str]) -> int:
         os.setsid()
     except OSError:
         pass  # already a session leader
-    lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
-    files.install()  # files the env writes outside its workspace (see gym_fork.worker.files)
-    fswatch.forked = _FORKED  # the same set: fork-tier processes are not the env's
-    fswatch.start(refresh=True)  # ... and what its children and native code write (root only)
+    failed = None  # stdout and stderr may be /dev/null: a setup error is the init request's answer
+    try:
+        lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
+        files.install()  # files the env writes outside its workspace (see gym_fork.worker.files)
+        fswatch.forked = _FORKED  # the same set: fork-tier processes are not the env's
+        fswatch.start(refresh=True)  # ... and what its children and native code write (root only)
+    except Exception as exc:  # noqa: BLE001
+        failed = (ERR, type(exc).__name__, f"it could not start, setting up the worker failed: {exc}",
+                  traceback.format_exc())
     chan = Channel.from_fd(int(argv[1]))
     try:
         cmd, args = chan.recv()
@@ -607,6 +613,9 @@ def main(argv: list[str]) -> int:
     if cmd != "init":
         chan.send((ERR, "ProtocolError", f"expected init, got {cmd!r}", ""))
         return 2
+    if failed is not None:
+        chan.send(failed)
+        return 1
     try:
         output.install(args[0])  # the env's warnings, logs and prints reach the user
         fswatch.warn_if_blind()
