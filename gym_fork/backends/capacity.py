@@ -57,13 +57,17 @@ def _int(text: str | None) -> int | None:
         return None  # "max": no limit
 
 
-def _smaps(pid: int) -> dict[str, int]:
-    out = {}
-    for line in (_read(f"/proc/{pid}/smaps_rollup") or "").splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[1].isdigit():
-            out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return out
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _anonymous_bytes(pid: int) -> int | None:
+    """``pid``'s resident anonymous memory (its ``RssAnon``), from ``/proc/PID/statm``: resident
+    minus shared pages (file and shmem).  Read on every ``fork()``: ``smaps_rollup`` gives the
+    same number by walking every page table, 0.4-1 ms for a 50 MB worker, ~30x this."""
+    fields = (_read(f"/proc/{pid}/statm") or "").split()
+    if len(fields) < 3 or not (fields[1].isdigit() and fields[2].isdigit()):
+        return None
+    return max(int(fields[1]) - int(fields[2]), 0) * _PAGE
 
 
 def copy_cost(payload: Any) -> CopyCost:
@@ -73,7 +77,8 @@ def copy_cost(payload: Any) -> CopyCost:
     if isinstance(payload, (bytes, bytearray)):
         return CopyCost(0, 0, max(3 * len(payload), 64 << 10), "an unpickled copy in this process")
     if isinstance(payload, ForkPayload) and payload.chan is not None:
-        anon = _smaps(payload.pid).get("Anonymous", 64 << 20)
+        anon = _anonymous_bytes(payload.pid)
+        anon = 64 << 20 if anon is None else anon
         return CopyCost(1, 1, anon // _CLONE_SHARE + _PROCESS_OVERHEAD, "a copy-on-write clone")
     image = payload.image if isinstance(payload, ForkPayload) else payload
     if isinstance(image, CriuPayload):

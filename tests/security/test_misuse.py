@@ -55,6 +55,32 @@ def test_a_million_copies_are_refused_with_numbers(kw):
         env.close()
 
 
+@pytest.mark.criu
+def test_copy_on_write_clones_are_estimated_from_the_frozen_process_anonymous_memory():
+    from gym_fork.backends import capacity
+
+    env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        for _ in range(20):
+            env.step(0)
+        s = env.snapshot()
+        with s._open_payload() as payload:
+            cost = capacity.copy_cost(payload)
+            with open(f"/proc/{payload.pid}/smaps_rollup") as f:  # the page-table walk it replaces
+                anon = next(int(line.split()[1]) * 1024 for line in f if line.startswith("Anonymous:"))
+        assert cost.how == "a copy-on-write clone" and (cost.processes, cost.threads) == (1, 1)
+        assert anon > 8 << 20  # a LunarLander worker: tens of MB
+        # a quarter of the frozen process's anonymous memory, plus a process's overhead
+        assert abs(cost.memory - (anon // 4 + (1 << 20))) <= 64 << 10
+        fit = int(capacity.limits()["memory"][0] * 0.9) // cost.memory
+        with pytest.raises(CapacityError, match=r"copy-on-write clone\) is estimated to need .*MiB.*max_copies=N"):
+            env.fork(s, 2 * fit + 10)
+        env.step(0)
+    finally:
+        env.close()
+
+
 def test_pickle_copies_are_bounded_by_memory(monkeypatch):
     env = gym_fork.make("CartPole-v1", backend="pickle")
     try:
