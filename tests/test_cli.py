@@ -161,3 +161,20 @@ def test_doctor_says_whether_envs_get_step_rings_and_who_holds_them(capsys, monk
     monkeypatch.setenv("GYM_FORK_RING", "0")
     code, out = run_main(capsys, "doctor", "--json", "--no-probe")
     assert json.loads(out)["checks"]["step_rings"]["value"].startswith("off")
+
+
+def test_run_says_why_a_job_did_not_run(tmp_path):
+    """`gym-fork run` keeps the job's stdio in log files (CRIU moves the job with them), so a job
+    that fails says nothing on the terminal by itself: the supervisor says it, with the log's end."""
+    base = [sys.executable, "-m", "gym_fork.cli", "run", "--log-dir", str(tmp_path), "--"]
+    missing = subprocess.run(base + ["no-such-trainer-xyz"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 127
+    assert "cannot run 'no-such-trainer-xyz': no such executable" in missing.stderr
+    assert not (tmp_path / "stderr.log").exists()  # refused before anything started
+    script = "import sys; print('step 1'); print('lost the dataset', file=sys.stderr); sys.exit(3)"
+    failed = subprocess.run(base + [sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 3
+    assert f"the job exited with code 3; the end of {tmp_path / 'stderr.log'}:\nlost the dataset" in failed.stderr
+    assert (tmp_path / "stdout.log").read_text() == "step 1\n"
+    ok = subprocess.run(base + [sys.executable, "-c", "print('fine')"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "exited with code" not in ok.stderr

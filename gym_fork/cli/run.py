@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import socket
 import sys
 
@@ -46,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         print("gym-fork run: give the command after --", file=sys.stderr)
         return 2
+    if shutil.which(cmd[0]) is None:  # else the job's exec fails inside its namespace, seen only in its log
+        print(f"gym-fork run: cannot run {cmd[0]!r}: no such executable (not a path to one, and not on PATH)",
+              file=sys.stderr)
+        return 127
     try:
         token: bytes | None = load_token(None, args.token_file)
     except ValueError as e:

@@ -269,4 +269,20 @@ def supervise(cmd: list[str], *, node: str, log_dir: str, token: bytes | None,
         print(f"gym-fork run: the job now runs on {host.targets.describe(host.moved_to or '')}; "
               "this supervisor exits", flush=True)
         return 0
-    return host.returncode if host.returncode is not None else 1
+    rc = host.returncode if host.returncode is not None else 1
+    if rc != 0:  # its stderr is in a log file: say so, with the lines that tell why
+        err_log = os.path.join(os.path.abspath(log_dir), "stderr.log")
+        print(f"gym-fork run: the job exited with code {rc}; the end of {err_log}:\n"
+              f"{_last_lines(err_log, 8)}", file=sys.stderr, flush=True)
+    return rc
+
+
+def _last_lines(path: str, n: int) -> str:
+    """The last ``n`` lines of a log that may be large (a long training's): its last 16 KiB."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - (16 << 10), 0))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.rstrip("\n").splitlines()[-n:]) or "(empty)"
