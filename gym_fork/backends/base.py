@@ -45,16 +45,8 @@ class Handle(abc.ABC):
     _close_sent = False
 
     def begin_close(self) -> None:
-        """First half of :meth:`close`: ask the worker to close its env without waiting, so that
-        many workers close at once (a polite close is a round trip: ~0.6 ms a worker here, which
-        closing explore()'s 16 branches one after another spent in the learner)."""
-        if self.closed or self._close_sent or not hasattr(self, "send") or getattr(self, "_pending", False):
-            return
-        try:
-            self.send("close")
-        except Exception:  # noqa: BLE001 - a dead worker: close() stops it
-            return
-        self._close_sent = True
+        """First half of :meth:`close`, where closing is a round trip worth overlapping with
+        others' (a worker's); here nothing: :meth:`close` does it all."""
 
     def close(self) -> None:
         """Close the env politely (``env.close()``), then stop the process."""
@@ -262,6 +254,19 @@ class RemoteHandle(Handle):
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
 
+    def begin_close(self) -> None:
+        """Ask the worker to close its env without waiting, so that many workers close at once
+        (a polite close is a round trip: ~0.6 ms a worker here, which closing explore()'s 16
+        branches one after another spent in the learner); :meth:`close` reads the answer.
+        Nothing while a request's reply is unread (``close`` then does it all, as before)."""
+        if self.closed or self._close_sent or self._pending:
+            return
+        try:
+            self.send("close")
+        except Exception:  # noqa: BLE001 - a dead worker: close() stops it
+            return
+        self._close_sent = True
+
     def receive(self) -> Any:
         """Second half of a request sent with :meth:`send`."""
         cmd = self._cmd
@@ -307,7 +312,8 @@ class RemoteHandle(Handle):
             self._pending = False
         self._cmd, self._offered = cmd, False
         ring = self.ring
-        self._sent_at = time.perf_counter()
+        if cmd == "step" and ring is None:
+            self._sent_at = time.perf_counter()  # receive() polls from here (a ring times itself)
         if cmd == "step" and self.packed:
             if ring is None:
                 chan.send_step(args[0])
