@@ -145,6 +145,48 @@ def test_ring_survives_env_output(ring_on):
         env.close()
 
 
+def test_output_while_a_snapshot_is_answered_keeps_the_ring_in_step(ring_on, capsys):
+    """What the worker prints while it answers snapshot() (here an env's own audit hook, which
+    sees gym_fork's scan before the fork) rides ahead of that answer, which the ring announces
+    once: announced twice, the next steps waited on both sides forever."""
+    import signal
+    import sys
+
+    class AuditedCartPole(gym.Wrapper):
+        def __init__(self):
+            super().__init__(gym.make("CartPole-v1"))
+            sys.addaudithook(self.hook)
+
+        @staticmethod
+        def hook(event, args):
+            if event == "os.listdir" and args and str(args[0]) == "/proc/self/task":
+                print("env: the worker looked at its threads")
+
+    def hung(_sig, _frame):
+        env._handle.kill()  # a polite close would hang the same way
+        raise TimeoutError("the steps after a snapshot hung")
+
+    ring_on()
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    env = gym_fork.ForkableEnv(AuditedCartPole, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        run_actions(env, [0, 1] * 5)
+        assert _uses_ring(env)
+        capsys.readouterr()
+        snap = env.snapshot()
+        assert "the worker looked at its threads" in capsys.readouterr().out
+        after = run_actions(env, [0, 1, 1, 0, 0])
+        assert _uses_ring(env)
+        env.restore(snap)
+        assert_same_traj(run_actions(env, [0, 1, 1, 0, 0]), after)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        env.close()
+
+
 def test_a_restored_copy_polls_at_its_predecessors_ring_pace(monkeypatch):
     """Steps through a ring teach the ring's pace, not the socket's: a restored copy's handle
     polls for its first replies at that pace (they go on the socket until its own ring is

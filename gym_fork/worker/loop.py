@@ -232,10 +232,14 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 # the files the env (its children, native code) changed up to now, ahead of the
                 # answer: the controller refuses the snapshot if one is outside its workspace
                 fswatch.drain()
-                output.flush(_Replies(chan, ring))
+                # One sink for the output and the answer: with a ring, a reply is announced
+                # there once, whatever rides ahead of it (two announcements for one answer left
+                # the controller a reply ahead, and the next step waited on both sides forever).
+                sink = _Replies(chan, ring)
+                output.flush(sink)  # e.g. what an env's audit hook printed during the scan
                 if scan.resources:
                     os.close(fd)
-                    _Replies(chan, ring).send((OK, scan.to_wire()))
+                    sink.send((OK, scan.to_wire()))
                     if ring is not None:
                         ring.close()
                         ring = None
@@ -245,7 +249,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 # on (its next request waits in the socket; work it does meanwhile -- the
                 # policy's next action -- overlaps the fork). A request on the new snapshot's
                 # own channel waits likewise until the child serves it.
-                _Replies(chan, ring).send((OK, None))
+                sink.send((OK, None))
                 try:
                     pid = _fork_child(fd, chan)  # the child drops the ring (gym_fork.worker.ring)
                 except OSError as exc:  # e.g. ENOMEM: the snapshot's channel closes; using it
