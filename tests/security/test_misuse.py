@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import run_actions
 
 import gym_fork
 from gym_fork.errors import BundleError, CapacityError
@@ -62,8 +63,7 @@ def test_copy_on_write_clones_are_estimated_from_the_frozen_process_anonymous_me
     env = gym_fork.make("LunarLander-v3", backend="criu", fork_tier=True)
     try:
         env.reset(seed=0)
-        for _ in range(20):
-            env.step(0)
+        run_actions(env, [0, 2] * 10)
         s = env.snapshot()
         with s._open_payload() as payload:
             cost = capacity.copy_cost(payload)
