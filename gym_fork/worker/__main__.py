@@ -59,10 +59,9 @@ def main(argv: list[str]) -> int:
     try:
         from gym_fork.worker import loop
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the learner must hear of it
-        message = (f"it could not start, importing gym_fork.worker.loop failed: {exc}. The worker "
-                   f"runs {sys.executable} with the "
-                   f"learner's sys.path; check that this interpreter imports gym_fork and its "
-                   f"dependencies (the worker's traceback is in this error's remote_traceback)")
+        message = (f"it could not start, importing gym_fork.worker.loop failed: {exc}. The worker runs "
+                   f"{sys.executable} with the learner's sys.path; check that this interpreter imports "
+                   "gym_fork and its dependencies (the worker's traceback is in this error's remote_traceback)")
         answer_init_with_error(int(argv[1]), type(exc).__name__, message, traceback.format_exc())
         return 1
     return loop.main(argv)
