@@ -69,6 +69,16 @@ def run_in_child(fn) -> bytes:
     return out
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not gone, not a zombie). Reading the ``stat`` of a process that exits
+    meanwhile fails (ESRCH, or ENOENT): that is "gone", never an error of the test."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def eventually(cond, timeout: float = 5.0, every: float = 0.01) -> bool:
     """Whether ``cond()`` becomes true within ``timeout`` seconds (asked every ``every``)."""
     deadline = time.monotonic() + timeout

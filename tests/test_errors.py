@@ -15,7 +15,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import eventually
+from conftest import eventually, process_alive
 
 import gym_fork
 from gym_fork.snapshots import sessiondir
@@ -35,12 +35,7 @@ from gym_fork.errors import (
 pytestmark = pytest.mark.criu
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+_alive = process_alive
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import assert_same_traj, run_actions
+from conftest import assert_same_traj, process_alive, run_actions
 
 import gym_fork
 from gym_fork.backends.base import RemoteHandle
@@ -374,10 +374,7 @@ def test_a_copy_replaced_while_it_spins_on_its_ring_exits_at_once(ring_on, monke
         copy = env.worker_pid
         env.restore(snap)
         deadline = time.monotonic() + 1.5
-        while os.path.exists(f"/proc/{copy}") and time.monotonic() < deadline:
-            with open(f"/proc/{copy}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
-                    break
+        while process_alive(copy) and time.monotonic() < deadline:
             time.sleep(0.001)
         assert time.monotonic() < deadline, "the replaced copy spun on instead of exiting"
     finally:

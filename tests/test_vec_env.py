@@ -11,7 +11,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import same
+from conftest import process_alive, same
 from gymnasium.wrappers import ClipAction, RecordEpisodeStatistics, TimeLimit
 from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
@@ -62,12 +62,7 @@ def walk_factory():
     return make_walk
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+_alive = process_alive
 
 
 def _pidns_members(pid: int) -> set[int]:
