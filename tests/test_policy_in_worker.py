@@ -8,7 +8,7 @@ import os
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import eventually, same
+from conftest import eventually, process_alive, same
 
 import gym_fork
 from gym_fork.errors import PolicyError, WorkerError
@@ -247,11 +247,7 @@ def test_a_worker_stops_its_long_rollout_when_its_controller_dies():
     pid = int(out.stdout.split()[0])
 
     def running() -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except FileNotFoundError:
-            return False
+        return process_alive(pid)
 
     for _ in range(200):  # it looks every 64 steps (~1 ms here) whether anyone still waits
         if not running():
