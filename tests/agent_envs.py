@@ -278,6 +278,32 @@ class GlobalRNGEnv(_Base):
         return self._obs(value + int(action)), 0.0, *self._done(), {}
 
 
+class TempScriptEnv(_Base):
+    """Like an agent's code tool: each step writes a throwaway script with ``tempfile`` (deleted
+    again) and observes its name, as a traceback or a tool's log would show it. ``tempfile``
+    draws names from a generator it seeds afresh in any process whose pid is not the one it last
+    drew in: a forked copy that did not carry it on would name its scripts differently.
+    ``scratch``: the directory for them (default: the temp directory)."""
+
+    def __init__(self, scratch: str | None = None) -> None:
+        super().__init__()
+        self.scratch = scratch
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        with tempfile.NamedTemporaryFile("w", prefix=f"tool{int(action)}-", suffix=".py", dir=self.scratch) as f:
+            f.write(f"print({self.t})\n")
+            f.flush()
+            name = os.path.basename(f.name)
+        value = float(int.from_bytes(name.encode()[-12:], "big") % (1 << 40))
+        return self._obs(value), 0.0, *self._done(), {"script": name}
+
+
 class LateChildEnv(PipeChildEnv):
     """Runs a short tool (``true``) at every reset, and starts its stateful child (the counter over
     a pipe) only at step 3: its early snapshots are copy-on-write forks, its later ones CRIU dumps
@@ -416,6 +442,14 @@ def thread_after_reset():
 
 def global_rng():
     return GlobalRNGEnv()
+
+
+def temp_script():
+    return TempScriptEnv()
+
+
+def temp_script_in(scratch: str):
+    return TempScriptEnv(scratch)
 
 
 def global_rng_torch():

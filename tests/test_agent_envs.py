@@ -10,6 +10,7 @@ writes and diverge.  Afterwards no process of any copy is left.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -424,6 +425,50 @@ def test_global_rng_env_exact_on_criu(fork_tier):
         kid = env.fork(snap)[0]
         assert_same_traj(first, [step(kid, a) for a in (0, 1, 2, 3, 0)])
         kid.close()
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_temporary_file_names_continue_exactly(fork_tier):
+    """``tempfile`` names (``NamedTemporaryFile``, ``mkstemp``, ...) continue as in the original:
+    a fork-tier copy has another pid, where ``tempfile`` would seed its name generator afresh
+    (its copies re-key it); a CRIU restore keeps the pid."""
+    payload = "ForkPayload" if fork_tier else "CriuPayload"
+    check_exact_and_isolated(agent_envs.temp_script, mechanism=payload, backend="criu", fork_tier=fork_tier)
+    env = gym_fork.ForkableEnv(agent_envs.temp_script, backend="criu", fork_tier=fork_tier)
+    try:  # a copy of a copy (a snapshot of a restored env), its ready copy, and explore()'s branches
+        env.reset(seed=1)
+        env.step(0)
+        s1 = env.snapshot(restore_soon=True)
+        env.step(1)
+        env.restore(s1)
+        env.step(2)
+        s2 = env.snapshot(restore_soon=True)
+        first = [step(env, a) for a in (0, 1, 2, 3)]
+        time.sleep(0.1)  # the ready copy is forked after a quiet spell
+        env.restore(s2)
+        assert_same_traj(first, [step(env, a) for a in (0, 1, 2, 3)])
+    finally:
+        env.close()
+
+
+def test_concurrent_branches_draw_the_same_temporary_names_in_private_scratch_dirs(tmp_path):
+    """Branches that run at the same time draw the same ``tempfile`` names as the original (as
+    CRIU restores always did): in a shared directory they would collide (``mkstemp`` then skips
+    to the next name); with the scratch directory private, each branch has it to itself."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.temp_script_in, str(scratch)), backend="criu",
+                               private_dirs=[str(scratch)])
+    try:
+        env.reset(seed=1)
+        env.step(0)
+        snap = env.snapshot()
+        want = [step(env, a)[4]["script"] for a in (0, 1, 2, 3)]
+        res = gym_fork.explore(env, snap, None, n_branches=3, actions=[[0, 1, 2, 3]] * 3, rng="same", progress=False)
+        assert [b.final_info["script"] for b in res.branches] == [want[-1]] * 3
+        assert os.listdir(scratch) == []  # the template is never written
     finally:
         env.close()
 

@@ -123,19 +123,53 @@ def _check_single_threaded() -> None:
 
 
 def _fork_exact() -> int:
-    """``os.fork()``, but the child keeps the global ``random`` state: Python reseeds it in every
-    forked child (an at-fork hook), which would make a copy-on-write snapshot of an env that draws
-    from ``random`` continue differently from the original."""
+    """``os.fork()``, but the child goes on drawing what the parent would have drawn.
+
+    Python makes a forked child draw differently from its parent, on purpose for processes an
+    env starts, wrongly for a copy that must continue the parent's state exactly:
+
+    * the global ``random`` state is reseeded in every child (an at-fork hook): kept here;
+    * ``tempfile`` names (``mkstemp``, ``mkdtemp``, ``NamedTemporaryFile``, ...) and
+      ``multiprocessing`` lock names come from a generator that starts over, freshly seeded,
+      in any process whose pid is not the one it last drew in: re-keyed to the child's pid
+      (:func:`_rekey_name_sequences`), so a copy draws the names its parent would have drawn.
+    """
     rnd = sys.modules.get("random")
     state = rnd.getstate() if rnd is not None else None
+    parent = os.getpid()
     files.quiet_fork = True  # gym_fork's fork, not a process the env started
     try:
         pid = os.fork()
     finally:
         files.quiet_fork = False
-    if pid == 0 and state is not None:
-        rnd.setstate(state)
+    if pid == 0:
+        if state is not None:
+            rnd.setstate(state)
+        _rekey_name_sequences(parent)
     return pid
+
+
+def _name_sequences() -> list:
+    """The pid-keyed name generators of the standard library loaded in this process."""
+    found = []
+    tmp = sys.modules.get("tempfile")
+    if tmp is not None and getattr(tmp, "_name_sequence", None) is not None:
+        found.append(tmp._name_sequence)
+    sync = sys.modules.get("multiprocessing.synchronize")
+    if sync is not None and getattr(getattr(sync, "SemLock", None), "_rand", None) is not None:
+        found.append(sync.SemLock._rand)
+    return found
+
+
+def _rekey_name_sequences(parent: int) -> None:
+    """In a copy just forked from ``parent``: a generator that last drew in the parent goes on
+    from its state instead of starting over (``tempfile._RandomNameSequence`` compares its
+    ``_rng_pid`` with ``os.getpid()`` at every draw)."""
+    me = None
+    for seq in _name_sequences():
+        if getattr(seq, "_rng_pid", None) == parent and getattr(seq, "_rng", None) is not None:
+            me = me or os.getpid()
+            seq._rng_pid = me
 
 
 def _fork_child(keep_fd: int, *drop: Channel | None) -> int:

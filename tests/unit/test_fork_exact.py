@@ -1,0 +1,53 @@
+"""``_fork_exact``: a fork-tier copy draws what its parent would have drawn next, where CPython
+makes every forked child draw afresh (the global ``random`` state, ``tempfile`` names,
+``multiprocessing`` lock names)."""
+
+from __future__ import annotations
+
+import multiprocessing.synchronize
+import os
+import pickle
+import random
+import tempfile
+
+from gym_fork.worker.loop import _fork_exact
+
+
+def _draws() -> tuple:
+    return (random.random(), next(tempfile._get_candidate_names()),
+            next(multiprocessing.synchronize.SemLock._rand))
+
+
+def test_a_forked_copy_draws_what_its_parent_draws_next():
+    _draws()  # every generator has drawn in this process: keyed to its pid
+    r, w = os.pipe()
+    pid = _fork_exact()
+    if pid == 0:  # the copy: report its next draws, exit at once
+        try:
+            os.write(w, pickle.dumps(_draws()))
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        copy = pickle.loads(f.read())
+    os.waitpid(pid, 0)
+    assert copy == _draws()
+
+
+def test_a_process_the_env_forks_itself_still_draws_afresh():
+    """Only gym_fork's own copies are re-keyed: a child the env starts with ``os.fork()`` gets
+    the fresh names CPython gives it (it must not collide with its parent's files)."""
+    _draws()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, pickle.dumps(_draws()[1:]))
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        child = pickle.loads(f.read())
+    os.waitpid(pid, 0)
+    mine = _draws()[1:]
+    assert child[0] != mine[0] and child[1] != mine[1]
