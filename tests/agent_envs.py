@@ -304,6 +304,42 @@ class TempScriptEnv(_Base):
         return self._obs(value), 0.0, *self._done(), {"script": name}
 
 
+class GoalsLeftEnv(_Base):
+    """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
+    first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an
+    empty set) iterates in another order: the copy would head elsewhere."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.left = set(range(0, 1000, 7))
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        for goal in list(self.left)[: 25 + int(action)]:
+            self.left.discard(goal)
+        return self._obs(float(next(iter(self.left), -1))), 0.0, *self._done(), {}
+
+
+class ItemsInViewEnv(_Base):
+    """A text adventure's room: the items in view are a set of names, and the observation is
+    the one listed first. String hashes differ between processes (PYTHONHASHSEED), and with them
+    the order a set of strings iterates in."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.items = {"lamp", "key", "map"}
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        self.items.add(f"coin{self.t}")
+        first = next(iter(self.items))
+        return self._obs(float(sum(first.encode()))), 0.0, *self._done(), {"first": first}
+
+
 class LateChildEnv(PipeChildEnv):
     """Runs a short tool (``true``) at every reset, and starts its stateful child (the counter over
     a pipe) only at step 3: its early snapshots are copy-on-write forks, its later ones CRIU dumps
@@ -446,6 +482,14 @@ def global_rng():
 
 def temp_script():
     return TempScriptEnv()
+
+
+def goals_left():
+    return GoalsLeftEnv()
+
+
+def items_in_view():
+    return ItemsInViewEnv()
 
 
 def temp_script_in(scratch: str):

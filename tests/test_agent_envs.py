@@ -410,6 +410,43 @@ def test_global_rng_env_refused_by_pickle(factory):
         env.close()
 
 
+def test_pickle_refuses_a_set_whose_order_pickling_would_change():
+    """A set that shrank iterates in another order once pickled (loading adds its elements to an
+    empty set, laid out anew); an env that heads for the set's first element would go on
+    elsewhere after a restore. Every pickle snapshot looks for such sets and refuses, naming it;
+    the env is untouched and steps on; process snapshots copy it exactly."""
+    env = gym_fork.ForkableEnv(agent_envs.goals_left, backend="pickle")
+    try:
+        env.reset(seed=0)
+        refused = None
+        for i in range(12):
+            env.step(0)
+            try:
+                env.snapshot()
+            except gym_fork.errors.UnsupportedEnvError as e:
+                refused = (i, str(e))
+                break
+        assert refused is not None, "the shrinking set was never noticed"
+        assert "env.left (a set whose order changes when it is pickled)" in refused[1]
+        assert "sorted(" in refused[1] and "backend='criu'" in refused[1]
+        left = set(env.unwrapped.left)
+        env.step(0)  # untouched: it steps on from where it was
+        assert len(env.unwrapped.left) < len(left)
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(agent_envs.goals_left, backend="criu")
+    try:
+        env.reset(seed=0)
+        for _ in range(refused[0] + 1):
+            env.step(0)
+        snap = env.snapshot()
+        first = [step(env, 0) for _ in range(4)]
+        env.restore(snap)
+        assert_same_traj(first, [step(env, 0) for _ in range(4)])
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
 def test_global_rng_env_exact_on_criu(fork_tier):
     """The worker process holds the global RNGs: copies are exact (the fork tier keeps `random`'s

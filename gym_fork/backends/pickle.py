@@ -22,7 +22,7 @@ import numpy as np
 
 from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.backends.exactness import copies_diverge
-from gym_fork.errors import BundleDamagedError, SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
+from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
 from gym_fork.snapshots.bundle import check_field
 from gym_fork.snapshots.files import read_bounded
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
@@ -90,6 +90,95 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
     return None
 
 
+# Types whose instances hash alike in every process (``str`` and ``bytes`` hashes are seeded per
+# process, PYTHONHASHSEED; a plain object hashes by its address).
+_STABLE_HASH = (int, float, bool, complex, type(None), np.number, np.bool_)
+_LEAVES = (int, float, bool, complex, str, bytes, type(None), np.ndarray, np.generic, np.random.Generator)
+#: what pickle's hash-order note says a user can do about it
+_SET_ORDER_FIX = ("iterate it in a fixed order (sorted(...)), or keep a dict (ordered by insertion) or a list "
+                  "instead; or use backend='criu', which snapshots the whole process")
+
+
+def _hash_stable(x: Any) -> bool:
+    if isinstance(x, _STABLE_HASH):
+        return True
+    return type(x) in (tuple, frozenset) and all(_hash_stable(y) for y in x)
+
+
+def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") -> str | None:
+    """Where a pickled copy of ``obj`` would iterate a set in another order than ``obj`` does, or
+    None.
+
+    A pickle holds a set's elements in iteration order, and loading adds them to an empty set one
+    by one. The copy may lay them out differently: a set that shrank keeps its larger table, so
+    ``{14, 35, 700}`` left over from ``set(range(0, 1000, 7))`` iterates 14, 35, 700 and its copy
+    35, 700, 14; and in another process, strings and bytes hash differently (PYTHONHASHSEED), as do
+    objects hashed by their address. An env that iterates such a set (the next goal, the items an
+    observation lists) would then go on differently, silently. With ``cross_process`` (a copy
+    loaded in a process whose string hashes differ), any set of two or more elements that are not
+    numbers counts.
+
+    Walks what :func:`state_difference` compares: instance ``__dict__``s, dicts, lists, tuples and
+    sets, up to 12 levels deep.
+    """
+    seen: set[int] = set()
+    # (object, where it hangs: (parent's entry, key, kind) or None, depth); a path string is
+    # built only for what is reported
+    todo: list[tuple[Any, Any, int]] = [(obj, None, 0)]
+    leaves, add, push = _LEAVES, seen.add, todo.append
+    while todo:
+        entry = todo.pop()
+        x, _at, depth = entry
+        if depth > 12 or id(x) in seen:
+            continue
+        add(id(x))
+        if isinstance(x, (set, frozenset)):
+            if len(x) < 2:
+                continue
+            items = list(x)
+            odd = next((i for i in items if not _hash_stable(i)), None) if cross_process else None
+            if odd is not None:
+                return f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__}s, whose order follows the hash seed)"
+            if items != list(type(x)(items) if type(x) in (set, frozenset) else set(items)):
+                return f"{_path(entry, path)} (a {type(x).__name__} whose order changes when it is pickled)"
+            continue
+        if isinstance(x, dict):
+            pairs = x.items()
+            kind = "item"
+        elif isinstance(x, (list, tuple)):
+            pairs = enumerate(x)
+            kind = "item"
+        elif isinstance(x, type) or (callable(x) and not hasattr(x, "__dict__")):
+            continue
+        else:
+            d = getattr(x, "__dict__", None)
+            if not isinstance(d, dict):
+                continue
+            pairs = d.items()
+            kind = "attr"
+        for k, v in pairs:
+            if isinstance(v, leaves) or type(v) is tuple and all([isinstance(e, leaves) for e in v]):
+                continue  # (a tuple of plain values, e.g. a transition table's rows: nothing to look at)
+            push((v, (entry, k, kind), depth + 1))
+    return None
+
+
+def _path(entry: tuple, root: str) -> str:
+    keys = []
+    at = entry[1]
+    while at is not None:
+        parent, k, kind = at
+        keys.append(f".{k}" if kind == "attr" else f"[{k!r}]")
+        at = parent[1]
+    return root + "".join(reversed(keys))
+
+
+def str_hash_probe() -> int:
+    """This process's hash of a fixed string: equal in two processes exactly when their string
+    hashes agree (the same PYTHONHASHSEED)."""
+    return hash("gym_fork: string hash probe")
+
+
 class _PickleHandle(LocalHandle):
     verified = False  # the exactness check ran (and could step the copies) for this env lineage
 
@@ -126,7 +215,17 @@ class PickleBackend(Backend):
         if not handle.verified:
             # verified once a check could step the copies (not before reset(): then again next time)
             handle.verified = self._check_copy(s.env, blob)
+        else:  # a set can start to lose its order later (it shrank): looked for at every snapshot
+            self._check_set_order(s.env)
         return blob, len(blob)
+
+    @staticmethod
+    def _check_set_order(env: gym.Env) -> None:
+        where = set_order_problem(env)
+        if where is not None:
+            raise UnsupportedEnvError(
+                f"a pickled copy of {type(env.unwrapped).__name__} would iterate {where} in another order, "
+                f"so a restore could continue differently; {_SET_ORDER_FIX}. Nothing was snapshotted.")
 
     def check_exact(self, handle: Handle) -> None:
         """Raise (UnsupportedEnvError / SnapshotError) unless this env pickles exactly right now.
@@ -146,6 +245,7 @@ class PickleBackend(Backend):
         answer identically: state outside the pickle, e.g. the global RNGs, is caught). Returns
         whether the copies could be stepped (False before reset(): check again later)."""
         name = type(env.unwrapped).__name__
+        PickleBackend._check_set_order(env)
         diff = state_difference(env, cloudpickle.loads(blob)[0])
         if diff is not None:
             raise UnsupportedEnvError(
@@ -183,7 +283,8 @@ class PickleBackend(Backend):
         """``payload.pkl``; its size and sha256 go into the signed metadata."""
         with open(os.path.join(dest_dir, PAYLOAD), "wb") as f:
             f.write(payload)
-        return {"payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_size": len(payload)}
+        return {"payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_size": len(payload),
+                "str_hash_probe": str_hash_probe()}
 
     def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[bytes, int]:
         """The pickle bytes (a regular file, opened without following links or blocking, read up
@@ -197,11 +298,28 @@ class PickleBackend(Backend):
             raise SnapshotCorruptedError(f"{e}; it was not unpickled") from None
         if not hmac.compare_digest(hashlib.sha256(payload).hexdigest(), meta["payload_sha256"]):
             raise SnapshotCorruptedError(f"{bundle_dir}/{PAYLOAD} fails its sha256 check; it was not unpickled")
+        if meta.get("str_hash_probe") != str_hash_probe():
+            # Saved where strings hashed differently (or before the probe was signed): a set whose
+            # order follows the hashes would iterate differently here. The payload is authentic
+            # (signed metadata, sha256 above), so it may be unpickled to look.
+            try:
+                state = cloudpickle.loads(payload)
+            except Exception as e:  # noqa: BLE001
+                raise SnapshotCorruptedError(f"{bundle_dir}: the pickle snapshot does not load: {type(e).__name__}: {e}") from e
+            where = set_order_problem(state[0], cross_process=True)
+            if where is not None:
+                raise BundleError(
+                    f"{bundle_dir}: this pickle snapshot was saved by a process whose string hashes differ from this "
+                    f"one's, and the env holds {where}: here it would iterate in another order, so the env could "
+                    "continue differently. Start both processes with the same PYTHONHASHSEED (e.g. "
+                    "PYTHONHASHSEED=0), keep that set in a fixed order in the env (sorted(...), a dict or a "
+                    "list), or save it with backend='criu'. Nothing was restored.")
         return payload, len(payload)
 
     def check_compatible(self, meta: dict, path: str) -> None:
         """The pickle fields' types (BundleDamagedError)."""
         check_field(meta, "payload_sha256", (str,), path)
+        check_field(meta, "str_hash_probe", (int,), path, optional=True)
         size = check_field(meta, "payload_size", (int,), path, optional=True)
         if size is not None and size < 0:
             raise BundleDamagedError(f"{path}: bundle.json field 'payload_size' is negative; nothing was loaded")
