@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -340,6 +341,34 @@ class ItemsInViewEnv(_Base):
         return self._obs(float(sum(first.encode()))), 0.0, *self._done(), {"first": first}
 
 
+class WatchdogEnv(_Base):
+    """An episode with a wall-clock budget: ``reset`` arms a timer (``signal.setitimer``), and
+    once it has fired every step is truncated. With ``per_step`` the timer guards each step only
+    (armed and disarmed inside it, as around a slow tool call): none is armed between steps."""
+
+    def __init__(self, budget_s: float = 0.2, per_step: bool = False) -> None:
+        super().__init__()
+        self.budget_s, self.per_step, self.expired = budget_s, per_step, False
+
+    def _expire(self, *_args) -> None:
+        self.expired = True
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.expired = 0, False
+        signal.signal(signal.SIGALRM, self._expire)
+        if not self.per_step:
+            signal.setitimer(signal.ITIMER_REAL, self.budget_s)
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.per_step:
+            signal.setitimer(signal.ITIMER_REAL, self.budget_s)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        return self._obs(float(self.expired)), 0.0, False, self.expired, {}
+
+
 class LateChildEnv(PipeChildEnv):
     """Runs a short tool (``true``) at every reset, and starts its stateful child (the counter over
     a pipe) only at step 3: its early snapshots are copy-on-write forks, its later ones CRIU dumps
@@ -482,6 +511,14 @@ def global_rng():
 
 def temp_script():
     return TempScriptEnv()
+
+
+def watchdog():
+    return WatchdogEnv()
+
+
+def watchdog_per_step():
+    return WatchdogEnv(per_step=True)
 
 
 def goals_left():

@@ -410,6 +410,41 @@ def test_global_rng_env_refused_by_pickle(factory):
         env.close()
 
 
+def test_an_armed_timer_makes_snapshots_process_dumps():
+    """A ``fork()`` child starts with no interval timer: a fork-tier copy of an env whose timer is
+    armed between steps (an episode's wall-clock budget) would never get its signal. The scan
+    finds it; ``fork_tier='auto'`` then takes a CRIU dump, which restores the timer with the time
+    it had left, and ``fork_tier=True`` refuses, naming it."""
+    env = gym_fork.ForkableEnv(agent_envs.watchdog, backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        assert type(snap._payload).__name__ == "CriuPayload"
+        time.sleep(0.4)
+        assert step(env, 0)[3] is True  # the budget ran out
+        env.restore(snap)
+        time.sleep(0.4)
+        assert step(env, 0)[3] is True  # and it runs out in the restored copy too
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(agent_envs.watchdog, backend="criu", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(UncapturableStateError, match=r"ITIMER_REAL armed by signal\.alarm/setitimer \(0\.\d+ s left\)"):
+            env.snapshot()
+        env.step(0)  # untouched
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(agent_envs.watchdog_per_step, backend="criu")
+    try:  # a timer armed only inside a step: nothing between steps, a copy-on-write snapshot
+        env.reset(seed=0)
+        env.step(0)
+        assert type(env.snapshot()._payload).__name__ == "ForkPayload"
+    finally:
+        env.close()
+
+
 def test_pickle_refuses_a_set_whose_order_pickling_would_change():
     """A set that shrank iterates in another order once pickled (loading adds its elements to an
     empty set, laid out anew); an env that heads for the set's first element would go on

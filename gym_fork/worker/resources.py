@@ -14,7 +14,8 @@ and how it can be captured:
 ``"criu"``
     a CRIU dump of the worker's whole tree restores it exactly (threads, child processes, pipes
     and unix sockets between the tree's processes, unlinked files up to :data:`GHOST_LIMIT`,
-    anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset);
+    anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset,
+    interval timers armed with ``signal.alarm``/``setitimer``, which a forked child does not have);
 ``"criu+netns"``
     the same, but only when the worker has a network namespace of its own (TCP/UDP sockets and
     abstract unix sockets: a restored copy would otherwise collide with the original's address);
@@ -40,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import signal
 import socket
 import stat
 import struct
@@ -373,20 +375,21 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         reap_forked(own_children)
     me = host_pid()
     tids = os.listdir("/proc/self/task")
+    timers = _armed_timers(me)
     env_kids, fork_kids = classify_children(_children("self", tids), own_children)
     # the exited ones are read anyway: collect them here, so that nothing needs to look for them
     # after the fork (see reap_forked), while the learner waits
     fork_kids = _reap_zombies_among(fork_kids, own_children)
     fork_procs = [p for p, _local, _z in fork_kids]
     quick = None
-    if len(tids) == 1 and not env_kids and log_files is None:
+    if len(tids) == 1 and not env_kids and log_files is None and not timers:
         # What the rest of the scan reads has not changed since a scan that found nothing: then
         # it would find nothing again (every descriptor it would report shows in the fingerprint).
         quick = _quick_state(own_fds)
         if quick is not None and quick == _last_clean:
             return Scan(pid=me, ns_init=os.getpid() == 1, resources=[], fork_processes=fork_procs, tree=[me])
     logs = set(log_files) if log_files is not None else _stdio_files()
-    found: list[Resource] = []
+    found: list[Resource] = list(timers)
     if len(tids) > 1:
         names = _thread_names("self")
         found.append(Resource("thread", me, f"{len(tids) - 1} other thread(s) ({', '.join(names)})", "criu"))
@@ -413,6 +416,23 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
 
 #: the fingerprint (:func:`_quick_state`) taken by the last scan of this process that found nothing
 _last_clean: tuple | None = None
+
+
+_ITIMERS = ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF")
+
+
+def _armed_timers(me: int) -> list[Resource]:
+    """This process's armed interval timers (``signal.alarm``, ``signal.setitimer``): a ``fork()``
+    child starts with none, so a copy would never get the signal the original gets; a CRIU dump
+    restores them with the time they had left. (Three ``getitimer`` calls, ~1 µs.)"""
+    out = []
+    for name in _ITIMERS:
+        left, every = signal.getitimer(getattr(signal, name))
+        if left or every:
+            period = f", then every {every:.3f} s" if every else ""
+            out.append(Resource("timer", me, f"{name} armed by signal.alarm/setitimer ({left:.3f} s left{period})",
+                                "criu"))
+    return out
 
 
 def _quick_state(own_fds: set[int] | frozenset[int]) -> tuple | None:
