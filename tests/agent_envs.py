@@ -369,6 +369,32 @@ class WatchdogEnv(_Base):
         return self._obs(float(self.expired)), 0.0, False, self.expired, {}
 
 
+class PosixTimerEnv(_Base):
+    """Native code's clock: ``timer_create`` a POSIX timer at reset and read its overrun-free
+    remaining time each step (a count of timer ids a copy would not have)."""
+
+    def reset(self, *, seed=None, options=None):
+        import ctypes
+
+        super().reset(seed=seed)
+        self.t = 0
+        if not hasattr(self, "timer"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            self.timer = ctypes.c_void_p()
+            if libc.timer_create(1, None, ctypes.byref(self.timer)) != 0:  # CLOCK_MONOTONIC, SIGALRM
+                raise OSError(ctypes.get_errno(), "timer_create")
+            self.gettime = libc.timer_gettime
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        import ctypes
+
+        self.t += 1
+        spec = (ctypes.c_long * 4)()
+        ok = self.gettime(self.timer, spec) == 0  # a timer id this process does not have: -1
+        return self._obs(float(ok)), 0.0, *self._done(), {}
+
+
 class LateChildEnv(PipeChildEnv):
     """Runs a short tool (``true``) at every reset, and starts its stateful child (the counter over
     a pipe) only at step 3: its early snapshots are copy-on-write forks, its later ones CRIU dumps
@@ -519,6 +545,10 @@ def watchdog():
 
 def watchdog_per_step():
     return WatchdogEnv(per_step=True)
+
+
+def posix_timer():
+    return PosixTimerEnv()
 
 
 def goals_left():

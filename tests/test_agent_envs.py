@@ -436,6 +436,19 @@ def test_an_armed_timer_makes_snapshots_process_dumps():
         env.step(0)  # untouched
     finally:
         env.close()
+    env = gym_fork.ForkableEnv(agent_envs.posix_timer, backend="criu")
+    try:  # a POSIX timer (native code's timer_create): a fork() child would not have its id
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        assert type(snap._payload).__name__ == "CriuPayload"
+        env.restore(snap)
+        assert step(env, 0)[0][1] == 1.0  # the restored copy has its timer
+        kid = env.fork(snap)[0]
+        assert step(kid, 0)[0][1] == 1.0
+        kid.close()
+    finally:
+        env.close()
     env = gym_fork.ForkableEnv(agent_envs.watchdog_per_step, backend="criu")
     try:  # a timer armed only inside a step: nothing between steps, a copy-on-write snapshot
         env.reset(seed=0)
