@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import types
 from typing import Any
 
 import cloudpickle
@@ -93,10 +94,20 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
 # Types whose instances hash alike in every process (``str`` and ``bytes`` hashes are seeded per
 # process, PYTHONHASHSEED; a plain object hashes by its address).
 _STABLE_HASH = (int, float, bool, complex, type(None), np.number, np.bool_)
+#: how deep set_order_problem looks (gymnasium's wrappers take ~4 levels; cycles end at `seen`)
+_SET_DEPTH = 32
+_BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType)
 _LEAVES = (int, float, bool, complex, str, bytes, type(None), np.ndarray, np.generic, np.random.Generator)
 #: what pickle's hash-order note says a user can do about it
 _SET_ORDER_FIX = ("iterate it in a fixed order (sorted(...)), or keep a dict (ordered by insertion) or a list "
                   "instead; or use backend='criu', which snapshots the whole process")
+
+
+def _hashed_by_address(x: Any) -> bool:
+    """An object whose hash is its address (no ``__hash__`` of its own), and which a pickle holds
+    by value: its unpickled copy is a new object with another hash. Classes, functions and
+    modules are pickled by name and come back as themselves."""
+    return type(x).__hash__ is object.__hash__ and not isinstance(x, _BY_NAME)
 
 
 def _hash_stable(x: Any) -> bool:
@@ -118,8 +129,8 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
     loaded in a process whose string hashes differ), any set of two or more elements that are not
     numbers counts.
 
-    Walks what :func:`state_difference` compares: instance ``__dict__``s, dicts, lists, tuples and
-    sets, up to 12 levels deep.
+    Walks instance ``__dict__``s, dicts, lists, tuples and sets (as :func:`state_difference`
+    compares them), up to :data:`_SET_DEPTH` levels deep.
     """
     seen: set[int] = set()
     # (object, where it hangs: (parent's entry, key, kind) or None, depth); a path string is
@@ -129,7 +140,7 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
     while todo:
         entry = todo.pop()
         x, _at, depth = entry
-        if depth > 12 or id(x) in seen:
+        if depth > _SET_DEPTH or id(x) in seen:
             continue
         add(id(x))
         if isinstance(x, (set, frozenset)):
@@ -139,6 +150,10 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
             odd = next((i for i in items if not _hash_stable(i)), None) if cross_process else None
             if odd is not None:
                 return f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__}s, whose order follows the hash seed)"
+            odd = next((i for i in items if _hashed_by_address(i)), None)
+            if odd is not None:  # a copy's elements are new objects, at other addresses
+                return (f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__} objects, hashed by their "
+                        "address, which a copy's objects do not share)")
             if items != list(type(x)(items) if type(x) in (set, frozenset) else set(items)):
                 return f"{_path(entry, path)} (a {type(x).__name__} whose order changes when it is pickled)"
             continue

@@ -1,0 +1,64 @@
+"""``set_order_problem``: where a pickled copy would iterate a set in another order than the
+original (the pickle backend refuses such snapshots; see ``tests/test_agent_envs.py``)."""
+
+from __future__ import annotations
+
+import cloudpickle
+
+from gym_fork.backends.pickle import set_order_problem
+
+
+class Holder:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class Room:  # hashed by its address
+    def __init__(self, n: int):
+        self.n = n
+
+
+def _shrunk() -> set:
+    s = set(range(0, 1000, 7))
+    for x in list(s):
+        if x not in (700, 14, 35):
+            s.discard(x)
+    return s
+
+
+def test_what_is_reported_is_what_pickling_changes():
+    shrunk = _shrunk()
+    assert list(shrunk) != list(cloudpickle.loads(cloudpickle.dumps(shrunk)))  # the premise
+    env = Holder(cfg={"levels": [Holder(), Holder(goals=shrunk)]})
+    assert set_order_problem(env) == "env.cfg['levels'][1].goals (a set whose order changes when it is pickled)"
+    grown = set(range(10))  # added in order, never shrank: a copy iterates alike
+    assert list(grown) == list(cloudpickle.loads(cloudpickle.dumps(grown)))
+    assert set_order_problem(Holder(a=grown, b=frozenset({(1, 2), (3, 4)}), c={"x"}, d=set())) is None
+
+
+def test_objects_hashed_by_address_are_reported():
+    rooms = {Room(i) for i in range(8)}
+    assert set_order_problem(Holder(rooms=rooms)) == (
+        "env.rooms (a set of Room objects, hashed by their address, which a copy's objects do not share)")
+    assert set_order_problem(Holder(one={Room(1)})) is None  # a single element has one order
+
+
+def test_in_another_process_any_set_of_non_numbers_is_reported():
+    words = Holder(items={"lamp", "key"}, ids={3, 1, 2}, pairs={(1, 2.0), (3, 4.0)})
+    assert set_order_problem(words) is None
+    assert set_order_problem(words, cross_process=True) == (
+        "env.items (a set of strs, whose order follows the hash seed)")
+    assert set_order_problem(Holder(ids={3, 1, 2}, pairs={(1, 2.0), (3, 4.0)}), cross_process=True) is None
+
+
+def test_cycles_and_depth_are_bounded():
+    a = Holder()
+    a.me = a  # a cycle
+    deep = Holder(s=_shrunk())
+    for _ in range(20):
+        deep = Holder(inner=deep)
+    a.deep = deep
+    assert set_order_problem(a) == "env.deep" + ".inner" * 20 + ".s (a set whose order changes when it is pickled)"
+    for _ in range(20):
+        deep = Holder(inner=deep)
+    assert set_order_problem(Holder(deep=deep)) is None  # beyond 32 levels: not looked at
