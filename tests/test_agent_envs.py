@@ -570,6 +570,18 @@ def test_ezpickle_instance_is_refused_with_the_fix():
     inst.close()
 
 
+def test_an_instance_whose_sets_would_reorder_in_the_worker_is_refused():
+    """The worker is another process, where strings hash differently: an instance holding a set
+    of names would iterate it there in another order than here. Refused with the fix (a
+    factory); the same env built by a factory in the worker is exact as ever."""
+    inst = agent_envs.ItemsInViewEnv()
+    inst.reset(seed=0)
+    with pytest.raises(gym_fork.errors.EnvNotShippableError,
+                       match=r"env\.items \(a set of strs, whose order follows the hash seed\).*factory"):
+        gym_fork.ForkableEnv(inst)
+    check_exact_and_isolated(agent_envs.items_in_view)
+
+
 def test_plain_instance_still_ships():
     import gymnasium as gym
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import cloudpickle
 
-from gym_fork.backends.pickle import set_order_problem
+from gym_fork.snapshots.set_order import set_order_problem
 
 
 class Holder:
