@@ -47,6 +47,11 @@ class _Base(gym.Env):
     def _done(self) -> tuple[bool, bool]:
         return False, self.t >= 40
 
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(0.0), {}
+
 
 class PipeChildEnv(_Base):
     """State in a child process (started at reset) that the env talks to over a pipe."""
@@ -290,11 +295,6 @@ class TempScriptEnv(_Base):
         super().__init__()
         self.scratch = scratch
 
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self._obs(0.0), {}
-
     def step(self, action):
         self.t += 1
         with tempfile.NamedTemporaryFile("w", prefix=f"tool{int(action)}-", suffix=".py", dir=self.scratch) as f:
@@ -311,10 +311,8 @@ class GoalsLeftEnv(_Base):
     empty set) iterates in another order: the copy would head elsewhere."""
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
         self.left = set(range(0, 1000, 7))
-        return self._obs(0.0), {}
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         self.t += 1
@@ -329,10 +327,8 @@ class ItemsInViewEnv(_Base):
     the order a set of strings iterates in."""
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
         self.items = {"lamp", "key", "map"}
-        return self._obs(0.0), {}
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         self.t += 1
@@ -354,12 +350,11 @@ class WatchdogEnv(_Base):
         self.expired = True
 
     def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t, self.expired = 0, False
+        self.expired = False
         signal.signal(signal.SIGALRM, self._expire)
         if not self.per_step:
             signal.setitimer(signal.ITIMER_REAL, self.budget_s)
-        return self._obs(0.0), {}
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         self.t += 1
@@ -370,21 +365,19 @@ class WatchdogEnv(_Base):
 
 
 class PosixTimerEnv(_Base):
-    """Native code's clock: ``timer_create`` a POSIX timer at reset and read its overrun-free
-    remaining time each step (a count of timer ids a copy would not have)."""
+    """Native code's timer: ``timer_create`` at the first reset, and each step observes whether
+    ``timer_gettime`` still knows its id (a forked child has none of its parent's timers)."""
 
     def reset(self, *, seed=None, options=None):
         import ctypes
 
-        super().reset(seed=seed)
-        self.t = 0
         if not hasattr(self, "timer"):
             libc = ctypes.CDLL(None, use_errno=True)
             self.timer = ctypes.c_void_p()
             if libc.timer_create(1, None, ctypes.byref(self.timer)) != 0:  # CLOCK_MONOTONIC, SIGALRM
                 raise OSError(ctypes.get_errno(), "timer_create")
             self.gettime = libc.timer_gettime
-        return self._obs(0.0), {}
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         import ctypes
@@ -424,11 +417,6 @@ class ShellLogEnv(_Base):
     def __init__(self, path: str) -> None:
         super().__init__()
         self.path = path
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self._obs(0.0), {}
 
     def step(self, action):
         self.t += 1

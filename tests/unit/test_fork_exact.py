@@ -18,19 +18,25 @@ def _draws() -> tuple:
             next(multiprocessing.synchronize.SemLock._rand))
 
 
-def test_a_forked_copy_draws_what_its_parent_draws_next():
-    _draws()  # every generator has drawn in this process: keyed to its pid
+def _next_draws_in(fork) -> tuple:
+    """What a child made by ``fork()`` draws next (it reports them through a pipe and exits)."""
     r, w = os.pipe()
-    pid = _fork_exact()
-    if pid == 0:  # the copy: report its next draws, exit at once
+    pid = fork()
+    if pid == 0:
         try:
             os.write(w, pickle.dumps(_draws()))
         finally:
             os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        copy = pickle.loads(f.read())
+        drawn = pickle.loads(f.read())
     os.waitpid(pid, 0)
+    return drawn
+
+
+def test_a_forked_copy_draws_what_its_parent_draws_next():
+    _draws()  # every generator has drawn in this process: keyed to its pid
+    copy = _next_draws_in(_fork_exact)
     assert copy == _draws()
 
 
@@ -38,16 +44,6 @@ def test_a_process_the_env_forks_itself_still_draws_afresh():
     """Only gym_fork's own copies are re-keyed: a child the env starts with ``os.fork()`` gets
     the fresh names CPython gives it (it must not collide with its parent's files)."""
     _draws()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.write(w, pickle.dumps(_draws()[1:]))
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        child = pickle.loads(f.read())
-    os.waitpid(pid, 0)
+    child = _next_draws_in(os.fork)[1:]
     mine = _draws()[1:]
     assert child[0] != mine[0] and child[1] != mine[1]
