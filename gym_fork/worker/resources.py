@@ -15,7 +15,8 @@ and how it can be captured:
     a CRIU dump of the worker's whole tree restores it exactly (threads, child processes, pipes
     and unix sockets between the tree's processes, unlinked files up to :data:`GHOST_LIMIT`,
     anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset,
-    interval timers armed with ``signal.alarm``/``setitimer``, which a forked child does not have);
+    interval timers (``signal.alarm``/``setitimer``) and POSIX timers, which a forked child does not
+    have);
 ``"criu+netns"``
     the same, but only when the worker has a network namespace of its own (TCP/UDP sockets and
     abstract unix sockets: a restored copy would otherwise collide with the original's address);
