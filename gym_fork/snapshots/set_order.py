@@ -97,9 +97,8 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
             pairs = d.items()
             kind = "attr"
         for k, v in pairs:
-            if isinstance(v, leaves) or type(v) is tuple and all([isinstance(e, leaves) for e in v]):
-                continue  # (a tuple of plain values, e.g. a transition table's rows: nothing to look at)
-            push((v, (entry, k, kind), depth + 1))
+            if not isinstance(v, leaves):  # (lists and tuples of plain values: _plain, when popped)
+                push((v, (entry, k, kind), depth + 1))
     return None
 
 
