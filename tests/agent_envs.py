@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 
 import gymnasium as gym
 import numpy as np
@@ -303,6 +304,39 @@ class TempScriptEnv(_Base):
             name = os.path.basename(f.name)
         value = float(int.from_bytes(name.encode()[-12:], "big") % (1 << 40))
         return self._obs(value), 0.0, *self._done(), {"script": name}
+
+
+class ListingEnv(_Base):
+    """An agent that lists its workspace as ``ls -la`` shows it -- every entry's mode and mtime,
+    the directory's own (``.``) included -- and, on action 1, first unpacks a note there with the
+    times its archive gives (as ``tar x`` does: the note, ``notes/`` and the workspace itself), so
+    that the listing is a function of the actions alone. Its observation is a digest of the
+    listing; ``info["listing"]`` the listing itself."""
+
+    def __init__(self, workspace: str) -> None:
+        super().__init__()
+        self.workspace = workspace
+
+    def step(self, action):
+        self.t += 1
+        if int(action) == 1:
+            os.makedirs(os.path.join(self.workspace, "notes"), exist_ok=True)
+            with open(os.path.join(self.workspace, "notes", f"n{self.t}.txt"), "w") as f:
+                f.write(f"{self.t}\n")
+            when = 1_700_000_000_000_000_000 + self.t * 1_000_000_007
+            for rel in (f"notes/n{self.t}.txt", "notes", "."):
+                os.utime(os.path.join(self.workspace, rel), ns=(when, when))
+        listing = {}
+        for top, dirs, files in os.walk(self.workspace):
+            for name in [".", *dirs, *files]:
+                st = os.lstat(os.path.join(top, name))
+                listing[os.path.relpath(os.path.join(top, name), self.workspace)] = (st.st_mode, st.st_mtime_ns)
+        value = float(zlib.crc32(repr(sorted(listing.items())).encode()))
+        return self._obs(value), 0.0, *self._done(), {"listing": listing}
+
+
+def listing_in(workspace: str):
+    return ListingEnv(workspace)
 
 
 class GoalsLeftEnv(_Base):

@@ -277,3 +277,41 @@ def test_make_passes_store_and_workspace(tmp_path):
         assert open(os.path.join(ws, "note.txt")).read() == "at snapshot"
     finally:
         env.close()
+
+
+# --- what a listing shows: the directory's own mode and time too --------------------------------------
+
+@pytest.mark.parametrize("how", [{"fork_tier": True}, {"fork_tier": False}, {"backend": "pickle"}],
+                         ids=["fork-tier", "criu-dumps", "pickle"])
+def test_a_listing_of_the_workspace_continues_exactly(tmp_path, how):
+    """An agent's ``ls -la`` shows ``.`` with its mode and mtime. A restore, a ``fork()`` child and a
+    loaded bundle must show the workspace as it was at the snapshot: the directory's own time is that
+    the env gave it before the snapshot, not the time its content was copied back."""
+    import functools
+    import time
+
+    import agent_envs
+
+    ws = str(tmp_path / "ws")
+    os.makedirs(ws)
+    os.chmod(ws, 0o751)
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.listing_in, ws), workspace=ws, **how)
+    env.reset(seed=0)
+    env.step(1)
+    env.step(1)
+    snap = env.snapshot()
+    want = [env.step(a)[4]["listing"] for a in (0, 1, 0)]
+    assert want[0]["."] != want[2]["."]  # the note unpacked meanwhile moved the directory's time
+
+    time.sleep(0.03)  # file times tick with the kernel's coarse clock (a few ms)
+    env.restore(snap)
+    assert [env.step(a)[4]["listing"] for a in (0, 1, 0)] == want
+    [child] = env.fork(snap, 1)
+    assert child.step(0)[4]["listing"] == want[0]  # its own directory, DIR.branch-<id>, as it was
+    child.close()
+
+    bundle = snap.save(str(tmp_path / "bundle"))
+    time.sleep(0.03)
+    env.restore(gym_fork.load_snapshot(bundle))
+    assert env.step(0)[4]["listing"] == want[0]
+    env.close()

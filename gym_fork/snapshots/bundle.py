@@ -103,7 +103,7 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
             fields = snap._backend.bundle_write(payload, tmp)
         meta = bundle_meta(snap, **fields)
         if snap.workspace is not None:  # the env's files at the snapshot moment
-            meta["workspace"] = workspace.pack(snap.workspace, os.path.join(tmp, "workspace"))
+            meta["workspace"] = workspace.pack(snap.workspace, os.path.join(tmp, "workspace"), times=True)
             meta["workspace_path"] = snap.workspace_path
         if getattr(snap, "private_dirs", None):  # the env's private directories at the snapshot moment
             meta["private_dirs"] = private_dirs.pack(snap, os.path.join(tmp, "private_dirs"))

@@ -277,7 +277,7 @@ class SnapshotStore:
                         os.chmod(os.path.join(imgs, name), 0o600)
                 meta = bundle_meta(snap, **fields, images=man["files"])
                 if snap.workspace is not None:  # the env's files at the snapshot moment
-                    meta["workspace"] = pack_workspace(snap.workspace, os.path.join(tmp, "workspace"))
+                    meta["workspace"] = pack_workspace(snap.workspace, os.path.join(tmp, "workspace"), times=True)
                     meta["workspace_path"] = snap.workspace_path
                 if getattr(snap, "private_dirs", None):  # the env's private directories at that moment
                     meta["private_dirs"] = private_dirs.pack(snap, os.path.join(tmp, "private_dirs"))

@@ -27,9 +27,12 @@ Branch directories: a ``fork()`` child's ``DIR.branch-<id>`` is deleted when tha
 (or garbage-collected without ``close()``), unless ``fork(..., keep_workspace=True)`` or
 ``child.close(keep_workspace=True)``.  The directory passed as ``workspace=`` is never deleted.
 
+Captures, restores and branches keep every entry's mode and times, the workspace directory's own
+included (an env that lists its workspace, ``.`` and all, sees what it saw at the snapshot).
+
 Persistence: ``Snapshot.save`` and a ``SnapshotStore`` entry hold the capture in ``workspace/``,
-listed (size, sha256, mode of every file; directories; symlink targets) in the HMAC-covered
-``bundle.json``; a loaded snapshot gets a verified private copy, which ``env.restore(snap)`` or
+listed (size, sha256, mode of every file; directories; symlink targets; every entry's mtime and
+the directory's own mode and mtime) in the HMAC-covered ``bundle.json``; a loaded snapshot gets a verified private copy, which ``env.restore(snap)`` or
 ``ForkableEnv.from_snapshot(snap, workspace=DIR)`` puts into the env's workspace (a restored
 process whose workspace was elsewhere is pointed at the env's directory).  Inside a bundle the
 files are 0600 and directories 0700; the original modes are put back when loading.
@@ -54,12 +57,16 @@ def _is_sqlite_side(name: str) -> bool:
 
 
 def copy_tree(src: str, dst: str) -> None:
-    """Copy ``src``'s content into the (new or empty) directory ``dst``; SQLite via backup."""
+    """Copy ``src``'s content into the (new or empty) directory ``dst``; SQLite via backup.
+
+    ``dst`` ends with ``src``'s own mode and times, and every entry in it with its source's, so
+    an env that lists its workspace (``ls -la``: ``.`` included) sees what it saw before."""
     os.makedirs(dst, mode=0o700, exist_ok=True)
     names = [n for n in os.listdir(src) if not _is_sqlite_side(n)]
     if names:
         subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(src, n) for n in names], dst],
                        check=True, capture_output=True)
+    changed: set[str] = set()  # directories whose entries a backup or an unlink below replaced
     for root, _dirs, files in os.walk(src):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), src)
@@ -67,8 +74,16 @@ def copy_tree(src: str, dst: str) -> None:
                 side = os.path.join(dst, rel)
                 if os.path.exists(side):
                     os.unlink(side)
+                    changed.add(os.path.dirname(rel))
             elif name.endswith(SQLITE_SUFFIXES):
                 backup_sqlite(os.path.join(root, name), os.path.join(dst, rel))
+                shutil.copystat(os.path.join(root, name), os.path.join(dst, rel))
+                changed.add(os.path.dirname(rel))
+    # those changes moved their directories' times: put them back, deepest first, then the root's
+    # (cp copied what is in src, not src itself)
+    for rel in sorted(changed - {""}, key=lambda r: r.count(os.sep), reverse=True):
+        shutil.copystat(os.path.join(src, rel), os.path.join(dst, rel))
+    shutil.copystat(src, dst)
 
 
 def backup_sqlite(src: str, dst: str) -> None:
@@ -194,7 +209,11 @@ def _walk(root: str, times: bool = False) -> dict:
 
 def pack(captured: str, dest: str, *, times: bool = False) -> dict:
     """Copy the capture ``captured`` into the new directory ``dest``; returns its manifest (with
-    ``times``: every entry's mtime, put back by :func:`unpack`)."""
+    ``times``: every entry's mtime, put back by :func:`unpack`; always the directory's own mode
+    and mtime, under ``"root"``)."""
+    import stat
+
+    top = os.stat(captured)
     sessiondir.private_mkdir(dest)
     names = os.listdir(captured)
     if names:
@@ -207,6 +226,7 @@ def pack(captured: str, dest: str, *, times: bool = False) -> dict:
         os.chmod(os.path.join(dest, rel), 0o600)
     for rel in man["dirs"]:
         os.chmod(os.path.join(dest, rel), 0o700)
+    man["root"] = {"mode": stat.S_IMODE(top.st_mode), "mtime_ns": top.st_mtime_ns}
     return man
 
 
@@ -222,6 +242,10 @@ def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
     times = manifest.get("times", {})
     if not isinstance(times, dict) or not all(type(t) is int for t in times.values()):
         raise SnapshotCorruptedError(f"{what}: the signed file times are malformed")
+    top = manifest.get("root")  # absent in bundles written before it was recorded
+    if top is not None and not (isinstance(top, dict) and type(top.get("mode")) is int
+                                and type(top.get("mtime_ns")) is int):
+        raise SnapshotCorruptedError(f"{what}: the signed mode and time of the workspace directory are malformed")
     if not os.path.isdir(src) or os.path.islink(src):
         raise SnapshotCorruptedError(f"{what}: the workspace directory {src} is missing")
     dst = dst or os.path.join(sessiondir.session_dir(), f"ws-load-{os.urandom(6).hex()}")
@@ -249,6 +273,9 @@ def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
                 os.utime(os.path.join(tmp, rel), ns=(times[rel], times[rel]), follow_symlinks=False)
         for rel in sorted(manifest.get("dirs", {}), key=len, reverse=True):
             os.chmod(os.path.join(tmp, rel), int(manifest["dirs"][rel]) & 0o7777)
+        if top is not None:  # last: nothing below changes any more (the rename changes the parent)
+            os.chmod(tmp, top["mode"] & 0o7777)
+            os.utime(tmp, ns=(top["mtime_ns"], top["mtime_ns"]))
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
