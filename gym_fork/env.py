@@ -103,7 +103,9 @@ class ForkableEnv(gym.Wrapper):
             gym_fork records every file the env writes outside its workspace (:mod:`gym_fork.worker.files`)
             and refuses a ``snapshot()`` of an env that wrote one, and a ``restore()``/``fork()``
             after it wrote one (``UncapturedFilesError``, naming the paths), unless the path
-            matches one of these; their content is then *not* restored.
+            matches one of these; their content is then *not* restored.  One the env keeps open
+            between steps (a ``logging.FileHandler``) is a log that every copy appends to,
+            provided it is open write-only (SB3's ``*.monitor.csv`` are such logs by default).
         private_dirs: directories (absolute, existing) the env works in anywhere on the machine;
             criu backend, as root.  Every worker -- the first, each ``restore()``, each ``fork()``
             branch -- sees its own copy of them at the same paths (a mount namespace per worker),
@@ -172,6 +174,8 @@ class ForkableEnv(gym.Wrapper):
         self._setup(be, handle, meta, lineage=uuid.uuid4().hex, record_actions=record_actions)
         self._store = store
         self._untracked = untracked
+        if untracked:  # the worker's scan lets the env hold these open as logs (worker/resources.py)
+            self._request("untracked", list(untracked))
         if pd is not None:
             self._set_private(pd)
             pd.switch(root0)
@@ -279,6 +283,7 @@ class ForkableEnv(gym.Wrapper):
         env = cls._from_handle(be, handle, steps=snapshot.steps, parent_id=snapshot.id,
                                lineage=snapshot.lineage, record_actions=record_actions, store=store)
         env._untracked = untracked
+        env._request("untracked", list(untracked))  # not those the snapshot's process was told
         if pd is not None:
             env._set_private(pd)
             pd.switch(root)

@@ -339,6 +339,29 @@ def listing_in(workspace: str):
     return ListingEnv(workspace)
 
 
+class LogEnv(_Base):
+    """An agent that keeps a log file open between steps and writes a line per step, as a
+    ``logging.FileHandler`` (``mode="a"``) or SB3's ``Monitor`` (``mode="w"``, flushed per line)
+    does. ``mode="r+"`` opens it for reading and writing."""
+
+    def __init__(self, path: str, mode: str = "a") -> None:
+        super().__init__()
+        self.path = path
+        self.file = open(path, mode)
+        if mode == "r+":
+            self.file.seek(0, os.SEEK_END)
+
+    def step(self, action):
+        self.t += 1
+        self.file.write(f"step {self.t} action {int(action)}\n")
+        self.file.flush()
+        return self._obs(float(action)), 0.0, *self._done(), {}
+
+
+def log_to(path: str, mode: str = "a"):
+    return LogEnv(path, mode)
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

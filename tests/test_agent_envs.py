@@ -679,3 +679,58 @@ def test_a_killed_controller_leaves_no_env_process(kind, after):
         p.kill()
         p.wait()
     assert_gone(pids)
+
+
+# --- logs the env keeps open ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["a", "w"], ids=["append-mode", "write-mode"])
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_a_log_the_env_holds_open_is_appended_to_by_every_copy(tmp_path, fork_tier, mode):
+    """A file declared in ``untracked_paths`` that the env keeps open for writing (a
+    ``logging.FileHandler``: ``"a"``; SB3's Monitor: ``"w"``) is a log, not a reason to refuse the
+    snapshot: every copy appends its lines -- a CRIU-restored copy too, not over what was written
+    after the dump -- and the env's own trajectory is exact."""
+    path = str(tmp_path / "agent.log")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path, mode), untracked_paths=[path],
+                               fork_tier=fork_tier)
+    env.reset(seed=0)
+    for a in (1, 2):
+        env.step(a)
+    snap = env.snapshot()
+    assert type(snap._payload).__name__ == ("ForkPayload" if fork_tier else "CriuPayload")
+    want = [step(env, 3) for _ in range(3)]
+    env.restore(snap)
+    assert_same_traj([step(env, 3) for _ in range(3)], want)
+    [kid] = env.fork(snap, 1)
+    kid.step(0)
+    kid.close()
+    env.step(1)
+    env.close()
+    with open(path) as f:
+        lines = f.read().splitlines()
+    after = [f"step {t} action 3" for t in (3, 4, 5)]
+    assert lines == ["step 1 action 1", "step 2 action 2", *after, *after, "step 3 action 0", "step 6 action 1"]
+
+
+def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only(tmp_path):
+    """Undeclared, a file held open for writing still refuses a snapshot, and the message names
+    ``untracked_paths``; declared but open for reading too (the env may read back what it wrote),
+    it is state and refused as such. The env runs on after each refusal."""
+    from gym_fork.errors import UncapturedFilesError
+
+    path = str(tmp_path / "agent.log")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path), fork_tier=True)
+    env.reset(seed=0)
+    env.step(0)
+    with pytest.raises((UncapturableStateError, UncapturedFilesError), match="untracked_paths"):
+        env.snapshot()
+    env.step(1)
+    env.close()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path, "r+"), untracked_paths=[path],
+                               fork_tier=True)
+    env.reset(seed=0)
+    env.step(0)
+    with pytest.raises(UncapturableStateError, match=r"agent\.log \(a log open for reading too"):
+        env.snapshot()
+    env.step(1)
+    env.close()

@@ -352,6 +352,47 @@ def _check_restore_and_fork_into(venv4):
         other.close()
 
 
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [False, "auto"], ids=["criu-dumps", "fork-tier"])
+def test_make_vec_env_with_a_monitor_dir_snapshots_and_logs_every_episode(tmp_path, fork_tier):
+    """SB3's ``make_vec_env(monitor_dir=...)`` wraps each env in a ``Monitor`` that keeps its CSV
+    open. A snapshot of such a slot is taken (the CSV is a log, not state), a restore continues
+    exactly, and each CSV stays well-formed: its header once, then a row for every episode that
+    any copy of the slot finished -- none written over."""
+    from stable_baselines3.common.env_util import make_vec_env
+
+    venv = make_vec_env("CartPole-v1", n_envs=2, seed=0, monitor_dir=str(tmp_path), vec_env_cls=ForkableVecEnv,
+                        vec_env_kwargs=dict(fork_tier=fork_tier))
+    rng = np.random.default_rng(3)
+    try:
+        venv.reset()
+        for _ in range(5):
+            venv.step(rng.integers(0, 2, size=2))
+        snap = venv.snapshot(0)
+        assert type(snap._payload).__name__ == ("ForkPayload" if fork_tier else "CriuPayload")
+        actions = rng.integers(0, 2, size=(80, 2))
+        runs = []
+        for _ in range(2):  # the original from the snapshot on, then the restored slot
+            run = []
+            for a in actions:
+                o, r, d, i = venv.step(a)
+                ep = i[0].get("episode")
+                run.append((o[0], r[0], d[0], None if ep is None else (ep["r"], ep["l"])))  # not "t": wall time
+            runs.append(run)
+            venv.restore(0, snap)
+        assert all(same(x, y) for x, y in zip(*runs)) and len(runs[0]) == 80
+        ended = sum(bool(d) for _, _, d, _ in runs[0])
+        assert ended >= 2
+    finally:
+        venv.close()
+    with open(tmp_path / "0.monitor.csv") as f:
+        lines = f.read().splitlines()
+    assert lines[0].startswith("#{") and lines[1] == "r,l,t"
+    rows = [tuple(map(float, line.split(","))) for line in lines[2:]]  # each a whole row
+    assert len(rows) == 2 * ended  # no episode before the snapshot ended (5 steps)
+    assert [(r, int(l)) for r, l, _t in rows] == [ep for run in runs for *_, ep in run if ep is not None]
+
+
 # --- 4. close ------------------------------------------------------------------------------------
 @pytest.mark.criu
 @pytest.mark.parametrize("fork_tier", [False, "auto"], ids=["criu-dumps", "fork-tier"])

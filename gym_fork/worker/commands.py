@@ -436,6 +436,10 @@ class EnvServer:
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps
 
+    def cmd_untracked(self, patterns: list[str]) -> None:
+        """The env's ``untracked_paths``: files open for writing there are logs to the fork-tier scan."""
+        files.set_untracked(patterns)
+
     def cmd_private_dirs(self, dirs: list[str], binds: list[tuple[str, str]]) -> None:
         """The env's private directories (:mod:`gym_fork.worker.mounts`); with ``binds``, this
         copy moves into a mount namespace of its own where each shows its private copy."""

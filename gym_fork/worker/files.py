@@ -189,7 +189,29 @@ def resend() -> None:
 #: never refused (as if declared in ``untracked_paths``). MuJoCo appends its warnings to
 #: ``MUJOCO_LOG.TXT`` in the current directory (e.g. a deprecation notice each time
 #: HalfCheetah-v5's model compiles); OpenGL drivers cache compiled shaders when an env renders.
-KNOWN_LOGS: tuple[str, ...] = ("*/MUJOCO_LOG.TXT", "*/.cache/mesa_shader_cache*", "*/.nv/GLCache*")
+KNOWN_LOGS: tuple[str, ...] = ("*/MUJOCO_LOG.TXT", "*/.cache/mesa_shader_cache*", "*/.nv/GLCache*",
+                                "*.monitor.csv")  # SB3's Monitor(filename=...), make_vec_env(monitor_dir=...)
+
+#: this worker's env's ``untracked_paths`` (:func:`set_untracked`): what the fork-tier scan lets a
+#: worker hold open as a log (:func:`is_log`)
+_untracked: tuple[str, ...] = ()
+
+
+def set_untracked(patterns: Iterable[str]) -> None:
+    """Tell this worker its env's ``untracked_paths`` (normalised by :func:`untracked_patterns`)."""
+    global _untracked
+    _untracked = tuple(patterns)
+
+
+def is_log(path: str) -> bool:
+    """Whether ``path`` is a file whose content no snapshot restores: it matches this worker's
+    ``untracked_paths`` or a log gym_fork knows (:data:`KNOWN_LOGS`).
+
+    Example:
+        >>> is_log("/tmp/run/0.monitor.csv"), is_log("/tmp/run/state.json")
+        (True, False)
+    """
+    return any(_matches(path, pat) for pat in (*_untracked, *KNOWN_LOGS))
 
 
 # --- the controller's view --------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import stat
 import struct
 from dataclasses import asdict, dataclass, field
 
-from gym_fork.worker import mounts
+from gym_fork.worker import files, mounts
 
 #: unlinked files up to this size are copied into CRIU images (``--ghost-limit``); larger ones are refused
 GHOST_LIMIT = 64 << 20
@@ -596,12 +596,41 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
                                     "captured like any other")
             return Resource("file", pid, f"{path} (open for writing, in a private directory)", "criu", fd,
                             detail={"path": path})
+        if files.is_log(path):
+            return _log_resource(proc, pid, fd, path, flags, st)
         return Resource("file", pid, f"{path} (open for writing)", "none", fd, detail={"path": path},
                         fix=f"its content is not part of a process snapshot, so copies would share one "
                             f"{os.path.basename(path)}: declare its directory private (ForkableEnv(..., private_dirs=["
                             f"{os.path.dirname(path)!r}]), root), or put it in the env's workspace (workspace=DIR) "
-                            "and open it only during a step (for SQLite: connect per step)")
+                            "and open it only during a step (for SQLite: connect per step); if it is a log the "
+                            f"env only appends to, say so: ForkableEnv(..., untracked_paths=[{path!r}])")
     return Resource("file", pid, f"{path} (open for reading)", "criu", fd, detail={"path": path})
+
+
+def _log_resource(proc: str, pid: int, fd: int, path: str, flags: int, st: os.stat_result) -> Resource | None:
+    """A file open for writing whose content no snapshot restores (``untracked_paths``, SB3's
+    ``*.monitor.csv``): a log.  Every copy goes on appending to it -- a fork-tier copy through the
+    file description it shares, a CRIU-restored one by reopening the path -- which is right only
+    when it is opened write-only and in append mode: a CRIU restore would otherwise write at the
+    offset of the dump, over what was written since (and criu refuses a file whose size changed).
+    The worker's own log opened without ``O_APPEND`` and written only at its end (SB3's Monitor
+    opens with ``"w"``) is switched to append mode here; nothing it writes changes place."""
+    access = flags & os.O_ACCMODE
+    if access == os.O_WRONLY and not flags & os.O_APPEND and proc == "self":
+        try:
+            if os.lseek(fd, 0, os.SEEK_CUR) == os.fstat(fd).st_size:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+                flags |= os.O_APPEND
+        except OSError:
+            pass
+    if access == os.O_WRONLY and flags & os.O_APPEND:
+        return None
+    how = ("open for reading too: the env may read back what it wrote" if access == os.O_RDWR else
+           "open for writing, not at its end: copies would write over each other")
+    return Resource("file", pid, f"{path} (a log {how})", "none", fd, detail={"path": path},
+                    fix="a log that every copy appends to must be opened write-only in append mode "
+                        "(open(path, 'a')); a file the env reads back is state: keep it in the env's "
+                        "workspace (workspace=DIR) or a private directory (private_dirs=[DIR])")
 
 
 def _is_sqlite(proc: str, fd: str) -> bool:
