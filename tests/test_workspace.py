@@ -315,3 +315,41 @@ def test_a_listing_of_the_workspace_continues_exactly(tmp_path, how):
     env.restore(gym_fork.load_snapshot(bundle))
     assert env.step(0)[4]["listing"] == want[0]
     env.close()
+
+
+def _digests(root: str) -> dict:
+    import hashlib
+
+    out = {}
+    for top, _dirs, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(top, name), "rb") as f:
+                out[os.path.relpath(os.path.join(top, name), root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_workspace_files_come_back_byte_for_byte(tmp_path):
+    """``sha256sum app.db`` (or ``git status``) after a restore and in a fork child shows the bytes of
+    the snapshot moment: a database is copied as it is, not rewritten by SQLite's backup API (the
+    same rows, but another change counter in its header). Taking the snapshot changes nothing in
+    the live directory (opening the database to back it up left ``-wal``/``-shm`` files there)."""
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(WebAppAgentEnv, workspace=ws)
+    env.reset(seed=0)
+    for a in [0, 8, 1, 9]:
+        env.step(a)
+    before = _digests(ws)
+    assert "app.db" in before
+    snap = env.snapshot()
+    assert _digests(ws) == before
+    for a in [0, 2, 8, 9]:
+        env.step(a)
+    assert _digests(ws) != before
+    env.restore(snap)
+    assert _digests(ws) == before
+    [kid] = env.fork(snap, 1)
+    assert _digests(kid.unwrapped.workspace) == before
+    kid.close()
+    env.restore(gym_fork.load_snapshot(snap.save(str(tmp_path / "bundle"))))
+    assert _digests(ws) == before
+    env.close()

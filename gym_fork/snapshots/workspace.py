@@ -14,14 +14,16 @@ open files are fixed):
   a ``fork()`` child gets a new directory ``DIR.branch-<id>`` and gym_fork sets the child's
   ``env.unwrapped.workspace`` to it (``setattr`` command) before returning the child.
 
-Capture happens while the worker is blocked between requests, so the files are quiescent.
-Copies use ``cp -a --reflink=auto`` (copy-on-write clones where the file system supports them,
-otherwise real copies: later in-place writes in the live directory can never alter a capture, as
-they could with hard links).  SQLite databases (``*.db``, ``*.sqlite``, ``*.sqlite3``) are
-captured with SQLite's online backup API, which yields a consistent, self-contained database
-(committed data only, WAL folded in) even if the env left a connection or transaction open;
-their ``-wal``/``-shm``/``-journal`` files are not copied.  Captures live in the private session
-directory and are deleted when their snapshot is released.
+Capture happens while the worker is blocked between requests, so the files are quiescent: the
+env holds none of them open for writing (a worker's scan refuses a snapshot of one that does; the
+pickle backend cannot pickle an open connection), and no process of its tree writes.  Copies use
+``cp -a --reflink=auto`` (copy-on-write clones where the file system supports them, otherwise
+real copies: later in-place writes in the live directory can never alter a capture, as they could
+with hard links): byte for byte, SQLite databases with their ``-wal``/``-shm``/``-journal`` files
+as they are, so a restored env finds the very bytes it left (a database rewritten by SQLite's
+backup API holds the same rows but other bytes: a new change counter in its header, its WAL folded
+in).  Captures live in the private session directory and are deleted when their snapshot is
+released.
 
 Branch directories: a ``fork()`` child's ``DIR.branch-<id>`` is deleted when that child is closed
 (or garbage-collected without ``close()``), unless ``fork(..., keep_workspace=True)`` or
@@ -42,64 +44,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import sqlite3
 import subprocess
 
 from gym_fork.snapshots import sessiondir
 from gym_fork.errors import SnapshotCorruptedError
 
-SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
-SQLITE_SIDE = ("-wal", "-shm", "-journal")
-
-
-def _is_sqlite_side(name: str) -> bool:
-    return any(name.endswith(s + side) for s in SQLITE_SUFFIXES for side in SQLITE_SIDE)
-
-
 def copy_tree(src: str, dst: str) -> None:
-    """Copy ``src``'s content into the (new or empty) directory ``dst``; SQLite via backup.
+    """Copy ``src``'s content into the (new or empty) directory ``dst``, byte for byte.
 
     ``dst`` ends with ``src``'s own mode and times, and every entry in it with its source's, so
-    an env that lists its workspace (``ls -la``: ``.`` included) sees what it saw before."""
+    an env that lists its workspace (``ls -la``: ``.`` included) or hashes a file in it
+    (``sha256sum app.db``, ``git status``) sees what it saw at the snapshot."""
     os.makedirs(dst, mode=0o700, exist_ok=True)
-    names = [n for n in os.listdir(src) if not _is_sqlite_side(n)]
+    names = os.listdir(src)
     if names:
         subprocess.run(["cp", "-a", "--reflink=auto", "--", *[os.path.join(src, n) for n in names], dst],
                        check=True, capture_output=True)
-    changed: set[str] = set()  # directories whose entries a backup or an unlink below replaced
-    for root, _dirs, files in os.walk(src):
-        for name in files:
-            rel = os.path.relpath(os.path.join(root, name), src)
-            if _is_sqlite_side(name):
-                side = os.path.join(dst, rel)
-                if os.path.exists(side):
-                    os.unlink(side)
-                    changed.add(os.path.dirname(rel))
-            elif name.endswith(SQLITE_SUFFIXES):
-                backup_sqlite(os.path.join(root, name), os.path.join(dst, rel))
-                shutil.copystat(os.path.join(root, name), os.path.join(dst, rel))
-                changed.add(os.path.dirname(rel))
-    # those changes moved their directories' times: put them back, deepest first, then the root's
-    # (cp copied what is in src, not src itself)
-    for rel in sorted(changed - {""}, key=lambda r: r.count(os.sep), reverse=True):
-        shutil.copystat(os.path.join(src, rel), os.path.join(dst, rel))
-    shutil.copystat(src, dst)
-
-
-def backup_sqlite(src: str, dst: str) -> None:
-    if os.path.exists(dst):
-        os.unlink(dst)
-    s = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
-    try:
-        d = sqlite3.connect(dst)
-        try:
-            s.backup(d)
-        finally:
-            d.close()
-    except sqlite3.DatabaseError:  # not really a database: the plain copy stays
-        shutil.copy2(src, dst)
-    finally:
-        s.close()
+    shutil.copystat(src, dst)  # cp copied what is in src, not src itself
 
 
 def clear_dir(path: str) -> None:
