@@ -362,6 +362,30 @@ def log_to(path: str, mode: str = "a"):
     return LogEnv(path, mode)
 
 
+class ToolExitEnv(_Base):
+    """Runs a tool per step and observes its exit code, as an agent's shell tool does. It handles
+    SIGCHLD itself: ``"ignore"`` (``SIG_IGN``, a common way not to leave zombies: then every
+    ``subprocess`` exit status reads 0, since there is nothing left to wait for) or ``"count"``
+    (a Python handler counting the children that ended)."""
+
+    def __init__(self, handler: str = "ignore") -> None:
+        super().__init__()
+        self.ended = 0
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN if handler == "ignore" else self._child_ended)
+
+    def _child_ended(self, signum, frame) -> None:
+        self.ended += 1
+
+    def step(self, action):
+        self.t += 1
+        code = subprocess.run(["sh", "-c", f"exit {int(action) + 1}"]).returncode
+        return self._obs(float(code * 1000 + self.ended)), 0.0, *self._done(), {}
+
+
+def tool_exit(handler: str = "ignore"):
+    return ToolExitEnv(handler)
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

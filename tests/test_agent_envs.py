@@ -734,3 +734,30 @@ def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only
         env.snapshot()
     env.step(1)
     env.close()
+
+
+# --- how the env handles SIGCHLD -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("handler", ["ignore", "count"], ids=["SIG_IGN", "python-handler"])
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_the_envs_own_sigchld_handling_continues_in_every_copy(tmp_path, fork_tier, handler):
+    """A frozen snapshot ignores SIGCHLD (its copies are not its to wait for); the copies it forks
+    -- restores, ``fork()`` children, and the process a persisted snapshot dumps -- must handle it
+    as the env did. With SIG_IGN every tool's exit status reads 0; a copy left with SIG_DFL read
+    the real ones (3 instead of 0) and a Python handler never ran there."""
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.tool_exit, handler), fork_tier=fork_tier)
+    env.reset(seed=0)
+    env.step(1)
+    snap = env.snapshot()
+    assert type(snap._payload).__name__ == ("ForkPayload" if fork_tier else "CriuPayload")
+    want = [step(env, 2) for _ in range(3)]
+    assert want[0][0][1] == (0.0 if handler == "ignore" else 3000.0 + 2)
+    env.restore(snap)
+    assert_same_traj([step(env, 2) for _ in range(3)], want)
+    [kid] = env.fork(snap, 1)
+    assert_same_traj([step(kid, 2) for _ in range(3)], want)
+    kid.close()
+    loaded = gym_fork.load_snapshot(snap.save(str(tmp_path / "bundle")))  # a fork-tier one is dumped first
+    env.restore(loaded)
+    assert_same_traj([step(env, 2) for _ in range(3)], want)
+    env.close()

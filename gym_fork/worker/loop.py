@@ -83,6 +83,11 @@ def _error_reply(exc: BaseException) -> tuple:
 # This worker's own fork-tier children (frozen snapshots): the env's child processes are the env's.
 _FORKED: set[int] = set()
 _CLONE_INIT = False  # a fork-tier copy made PID 1 of its own namespace (_fork_copy_process)
+# In a frozen snapshot: how the env handled SIGCHLD (a Python handler, SIG_IGN to reap its tools'
+# processes, SIG_DFL) before the frozen loop ignored it; every copy it forks gets it back. An env
+# that ignores SIGCHLD sees every subprocess exit with 0 (waitpid finds nothing to wait for), so a
+# copy left with SIG_DFL saw its tools' real exit codes: a silent divergence.
+_ENV_SIGCHLD: object = None
 
 
 def _reap_zombies() -> None:
@@ -186,7 +191,11 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
         for ch in drop:
             if ch is not None:
                 ch.close()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        global _ENV_SIGCHLD
+        if _ENV_SIGCHLD is not None:  # a copy of a frozen snapshot: the env's own handling again
+            signal.signal(signal.SIGCHLD, _ENV_SIGCHLD)
+            _ENV_SIGCHLD = None
+        # (a frozen snapshot forked from the worker keeps the env's until its loop saves it)
     return pid
 
 
@@ -379,7 +388,13 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
     (``("clone", (True,))``; a batch for ``fork()`` sends ``(False,)``). Why, and what a ready
     copy costs: :class:`gym_fork.snapshots.snapshot.RestoreRate`.
     """
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are not ours to wait for
+    global _ENV_SIGCHLD
+    # copies are not ours to wait for; a handler installed from C (getsignal: None) cannot be
+    # put back from Python: its copies get SIG_DFL, as before
+    _ENV_SIGCHLD = signal.getsignal(signal.SIGCHLD)
+    if _ENV_SIGCHLD is None:
+        _ENV_SIGCHLD = signal.SIG_DFL
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     offered = 0  # ready copies whose channels were handed out and not taken yet
     failed = 0
     # Restores in a burst (tree search: restore, a few steps, restore again) would each find the
