@@ -386,6 +386,32 @@ def tool_exit(handler: str = "ignore"):
     return ToolExitEnv(handler)
 
 
+class ProjectCwdEnv(_Base):
+    """An agent that works in its project directory by relative paths, as a shell tool started
+    there does: it ``chdir``s into ``root`` once (or, ``dir_fd=True``, holds a descriptor of it
+    and opens files relative to that), writes a note per step (named by the action) and observes
+    the directory's listing."""
+
+    def __init__(self, root: str, dir_fd: bool = False) -> None:
+        super().__init__()
+        self.dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY) if dir_fd else None
+        if not dir_fd:
+            os.chdir(root)
+
+    def step(self, action):
+        self.t += 1
+        fd = os.open(f"note{self.t}-{int(action)}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
+                     dir_fd=self.dir_fd)
+        os.write(fd, f"{self.t}\n".encode())
+        os.close(fd)
+        names = sorted(os.listdir("." if self.dir_fd is None else self.dir_fd))
+        return self._obs(float(zlib.crc32(" ".join(names).encode()))), 0.0, *self._done(), {"ls": names}
+
+
+def project_cwd(root: str, dir_fd: bool = False):
+    return ProjectCwdEnv(root, dir_fd)
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

@@ -65,6 +65,28 @@ def test_files_in_private_dirs_are_exact_and_isolated(tmp_path, hold, fork_tier,
     assert _copies() <= existing, "private copies left behind"
 
 
+@pytest.mark.parametrize("dir_fd", [False, True], ids=["cwd", "dir-fd"])
+@pytest.mark.parametrize("fork_tier, mechanism", [("auto", "ForkPayload"), (False, "CriuPayload")],
+                         ids=["fork-tier", "criu-only"])
+def test_an_env_working_inside_its_private_dir_by_relative_paths(tmp_path, fork_tier, mechanism, dir_fd):
+    """The env ``chdir``s into its private directory (or holds a descriptor of it). A fork-tier
+    copy binds its own copy there, and its working directory and directory descriptors must
+    follow: they pointed into the copy it inherited (the previous worker's, deleted once that one
+    is replaced), so a restored copy's next write failed."""
+    app = tmp_path / "app"
+    app.mkdir()
+    existing = _copies()
+
+    def branches(env, kids) -> None:
+        views = [env.private_dir_view(str(app))] + [k.private_dir_view(str(app)) for k in kids]
+        assert sorted(os.listdir(views[0])) == sorted(os.listdir(views[1])) != sorted(os.listdir(views[2]))
+
+    check_exact_and_isolated(functools.partial(agent_envs.project_cwd, str(app), dir_fd), 8, mechanism=mechanism,
+                             on_branches=branches, private_dirs=[str(app)], fork_tier=fork_tier)
+    assert os.listdir(app) == []  # the template was never written
+    assert _copies() <= existing, "private copies left behind"
+
+
 def test_without_private_dirs_the_same_env_is_refused(tmp_path):
     app = tmp_path / "app"
     app.mkdir()

@@ -443,9 +443,9 @@ class EnvServer:
     def cmd_private_dirs(self, dirs: list[str], binds: list[tuple[str, str]]) -> None:
         """The env's private directories (:mod:`gym_fork.worker.mounts`); with ``binds``, this
         copy moves into a mount namespace of its own where each shows its private copy."""
+        mounts.set_private(dirs)
         if binds:
             mounts.enter(binds)
-        mounts.set_private(dirs)
 
     def cmd_reseed(self, seed: int) -> None:
         reseed_env(self.env, seed)

@@ -64,6 +64,7 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
     namespace we came from (``/`` is made private first).  Needs ``CAP_SYS_ADMIN``; the process
     must be single-threaded (a fork-tier copy is)."""
     libc = _libc()
+    cwd = _path_of("/proc/self/cwd")  # by path: the env may work inside a private directory
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
     for source, target in binds:
@@ -75,7 +76,25 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
                 break  # EINVAL: no longer a mount point
         _check(libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND | MS_REC, None),
                f"binding {source} on {target}")
+    if cwd is not None and under_private(cwd):
+        # The working directory, like a descriptor, still points into the copy this process
+        # inherited (the previous worker's, deleted once that one was replaced): an env that
+        # chdir'ed into its private directory must go on in its own copy, at the same path.
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
     reopen_files()
+
+
+def _path_of(link: str) -> str | None:
+    """The path a ``/proc`` link names, also once the directory was removed (``" (deleted)"``:
+    a private copy deleted after its worker was replaced, seen from a frozen snapshot's copy)."""
+    try:
+        path = os.readlink(link)
+    except OSError:
+        return None
+    return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
 
 
 def reopen_files() -> None:
@@ -84,8 +103,9 @@ def reopen_files() -> None:
     A descriptor opened before ``unshare(CLONE_NEWNS)`` still points into the old namespace's
     mounts, which CRIU (dumping from inside the new one) cannot find ("Can't lookup mount"), and a
     file in a private directory would still be the previous copy's.  Each regular file or device
-    is reopened with its flags and offset; unlinked files, pipes, sockets and anonymous inodes
-    (which belong to no mount) are left alone."""
+    is reopened with its flags and offset, and so is a directory in a private directory (also
+    one whose previous copy is gone: it is this copy's that the env must work in); unlinked
+    files, pipes, sockets and anonymous inodes (which belong to no mount) are left alone."""
     import fcntl
     import stat
 
@@ -96,12 +116,16 @@ def reopen_files() -> None:
             st = os.fstat(fd)
         except OSError:
             continue  # the listing's own descriptor
-        if not target.startswith("/") or target.endswith(" (deleted)"):
+        if not target.startswith("/"):
             continue
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
-            continue  # directories (our listing), FIFOs and sockets by path stay
+        private_dir = stat.S_ISDIR(st.st_mode) and under_private(_path_of(f"/proc/self/fd/{fd}") or "")
+        if private_dir:  # as the working directory (enter()): this copy's own, also once the old one is gone
+            target = _path_of(f"/proc/self/fd/{fd}") or target
+        elif target.endswith(" (deleted)") or not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+            continue  # unlinked files, other directories (our listing's own), FIFOs and sockets stay
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        keep = flags & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | getattr(os, "O_DIRECT", 0) | os.O_SYNC)
+        keep = flags & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | getattr(os, "O_DIRECT", 0) | os.O_SYNC
+                        | getattr(os, "O_PATH", 0) | os.O_DIRECTORY)
         try:
             new = os.open(target, keep | os.O_NOCTTY)
         except OSError:
