@@ -412,6 +412,34 @@ def project_cwd(root: str, dir_fd: bool = False):
     return ProjectCwdEnv(root, dir_fd)
 
 
+class WorkspaceNotesEnv(_Base):
+    """Appends a note per step to ``notes.txt`` in its workspace and observes how many it holds.
+    It finds the file the way ``how`` says: ``"attr"`` from ``self.workspace`` at each step (the
+    workspace contract), ``"derived"`` through a path computed once in ``__init__``, ``"cwd"`` by
+    a relative path after ``chdir``ing into the workspace once."""
+
+    def __init__(self, workspace: str, how: str = "attr") -> None:
+        super().__init__()
+        self.workspace = workspace
+        self.how = how
+        self.notes = os.path.join(workspace, "notes.txt")
+        if how == "cwd":
+            os.chdir(workspace)
+
+    def step(self, action):
+        self.t += 1
+        path = {"attr": os.path.join(self.workspace, "notes.txt"), "derived": self.notes, "cwd": "notes.txt"}[self.how]
+        with open(path, "a") as f:
+            f.write(f"{self.t}:{int(action)}\n")
+        with open(path) as f:
+            n = len(f.read().splitlines())
+        return self._obs(float(n)), 0.0, *self._done(), {"notes": n}
+
+
+def notes_in(workspace: str, how: str = "attr"):
+    return WorkspaceNotesEnv(workspace, how)
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

@@ -353,3 +353,62 @@ def test_workspace_files_come_back_byte_for_byte(tmp_path):
     env.restore(gym_fork.load_snapshot(snap.save(str(tmp_path / "bundle"))))
     assert _digests(ws) == before
     env.close()
+
+
+# --- a fork child's workspace is its own ---------------------------------------------------------------
+
+def _notes(path: str) -> list[str]:
+    with open(os.path.join(path, "notes.txt")) as f:
+        return f.read().split()
+
+
+@pytest.mark.parametrize("how", [{"fork_tier": True}, {"fork_tier": False}, {"backend": "pickle"}],
+                         ids=["fork-tier", "criu-dumps", "pickle"])
+@pytest.mark.parametrize("find", ["attr", "cwd", "derived"])
+def test_a_fork_child_works_in_its_own_workspace_or_says_why(tmp_path, how, find):
+    """A fork() child works in ``DIR.branch-<id>``. An env that finds its files through
+    ``self.workspace`` (the contract) or, in a worker, by relative paths after ``chdir``ing into its
+    workspace (the child's working directory follows it) continues exactly, and the parent's
+    files stay its own. One that uses a path derived before it was copied reached into the
+    parent's directory: the children and the parent each read the others' notes, silently. Now
+    that access is refused in the child's step, naming the fix, and nothing of the parent's is
+    touched; the pickle backend's first snapshot refuses such an env. (An in-process env's working
+    directory is the learner's: it cannot follow, and is refused likewise.)"""
+    import functools
+
+    import agent_envs
+
+    ws = str(tmp_path / "ws")
+    os.makedirs(ws)
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.notes_in, ws, find), workspace=ws, **how)
+    cwd = os.getcwd()
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        env.step(0)
+        follows = find == "attr" or (find == "cwd" and "backend" not in how)
+        if not follows and "backend" in how:  # the pickle backend's first-snapshot check finds it
+            with pytest.raises(gym_fork.errors.UnsupportedEnvError, match=r"Derive paths from self\.workspace"):
+                env.snapshot()
+            assert env.step(1)[4]["notes"] == 3 and _notes(ws) == ["1:0", "2:0", "3:1"]
+            return
+        snap = env.snapshot()
+        kids = env.fork(snap, 2)
+        if follows:
+            assert [k.step(1)[4]["notes"] for k in kids] == [3, 3]
+            assert env.step(1)[4]["notes"] == 3
+            for k in kids:
+                assert _notes(k.unwrapped.workspace) == ["1:0", "2:0", "3:1"]
+        else:
+            for k in kids:
+                with pytest.raises(Exception, match=r"Derive paths from self\.workspace") as ei:
+                    k.step(1)
+                assert isinstance(ei.value, (PermissionError, gym_fork.errors.WorkerError))
+                assert _notes(k.unwrapped.workspace) == ["1:0", "2:0"]
+            assert env.step(1)[4]["notes"] == 3
+        assert _notes(ws) == ["1:0", "2:0", "3:1"]  # the parent's own notes only
+        for k in kids:
+            k.close()
+    finally:
+        env.close()
+        os.chdir(cwd)  # (the in-process env chdir'ed the test's process)

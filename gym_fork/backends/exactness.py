@@ -34,6 +34,8 @@ from typing import Any, Callable
 import cloudpickle
 import numpy as np
 
+from gym_fork.worker import files
+
 
 def global_rng_state() -> dict[str, Any]:
     """The process-wide RNG states a pickle of an env does not hold."""
@@ -128,9 +130,13 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
         for _ in range(2):
             obj = cloudpickle.loads(blob)
             env = unpack(obj) if unpack else obj
+            original = getattr(getattr(env, "unwrapped", env), "workspace", None)
             private = _private_workspace(env)
+            rec = files.Record()  # as in a fork() child: the original's directory is not the copy's
+            rec.workspace, rec.foreign = private, (os.path.normpath(os.path.abspath(original)) if private else None)
             try:
-                runs.append(_run(env, actions))
+                with files.tracking(rec):
+                    runs.append(_run(env, actions))
             finally:
                 try:
                     env.close()
@@ -141,6 +147,13 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
     finally:
         set_global_rng_state(saved)
     a, b = runs
+    for x in (*a, *b):
+        if isinstance(x, _Raised) and x[0] == files.ForeignWorkspaceError.__name__:
+            from gym_fork.errors import UnsupportedEnvError
+
+            raise UnsupportedEnvError(
+                f"{x[1]} (a pickled copy, stepped in a copy of the workspace as a fork() child is, reached "
+                "into the original's directory; nothing was snapshotted)")
     compared = sum(1 for x in a if not isinstance(x, _Raised))
     if len(a) != len(b):
         return f"one copy's episode ended after {len(a)} steps, the other's after {len(b)}", compared

@@ -12,7 +12,11 @@ open files are fixed):
 * it finds its workspace through an attribute ``workspace`` (an absolute path) on its
   ``unwrapped`` env.  ``restore()`` keeps the same path and swaps the directory's *content*;
   a ``fork()`` child gets a new directory ``DIR.branch-<id>`` and gym_fork sets the child's
-  ``env.unwrapped.workspace`` to it (``setattr`` command) before returning the child.
+  ``env.unwrapped.workspace`` to it (``setattr`` command) before returning the child.  A child's
+  working directory inside ``DIR`` follows it there (an env that ``chdir``ed into its workspace
+  works by relative paths); a path it derived from ``DIR`` before it was copied is refused when
+  it is used (``ForeignWorkspaceError`` from the audit hook, :mod:`gym_fork.worker.files`), so no
+  copy ever reads or writes another env's directory.
 
 Capture happens while the worker is blocked between requests, so the files are quiescent: the
 env holds none of them open for writing (a worker's scan refuses a snapshot of one that does; the

@@ -385,9 +385,10 @@ class EnvServer:
         if where == "wrapper":
             self.env.set_wrapper_attr(name, value)
         else:
+            previous = getattr(self.env.unwrapped, name, None) if name == "workspace" else None
             setattr(self.env.unwrapped, name, value)
             if name == "workspace":  # the declared workspace: captured by snapshots, not recorded
-                files.set_workspace(value)
+                files.set_workspace(value, previous)
 
     def cmd_call(self, name: str, args: tuple, kwargs: dict, where: str) -> Any:
         target = self.env if where == "wrapper" else self.env.unwrapped

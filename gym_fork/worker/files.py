@@ -71,7 +71,7 @@ class Record:
     ``version`` counts changes; ``sent``/``sent_version`` remember what :func:`pending` last
     reported.  ``workspace``: the env's declared workspace (ignored), absolute, or None."""
 
-    __slots__ = ("paths", "version", "sent", "sent_version", "workspace")
+    __slots__ = ("paths", "version", "sent", "sent_version", "workspace", "foreign")
 
     def __init__(self) -> None:
         self.paths: dict[str, str] = {}
@@ -79,6 +79,8 @@ class Record:
         self.sent: dict[str, str] | None = {}
         self.sent_version = 0
         self.workspace: str | None = None
+        # the workspace of the env this one was copied from (a fork() child's parent's): off limits
+        self.foreign: str | None = None
 
     def current(self) -> dict[str, str]:
         """The record now: paths the env created and removed again are dropped (no trace left),
@@ -149,19 +151,73 @@ def untrack(previous: tuple) -> None:
     _active, _thread = previous
 
 
-def set_workspace(path: str | None) -> None:
+def set_workspace(path: str | None, previous: Any = None) -> None:
     """The env's declared workspace is ``path``: changes inside it are captured with each
-    snapshot, not recorded here (entries already under it are dropped)."""
+    snapshot, not recorded here (entries already under it are dropped). ``previous``: the
+    env's ``workspace`` attribute until now (a copy's: the directory of the env it was copied
+    from, which the copy must not touch any more)."""
     rec = _active
     if rec is None:
         return
+    old = rec.workspace
+    if isinstance(previous, str) and previous:
+        old = os.path.normpath(os.path.abspath(previous))
     rec.workspace = os.path.normpath(os.path.abspath(path)) if path else None
+    if old and rec.workspace and old != rec.workspace:
+        # a copy moved to a directory of its own (a fork() child's DIR.branch-<id>): what it
+        # inherited still names the directory it was copied from
+        rec.foreign = old
+        if rec is _worker:  # (an in-process env shares the learner's working directory)
+            _follow_cwd(old, rec.workspace)
     if rec.workspace:
         inside = [p for p in rec.paths if _under(p, rec.workspace)]
         for p in inside:
             del rec.paths[p]
         if inside:
             rec.version += 1
+
+
+def _follow_cwd(old: str, new: str) -> None:
+    """An env that ``chdir``ed into its workspace goes on in its own copy of it."""
+    try:
+        cwd = os.getcwd()
+        if _under(cwd, old):
+            os.chdir(os.path.join(new, os.path.relpath(cwd, old)))
+    except OSError:
+        pass
+
+
+class ForeignWorkspaceError(PermissionError):
+    """A copy of an env (a ``fork()`` child, an env restored elsewhere) reached into the workspace
+    of the env it was copied from, through a path it derived before it was copied."""
+
+
+def _refuse_foreign(rec: Record, event: str, args: tuple) -> None:
+    """Raise :class:`ForeignWorkspaceError` when ``event`` names a path in ``rec.foreign``: the
+    operation is aborted (an audit hook's exception is the operation's), so no other env's files
+    are read or changed, and the env's step fails saying why -- where its writes would otherwise
+    have mixed into another env's directory, silently."""
+    names = args[:2] if event in _TWO_PATHS else args[:1]
+    for raw in names:
+        if raw.__class__ is int or raw is None:
+            continue
+        try:
+            p = os.fspath(raw)
+            p = os.fsdecode(p) if p.__class__ is bytes else p
+        except TypeError:
+            continue
+        if p.startswith("file:"):  # sqlite3.connect(uri=True)
+            p = p[5:].partition("?")[0]
+        if not p:
+            continue
+        p = os.path.normpath(p if p[0] == "/" else os.path.join(os.getcwd(), p))
+        if _under(p, rec.foreign):  # type: ignore[arg-type]
+            raise ForeignWorkspaceError(
+                f"gym_fork: {event} of {p} refused: this env is a copy (a fork() child, or restored into "
+                f"another env) working in its own copy of the workspace, {rec.workspace}; {p} is in "
+                f"{rec.foreign}, the workspace of the env it was copied from. Derive paths from "
+                "self.workspace where you use them, not once in __init__: gym_fork sets the workspace "
+                "attribute of every copy to its own directory")
 
 
 def pending() -> dict[str, str] | None:
@@ -281,6 +337,8 @@ def _hook(event: str, args: tuple) -> None:
     rec = _active
     if rec is None or (_thread is not None and threading.get_ident() != _thread):
         return
+    if rec.foreign is not None:
+        _refuse_foreign(rec, event, args)  # raises: aborts the operation, on purpose
     try:
         handler(rec, args)
     except Exception:  # noqa: BLE001 - an exception here would abort the env's own operation
@@ -419,7 +477,17 @@ def _spawned(rec: Record, what: Any) -> None:
         rec.version += 1
 
 
+_TWO_PATHS = frozenset({"os.rename", "os.link", "os.symlink"})
+
+
+def _nothing(rec: Record, args: tuple) -> None:
+    """Reads record nothing; they are hooked only for a copy's :func:`_refuse_foreign`."""
+
+
 _HANDLERS: dict[str, Callable[[Record, tuple], None]] = {
+    "os.listdir": _nothing,
+    "os.scandir": _nothing,
+    "os.chdir": _nothing,
     # processes the env starts (their writes are seen by gym_fork.worker.fswatch)
     "subprocess.Popen": lambda rec, a: _spawned(rec, a[0] or (a[1][0] if isinstance(a[1], (list, tuple)) and a[1]
                                                             else str(a[1]).split()[0] if a[1] else None)),
