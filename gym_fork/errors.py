@@ -74,6 +74,14 @@ class EnvClosedError(GymForkError):
     """The ForkableEnv was closed; create a new one."""
 
 
+class ForeignWorkspaceError(GymForkError, PermissionError):
+    """Raised *inside the env*, by the operation itself: a copy of an env (a ``fork()`` child, an
+    env restored into another env) used a path in the workspace of the env it was copied from,
+    derived before it was copied.  Nothing was read or written there; derive workspace paths
+    from ``self.workspace`` where they are used.  In the learner it arrives as a
+    :class:`WorkerError` from a worker."""
+
+
 class WorkerDiedError(GymForkError):
     """The worker process running the env died; the message says how (exit code or signal)."""
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import cloudpickle
 import numpy as np
 
+from gym_fork.errors import ForeignWorkspaceError
 from gym_fork.worker import files
 
 
@@ -148,7 +149,7 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
         set_global_rng_state(saved)
     a, b = runs
     for x in (*a, *b):
-        if isinstance(x, _Raised) and x[0] == files.ForeignWorkspaceError.__name__:
+        if isinstance(x, _Raised) and x[0] == ForeignWorkspaceError.__name__:
             from gym_fork.errors import UnsupportedEnvError
 
             raise UnsupportedEnvError(

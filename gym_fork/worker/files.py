@@ -55,6 +55,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator
 
+from gym_fork.errors import ForeignWorkspaceError
+
 CREATED = "created"  # the path did not exist before the env's first change to it
 MODIFIED = "modified"  # it existed: written, truncated, renamed, removed, chmod-ed, ...
 MADE_DIR = "made-dir"  # a directory the env made: not reported (its files are), but its removal is the env's own
@@ -185,11 +187,6 @@ def _follow_cwd(old: str, new: str) -> None:
             os.chdir(os.path.join(new, os.path.relpath(cwd, old)))
     except OSError:
         pass
-
-
-class ForeignWorkspaceError(PermissionError):
-    """A copy of an env (a ``fork()`` child, an env restored elsewhere) reached into the workspace
-    of the env it was copied from, through a path it derived before it was copied."""
 
 
 def _refuse_foreign(rec: Record, event: str, args: tuple) -> None:
