@@ -416,7 +416,8 @@ class WorkspaceNotesEnv(_Base):
     """Appends a note per step to ``notes.txt`` in its workspace and observes how many it holds.
     It finds the file the way ``how`` says: ``"attr"`` from ``self.workspace`` at each step (the
     workspace contract), ``"derived"`` through a path computed once in ``__init__``, ``"cwd"`` by
-    a relative path after ``chdir``ing into the workspace once."""
+    a relative path after ``chdir``ing into the workspace once, ``"tool"`` by running a shell in
+    the directory computed once."""
 
     def __init__(self, workspace: str, how: str = "attr") -> None:
         super().__init__()
@@ -428,9 +429,15 @@ class WorkspaceNotesEnv(_Base):
 
     def step(self, action):
         self.t += 1
-        path = {"attr": os.path.join(self.workspace, "notes.txt"), "derived": self.notes, "cwd": "notes.txt"}[self.how]
-        with open(path, "a") as f:
-            f.write(f"{self.t}:{int(action)}\n")
+        path = {"attr": os.path.join(self.workspace, "notes.txt"), "derived": self.notes, "cwd": "notes.txt",
+                "tool": "notes.txt"}[self.how]
+        if self.how == "tool":  # a shell tool run in the directory computed once
+            subprocess.run(["sh", "-c", f"echo {self.t}:{int(action)} >> notes.txt"], cwd=os.path.dirname(self.notes),
+                           check=True)
+            path = self.notes
+        else:
+            with open(path, "a") as f:
+                f.write(f"{self.t}:{int(action)}\n")
         with open(path) as f:
             n = len(f.read().splitlines())
         return self._obs(float(n)), 0.0, *self._done(), {"notes": n}

@@ -364,7 +364,7 @@ def _notes(path: str) -> list[str]:
 
 @pytest.mark.parametrize("how", [{"fork_tier": True}, {"fork_tier": False}, {"backend": "pickle"}],
                          ids=["fork-tier", "criu-dumps", "pickle"])
-@pytest.mark.parametrize("find", ["attr", "cwd", "derived"])
+@pytest.mark.parametrize("find", ["attr", "cwd", "derived", "tool"])
 def test_a_fork_child_works_in_its_own_workspace_or_says_why(tmp_path, how, find):
     """A fork() child works in ``DIR.branch-<id>``. An env that finds its files through
     ``self.workspace`` (the contract) or, in a worker, by relative paths after ``chdir``ing into its

@@ -194,7 +194,12 @@ def _refuse_foreign(rec: Record, event: str, args: tuple) -> None:
     operation is aborted (an audit hook's exception is the operation's), so no other env's files
     are read or changed, and the env's step fails saying why -- where its writes would otherwise
     have mixed into another env's directory, silently."""
-    names = args[:2] if event in _TWO_PATHS else args[:1]
+    if event == "subprocess.Popen":
+        names = args[2:3]  # its working directory (a tool run in the project directory)
+    elif event in _PATHLESS:
+        return
+    else:
+        names = args[:2] if event in _TWO_PATHS else args[:1]
     for raw in names:
         if raw.__class__ is int or raw is None:
             continue
@@ -475,6 +480,7 @@ def _spawned(rec: Record, what: Any) -> None:
 
 
 _TWO_PATHS = frozenset({"os.rename", "os.link", "os.symlink"})
+_PATHLESS = frozenset({"os.posix_spawn", "os.spawn", "os.system", "os.fork", "os.forkpty"})
 
 
 def _nothing(rec: Record, args: tuple) -> None:
