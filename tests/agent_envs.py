@@ -447,6 +447,26 @@ def notes_in(workspace: str, how: str = "attr"):
     return WorkspaceNotesEnv(workspace, how)
 
 
+class GridViewEnv(_Base):
+    """A grid with the agent's row kept beside it as a NumPy view (``self.row = self.grid[1]``):
+    each step adds to the row through the view and observes column sums of the grid. A pickled
+    copy holds the two apart, so its writes through ``row`` no longer reach ``grid``."""
+
+    def reset(self, *, seed=None, options=None):
+        self.grid = np.zeros((4, 4))
+        self.row = self.grid[1]
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self.t += 1
+        self.row[int(action)] += 1.0
+        return self._obs(float(self.grid.sum(axis=0) @ np.arange(4.0))), 0.0, *self._done(), {}
+
+
+def grid_view():
+    return GridViewEnv()
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

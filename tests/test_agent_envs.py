@@ -761,3 +761,39 @@ def test_the_envs_own_sigchld_handling_continues_in_every_copy(tmp_path, fork_ti
     env.restore(loaded)
     assert_same_traj([step(env, 2) for _ in range(3)], want)
     env.close()
+
+
+# --- arrays that share memory --------------------------------------------------------------------------
+
+def test_pickle_refuses_arrays_that_share_memory():
+    """A NumPy view kept beside the array it looks into (``self.row = self.grid[1]``) is pickled as
+    an array of its own: after a restore, writes through the view no longer reached the grid, and
+    the env went on differently -- while the first-snapshot check passed (both pickled copies were
+    alike, and alike wrong). Every pickle snapshot now refuses it, naming both; an instance holding
+    it is not shipped to a worker; process snapshots copy it exactly."""
+    env = gym_fork.ForkableEnv(agent_envs.grid_view, backend="pickle")
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(gym_fork.errors.UnsupportedEnvError,
+                           match=r"env\.grid and env\.row \(arrays over the same memory.*self\.grid\[1\] at each use"):
+            env.snapshot()
+        assert env.step(2)[0][1] == 3.0  # untouched: the view still writes into the grid (1 + 2)
+    finally:
+        env.close()
+    inst = agent_envs.grid_view()
+    inst.reset(seed=0)
+    with pytest.raises(gym_fork.errors.EnvNotShippableError, match=r"env\.grid and env\.row"):
+        gym_fork.ForkableEnv(inst)
+    for fork_tier in (True, False):
+        env = gym_fork.ForkableEnv(agent_envs.grid_view, fork_tier=fork_tier)
+        try:
+            env.reset(seed=0)
+            env.step(1)
+            snap = env.snapshot()
+            want = [step(env, 2) for _ in range(3)]
+            assert [float(o[1]) for o, *_ in want] == [3.0, 5.0, 7.0]
+            env.restore(snap)
+            assert_same_traj([step(env, 2) for _ in range(3)], want)
+        finally:
+            env.close()

@@ -24,7 +24,7 @@ from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.backends.exactness import copies_diverge
 from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
 from gym_fork.snapshots.bundle import check_field
-from gym_fork.snapshots.set_order import set_order_problem, str_hash_probe
+from gym_fork.snapshots.set_order import copy_problem, str_hash_probe
 from gym_fork.snapshots.files import read_bounded
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
 
@@ -92,10 +92,6 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
 
 
 #: what pickle's hash-order note says a user can do about it
-_SET_ORDER_FIX = ("iterate it in a fixed order (sorted(...)), or keep a dict (ordered by insertion) or a list "
-                  "instead; or use backend='criu', which snapshots the whole process")
-
-
 class _PickleHandle(LocalHandle):
     verified = False  # the exactness check ran (and could step the copies) for this env lineage
 
@@ -133,16 +129,17 @@ class PickleBackend(Backend):
             # verified once a check could step the copies (not before reset(): then again next time)
             handle.verified = self._check_copy(s.env, blob)
         else:  # a set can start to lose its order later (it shrank): looked for at every snapshot
-            self._check_set_order(s.env)
+            self._check_copy_problems(s.env)
         return blob, len(blob)
 
     @staticmethod
-    def _check_set_order(env: gym.Env) -> None:
-        where = set_order_problem(env)
-        if where is not None:
+    def _check_copy_problems(env: gym.Env) -> None:
+        found = copy_problem(env)
+        if found is not None:
+            where, fix = found
             raise UnsupportedEnvError(
-                f"a pickled copy of {type(env.unwrapped).__name__} would iterate {where} in another order, "
-                f"so a restore could continue differently; {_SET_ORDER_FIX}. Nothing was snapshotted.")
+                f"a pickled copy of {type(env.unwrapped).__name__} would not go on like the original: it holds "
+                f"{where}, so a restore could continue differently; {fix}. Nothing was snapshotted.")
 
     def check_exact(self, handle: Handle) -> None:
         """Raise (UnsupportedEnvError / SnapshotError) unless this env pickles exactly right now.
@@ -162,7 +159,7 @@ class PickleBackend(Backend):
         answer identically: state outside the pickle, e.g. the global RNGs, is caught). Returns
         whether the copies could be stepped (False before reset(): check again later)."""
         name = type(env.unwrapped).__name__
-        PickleBackend._check_set_order(env)
+        PickleBackend._check_copy_problems(env)
         diff = state_difference(env, cloudpickle.loads(blob)[0])
         if diff is not None:
             raise UnsupportedEnvError(
@@ -223,8 +220,9 @@ class PickleBackend(Backend):
                 state = cloudpickle.loads(payload)
             except Exception as e:  # noqa: BLE001
                 raise SnapshotCorruptedError(f"{bundle_dir}: the pickle snapshot does not load: {type(e).__name__}: {e}") from e
-            where = set_order_problem(state[0], cross_process=True)
-            if where is not None:
+            found = copy_problem(state[0], cross_process=True)
+            if found is not None:
+                where = found[0]
                 raise BundleError(
                     f"{bundle_dir}: this pickle snapshot was saved by a process whose string hashes differ from this "
                     f"one's, and the env holds {where}: here it would iterate in another order, so the env could "

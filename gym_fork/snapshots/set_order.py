@@ -1,18 +1,24 @@
-"""Whether a pickled copy iterates every set of an object graph in the order the original does.
+"""Whether a pickled copy of an object graph goes on like the original: the order of its sets and
+the memory its NumPy arrays share.
 
 A pickle holds a set's elements in iteration order, and loading adds them to an empty set one by
-one, which may lay them out differently (see :func:`set_order_problem`). The pickle backend
-refuses snapshots where that happens, and :mod:`gym_fork.worker.commands` refuses to ship such an
-env instance to its worker (another process, where strings hash differently).
+one, which may lay them out differently (see :func:`set_order_problem`).  A pickle holds each
+array's values on their own: two arrays that share memory (a view kept beside the array it looks
+into) come back as two separate arrays, and a write through one no longer shows in the other.
+The pickle backend refuses snapshots where either happens (:func:`copy_problem`), and
+:mod:`gym_fork.worker.commands` refuses to ship such an env instance to its worker (another
+process, where strings also hash differently).
 """
 
 from __future__ import annotations
 
 import types
-from itertools import chain
+from itertools import chain, repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import numpy as np
+from numpy import ndarray
 
 # Types whose instances hash alike in every process (``str`` and ``bytes`` hashes are seeded per
 # process, PYTHONHASHSEED; a plain object hashes by its address).
@@ -39,9 +45,24 @@ def _hash_stable(x: Any) -> bool:
     return type(x) in (tuple, frozenset) and all(_hash_stable(y) for y in x)
 
 
+#: what to do about a set whose order a copy would change
+SET_ORDER_FIX = ("iterate it in a fixed order (sorted(...)), or keep a dict (ordered by insertion) or a list "
+                 "instead; or use backend='criu', which snapshots the whole process")
+#: what to do about arrays that share memory
+SHARED_MEMORY_FIX = ("keep the one array and index it where it is used (self.grid[1] at each use, not a view "
+                     "stored beside it), or store a copy; or use backend='criu', which snapshots the whole process")
+
+
 def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") -> str | None:
-    """Where a pickled copy of ``obj`` would iterate a set in another order than ``obj`` does, or
-    None.
+    """Where a pickled copy of ``obj`` would not go on like ``obj`` (:func:`copy_problem`), as
+    words, or None."""
+    found = copy_problem(obj, cross_process, path)
+    return None if found is None else found[0]
+
+
+def copy_problem(obj: Any, cross_process: bool = False, path: str = "env") -> tuple[str, str] | None:
+    """``(where, what to do)`` when a pickled copy of ``obj`` would not go on like ``obj``: it
+    would iterate a set in another order, or hold apart arrays that share memory here; else None.
 
     A pickle holds a set's elements in iteration order, and loading adds them to an empty set one
     by one. The copy may lay them out differently: a set that shrank keeps its larger table, so
@@ -52,10 +73,17 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
     loaded in a process whose string hashes differ), any set of two or more elements that are not
     numbers counts.
 
+    Arrays: two distinct ``ndarray`` objects over the same memory (one a view of the other, or
+    both of a third buffer), at least one of them writable; or a writable view of an object the
+    walk holds otherwise (a simulator's state arrays kept beside the simulator). A pickle memoizes
+    objects, not memory: the copy's arrays are separate.
+
     Walks instance ``__dict__``s, dicts, lists, tuples and sets (as :func:`state_difference`
     compares them), up to :data:`_SET_DEPTH` levels deep.
     """
     seen: set[int] = set()
+    arrays: list[tuple[np.ndarray, Any]] = []  # (array, where it hangs) for the memory check
+    in_lists: set[int] = set()  # ids of the arrays in lists of plain values (their views are in `arrays`)
     # (object, where it hangs: (parent's entry, key, kind) or None, depth); a path string is
     # built only for what is reported
     todo: list[tuple[Any, Any, int]] = [(obj, None, 0)]
@@ -72,19 +100,23 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
             items = list(x)
             odd = next((i for i in items if not _hash_stable(i)), None) if cross_process else None
             if odd is not None:
-                return f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__}s, whose order follows the hash seed)"
+                return (f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__}s, whose order follows "
+                        "the hash seed)", SET_ORDER_FIX)
             odd = next((i for i in items if _hashed_by_address(i)), None)
             if odd is not None:  # a copy's elements are new objects, at other addresses
                 return (f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__} objects, hashed by their "
-                        "address, which a copy's objects do not share)")
+                        "address, which a copy's objects do not share)", SET_ORDER_FIX)
             if items != list(type(x)(items) if type(x) in (set, frozenset) else set(items)):
-                return f"{_path(entry, path)} (a {type(x).__name__} whose order changes when it is pickled)"
+                return f"{_path(entry, path)} (a {type(x).__name__} whose order changes when it is pickled)", SET_ORDER_FIX
             continue
         if isinstance(x, dict):
             pairs = x.items()
             kind = "item"
         elif isinstance(x, (list, tuple)):
-            if _plain(x):
+            kinds = _plain(x)
+            if kinds is not None:
+                if ndarray in kinds:  # (a list of frames: views of one buffer?)
+                    _list_arrays(x, kinds, entry, arrays, in_lists)
                 continue
             pairs = enumerate(x)
             kind = "item"
@@ -99,17 +131,69 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
         for k, v in pairs:
             if not isinstance(v, leaves):  # (lists and tuples of plain values: _plain, when popped)
                 push((v, (entry, k, kind), depth + 1))
+            elif v.__class__ is ndarray:
+                arrays.append((v, (entry, k, kind)))
+    return _shared_memory(arrays, in_lists, seen, path)
+
+
+def _list_arrays(seq: list | tuple, kinds: set[type], entry: tuple, arrays: list, in_lists: set[int]) -> None:
+    """Note the arrays of a list of plain values: every one's id (a view elsewhere may look into
+    it), and the views among them with where they hang. At C speed while none is a view (a
+    history of observations), so a long list costs milliseconds."""
+    if kinds == {ndarray}:
+        bases = list(map(_BASE, seq))
+        in_lists.update(map(id, seq))
+        if not any(map(is_not, bases, repeat(None))):  # (not bases.count(None): that compares arrays)
+            return
+    else:
+        in_lists.update(id(a) for a in seq if a.__class__ is ndarray)
+    arrays.extend((a, (entry, i, "item")) for i, a in enumerate(seq) if a.__class__ is ndarray and a.base is not None)
+
+
+_BASE = attrgetter("base")
+
+
+def _shared_memory(arrays: list[tuple[np.ndarray, Any]], in_lists: set[int], seen: set[int],
+                   path: str) -> tuple[str, str] | None:
+    """Two arrays over one buffer among ``arrays`` (and the arrays of ``in_lists``), or a view of an
+    object in ``seen``, as a finding."""
+    owners: dict[int, tuple[np.ndarray, Any]] = {}
+    for a, at in arrays:
+        base = a.base
+        if base is None:
+            owner: Any = a
+        else:
+            while base.__class__ is ndarray and base.base is not None:
+                base = base.base
+            owner = base
+        first = owners.setdefault(id(owner), (a, at))
+        if first[0] is not a and (a.flags.writeable or first[0].flags.writeable):
+            return (f"{_path((None, first[1], 0), path)} and {_path((None, at, 0), path)} (arrays over the same "
+                    "memory, which a pickled copy holds apart: a write through one would no longer show in "
+                    "the other)", SHARED_MEMORY_FIX)
+        if owner is a or not a.flags.writeable:
+            continue
+        if owner.__class__ is ndarray and id(owner) in in_lists:
+            return (f"{_path((None, at, 0), path)} (a view of an array in a list the env also holds, which a "
+                    "pickled copy holds apart: a write through one would no longer show in the other)",
+                    SHARED_MEMORY_FIX)
+        if owner.__class__ is not ndarray and id(owner) in seen:
+            return (f"{_path((None, at, 0), path)} (a view of memory that {type(owner).__name__} holds, which a "
+                    "pickled copy holds apart)", SHARED_MEMORY_FIX)
     return None
 
 
-def _plain(seq: list | tuple) -> bool:
-    """Whether a list or tuple holds only plain values, or only tuples of plain values (a replay
-    buffer, a transition table's rows): nothing in it to look at. Element types are gathered
-    at C speed, so a million rows cost tens of milliseconds, not a Python loop each."""
+def _plain(seq: list | tuple) -> set[type] | None:
+    """The element types when a list or tuple holds only plain values (their types), or only
+    tuples of plain values (``{tuple}``: a replay buffer, a transition table's rows): nothing in
+    it to walk into; else None. Element types are gathered at C speed, so a million rows cost
+    tens of milliseconds, not a Python loop each."""
     kinds = set(map(type, seq))
     if kinds <= _LEAF_TYPES:
-        return True
-    return kinds == {tuple} and set(map(type, chain.from_iterable(seq))) <= _LEAF_TYPES
+        return kinds
+    if kinds == {tuple} and set(map(type, chain.from_iterable(seq))) <= _LEAF_TYPES:
+        return kinds
+    return None
 
 
 def _path(entry: tuple, root: str) -> str:

@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError, PolicyError
-from gym_fork.snapshots.set_order import set_order_problem
+from gym_fork.snapshots.set_order import copy_problem
 from gym_fork.worker import checker, files, fswatch, mounts, refs, registry
 from gym_fork.worker.channel import PACKED_VERSION
 
@@ -117,7 +117,7 @@ def _source(env: Any, env_kwargs: dict | None) -> EnvSource:
         raise TypeError("env_kwargs is only accepted together with an env id string")
     if isinstance(env, gym.Env):
         _refuse_ezpickle_instance(env)
-        _refuse_reordering_sets(env)
+        _refuse_uncopyable_state(env)
         try:
             return ("instance", cloudpickle.dumps(env))
         except Exception as e:  # noqa: BLE001 - any pickling failure means the same thing here
@@ -159,17 +159,18 @@ def _refuse_ezpickle_instance(env: gym.Env) -> None:
         layer = layer.env
 
 
-def _refuse_reordering_sets(env: gym.Env) -> None:
+def _refuse_uncopyable_state(env: gym.Env) -> None:
     """The worker is another process, where strings hash differently: a set of them (or of
     objects hashed by address, or one that shrank) the instance holds would iterate there in
-    another order than here, and the env go on differently."""
-    where = set_order_problem(env, cross_process=True)
-    if where is not None:
+    another order than here, and arrays that share memory here would be separate there; the env
+    would go on differently."""
+    found = copy_problem(env, cross_process=True)
+    if found is not None:
         raise EnvNotShippableError(
-            f"cannot send the env instance {env!r} to the worker process exactly: it holds {where}, which "
-            "the worker (another process) would iterate in another order, so the env could go on "
-            "differently. Pass an env id or a zero-argument factory instead, so the worker builds the env "
-            "itself: ForkableEnv(lambda: MyEnv(...)).")
+            f"cannot send the env instance {env!r} to the worker process exactly: it holds {found[0]}, which "
+            "the worker (another process) would not hold alike, so the env could go on differently. Pass an "
+            "env id or a zero-argument factory instead, so the worker builds the env itself: "
+            "ForkableEnv(lambda: MyEnv(...)).")
 
 
 #: a rollout looks every this many steps whether its controller is still waiting (one select())

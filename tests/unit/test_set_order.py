@@ -4,6 +4,7 @@ original (the pickle backend refuses such snapshots; see ``tests/test_agent_envs
 from __future__ import annotations
 
 import cloudpickle
+import numpy as np
 
 from gym_fork.snapshots.set_order import set_order_problem
 
@@ -83,3 +84,40 @@ def test_rows_of_plain_values_are_skipped_but_a_set_among_them_is_found():
     assert set_order_problem(env) is None
     rows[4321] = (4321, _shrunk())
     assert set_order_problem(env) == "env.buffer[4321][1] (a set whose order changes when it is pickled)"
+
+
+# --- arrays that share memory (copy_problem) ---------------------------------------------------------
+
+def _write_reaches_grid(holder) -> bool:
+    """Whether, in a pickled copy of ``holder``, a write through ``row`` still shows in ``grid``."""
+    copy = cloudpickle.loads(cloudpickle.dumps(holder))
+    copy.row[0] += 1.0
+    return bool(copy.grid.sum() == holder.grid.sum() + 1.0)
+
+
+def test_arrays_over_the_same_memory_are_reported():
+    from gym_fork.snapshots.set_order import copy_problem
+
+    grid = np.zeros((4, 4))
+    found = copy_problem(Holder(grid=grid, row=grid[1]))
+    assert found is not None and found[0].startswith("env.grid and env.row (arrays over the same memory")
+    assert not _write_reaches_grid(Holder(grid=grid, row=grid[1]))  # the premise: pickling holds them apart
+    buf = np.zeros(100)
+    assert copy_problem(Holder(a=buf[:10], b=buf[50:])) is not None  # two views of a buffer held nowhere else
+    history = [np.zeros(3) for _ in range(5)]
+    assert copy_problem(Holder(history=history, last=history[-1][:2]))[0].startswith("env.last (a view of an array in a list")
+    ring = np.zeros((8, 2))
+    assert copy_problem(Holder(stack=[ring[i] for i in range(4)])) is not None  # frames: views of one ring
+
+
+def test_arrays_a_copy_holds_alike_are_not_reported():
+    from gym_fork.snapshots.set_order import copy_problem
+
+    grid = np.zeros((4, 4))
+    assert copy_problem(Holder(grid=grid, same=grid)) is None  # one object twice: the pickle memoizes it
+    assert copy_problem(Holder(row=np.zeros((4, 4))[1])) is None  # a view of memory held nowhere else
+    assert copy_problem(Holder(grid=grid, row=grid[1].copy())) is None
+    frozen = np.arange(6.0)
+    frozen.flags.writeable = False
+    assert copy_problem(Holder(table=frozen, head=frozen[:2])) is None  # read-only: nothing writes through
+    assert copy_problem(Holder(history=[np.zeros(3) for _ in range(1000)])) is None
