@@ -140,6 +140,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         ValueError: both or neither of ``policy`` and ``actions``; a list of policies or action
             sequences of the wrong length.
         CapacityError: more branches than fit (the message has the numbers and the override).
+        UncapturedFilesError: a branch wrote a file outside its workspace and ``untracked_paths``
+            (the branches shared it, so their results are not their own).
         PolicyError: a policy run in a worker raised (the other branches are stopped).
 
     Example:
@@ -186,6 +188,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             _run_in_workers(kids, branches, policies, horizon, stop_at_done, progress)
         else:
             _run_closed_loop(kids, branches, act, horizon, stop_at_done, progress)
+        _refuse_shared_writes(kids)
         if return_snapshots:
             for k, b in zip(kids, branches):
                 b.snapshot = k._snapshot(ready_copy=False)  # most are never restored: no copy ahead
@@ -203,6 +206,26 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         if own_root:
             root.release()
     return ExploreResult(root, branches, time.perf_counter() - t0)
+
+
+def _refuse_shared_writes(kids: list[ForkableEnv]) -> None:
+    """Raise UncapturedFilesError when a branch wrote a file outside its workspace (and its env's
+    ``untracked_paths``): every branch -- and the env explored -- has that one file, so branches
+    running side by side may have read each other's writes, and their returns are not theirs
+    alone. A branch that is snapshotted is refused so anyway; one that only runs was not."""
+    for i, k in enumerate(kids):
+        paths = k._outside_writes()
+        if paths:
+            from gym_fork.errors import UncapturedFilesError
+
+            shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            raise UncapturedFilesError(
+                f"explore(): branch {i} wrote {shown}, outside its workspace: the branches share such a file "
+                "(with the env explored), so they may have read each other's writes and their results are not "
+                "theirs alone. The env explored is unchanged, but the file is as the branches left it. To fix: "
+                "keep such files in the env's workspace (workspace=DIR: every branch gets its own copy), declare "
+                "their directories private (private_dirs=[DIR], root), or, if their content does not matter "
+                "(logs), declare them with untracked_paths=[...].", paths)
 
 
 def check_in_worker_policy(policy: Any, n_branches: int) -> None:

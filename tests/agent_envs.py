@@ -576,14 +576,22 @@ class ShellLogEnv(_Base):
     """Runs a shell per step that appends to a log outside any workspace (a tool the agent calls):
     a write below Python, seen by the worker's kernel-side watch (gym_fork.worker.fswatch)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, read_back: bool = False) -> None:
         super().__init__()
         self.path = path
+        self.read_back = read_back  # observe how many lines the log holds (what a tool's output shows)
 
     def step(self, action):
         self.t += 1
         subprocess.run(["sh", "-c", f"echo {self.t} {int(action)} >> '{self.path}'"], check=True)
+        if self.read_back:
+            with open(self.path) as f:
+                return self._obs(float(len(f.readlines()))), 0.0, *self._done(), {}
         return self._obs(float(self.t)), 0.0, *self._done(), {}
+
+
+def shell_log(path: str, read_back: bool = False):
+    return ShellLogEnv(path, read_back)
 
 
 class AppDirEnv(_Base):

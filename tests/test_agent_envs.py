@@ -797,3 +797,35 @@ def test_pickle_refuses_arrays_that_share_memory():
             assert_same_traj([step(env, 2) for _ in range(3)], want)
         finally:
             env.close()
+
+
+# --- files the branches of explore() would share -------------------------------------------------------
+
+def test_explore_refuses_branches_that_wrote_a_file_they_share(tmp_path):
+    """Every branch runs a shell tool appending to one log outside any workspace and reads back
+    how long it is: side by side, each branch sees the others' lines, so its returns are not its
+    own. The branches are never snapshotted, so nothing looked: explore() returned them as if
+    they were exact. Now it refuses, naming the file; declared untracked, the file is the user's
+    business and explore() runs."""
+    from gym_fork.errors import UncapturedFilesError
+
+    log = str(tmp_path / "tool.log")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.shell_log, log, True))
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()  # before the tool ever ran: nothing to refuse yet
+        with pytest.raises(UncapturedFilesError, match=r"explore\(\): branch \d+ wrote .*tool\.log.*untracked_paths") as ei:
+            gym_fork.explore(env, snap, lambda obs: 0, n_branches=4, horizon=3)
+        assert ei.value.paths == [log]
+        with open(log) as f:
+            assert len(f.readlines()) == 12  # the premise: 4 branches x 3 steps, one file
+        env.step(0)  # the env explored steps on
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.shell_log, log, True), untracked_paths=[log])
+    try:
+        env.reset(seed=0)
+        res = gym_fork.explore(env, None, lambda obs: 0, n_branches=4, horizon=3)
+        assert len(res.branches) == 4
+    finally:
+        env.close()
