@@ -626,7 +626,9 @@ def _log_resource(proc: str, pid: int, fd: int, path: str, flags: int, st: os.st
     if access == os.O_WRONLY and flags & os.O_APPEND:
         return None
     how = ("open for reading too: the env may read back what it wrote" if access == os.O_RDWR else
-           "open for writing, not at its end: copies would write over each other")
+           "open for writing, not at its end: copies would write over each other" if proc == "self" else
+           "open for writing without O_APPEND by one of the env's processes: a restored copy would write "
+           "over what was written after the snapshot")
     return Resource("file", pid, f"{path} (a log {how})", "none", fd, detail={"path": path},
                     fix="a log that every copy appends to must be opened write-only in append mode "
                         "(open(path, 'a')); a file the env reads back is state: keep it in the env's "
