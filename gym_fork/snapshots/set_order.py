@@ -133,6 +133,8 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env") -> tu
                 push((v, (entry, k, kind), depth + 1))
             elif v.__class__ is ndarray:
                 arrays.append((v, (entry, k, kind)))
+                if v.dtype.hasobject:  # an object array holds Python objects: walk them as a list's items
+                    push((v.ravel().tolist() if v.base is None else list(v.flat), (entry, k, kind), depth + 1))
     return _shared_memory(arrays, in_lists, seen, path)
 
 

@@ -121,3 +121,14 @@ def test_arrays_a_copy_holds_alike_are_not_reported():
     frozen.flags.writeable = False
     assert copy_problem(Holder(table=frozen, head=frozen[:2])) is None  # read-only: nothing writes through
     assert copy_problem(Holder(history=[np.zeros(3) for _ in range(1000)])) is None
+
+
+def test_what_an_object_array_holds_is_looked_at():
+    from gym_fork.snapshots.set_order import copy_problem
+
+    cells = np.empty((2, 2), dtype=object)
+    cells[:] = [[{1}, None], [_shrunk(), 3]]
+    found = copy_problem(Holder(cells=cells))  # (items by flat index)
+    assert found is not None and found[0] == "env.cells[2] (a set whose order changes when it is pickled)"
+    cells[1, 0] = {14, 35}
+    assert copy_problem(Holder(cells=cells)) is None
