@@ -426,11 +426,14 @@ class WorkspaceNotesEnv(_Base):
         self.notes = os.path.join(workspace, "notes.txt")
         if how == "cwd":
             os.chdir(workspace)
+        elif how == "cwd-sub":  # a project directory inside the workspace
+            os.makedirs(os.path.join(workspace, "proj"), exist_ok=True)
+            os.chdir(os.path.join(workspace, "proj"))
 
     def step(self, action):
         self.t += 1
         path = {"attr": os.path.join(self.workspace, "notes.txt"), "derived": self.notes, "cwd": "notes.txt",
-                "tool": "notes.txt"}[self.how]
+                "cwd-sub": "notes.txt", "tool": "notes.txt"}[self.how]
         if self.how == "tool":  # a shell tool run in the directory computed once
             subprocess.run(["sh", "-c", f"echo {self.t}:{int(action)} >> notes.txt"], cwd=os.path.dirname(self.notes),
                            check=True)

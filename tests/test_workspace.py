@@ -412,3 +412,34 @@ def test_a_fork_child_works_in_its_own_workspace_or_says_why(tmp_path, how, find
     finally:
         env.close()
         os.chdir(cwd)  # (the in-process env chdir'ed the test's process)
+
+
+@pytest.mark.parametrize("how", [{"fork_tier": True}, {"fork_tier": False}], ids=["fork-tier", "criu-dumps"])
+def test_a_restored_env_working_in_a_subdirectory_of_its_workspace_goes_on(tmp_path, how):
+    """The env ``chdir``s into ``proj/`` inside its workspace. A restore put the workspace back by
+    clearing it and copying the capture in, so ``proj/`` became another directory and the restored
+    process's working directory -- the original's (fork tier), or the one criu had just reopened
+    by path -- was a deleted one: its next relative write failed. Directories the capture also
+    has now stay the same directories."""
+    import functools
+
+    import agent_envs
+
+    ws = str(tmp_path / "ws")
+    os.makedirs(ws)
+    cwd = os.getcwd()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.notes_in, ws, "cwd-sub"), workspace=ws, **how)
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        want = [env.step(a)[4]["notes"] for a in (1, 2)]
+        assert want == [2, 3]
+        for _ in range(2):
+            env.restore(snap)
+            assert [env.step(a)[4]["notes"] for a in (1, 2)] == want
+        with open(os.path.join(ws, "proj", "notes.txt")) as f:
+            assert f.read().split() == ["1:0", "2:1", "3:2"]
+    finally:
+        env.close()
+        os.chdir(cwd)

@@ -67,13 +67,18 @@ def copy_tree(src: str, dst: str) -> None:
     shutil.copystat(src, dst)  # cp copied what is in src, not src itself
 
 
-def clear_dir(path: str) -> None:
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
+def _prune(src: str, dst: str) -> None:
+    """Remove from ``dst`` everything but the directories that ``src`` has as directories too
+    (recursively), so that copying ``src`` into it then leaves exactly ``src``'s content."""
+    for name in os.listdir(dst):
+        d, s_ = os.path.join(dst, name), os.path.join(src, name)
+        if os.path.isdir(d) and not os.path.islink(d):
+            if os.path.isdir(s_) and not os.path.islink(s_):
+                _prune(s_, d)
+            else:
+                shutil.rmtree(d)
         else:
-            os.unlink(p)
+            os.unlink(d)
 
 
 class Workspace:
@@ -102,8 +107,11 @@ class Workspace:
         return dst
 
     def restore_from(self, captured: str) -> None:
-        """Make the live directory's content exactly ``captured`` (same path)."""
-        clear_dir(self.path)
+        """Make the live directory's content exactly ``captured`` (same path). A directory in
+        both stays the same directory (its content replaced): the restored process's working
+        directory or directory descriptor there -- a fork-tier copy's is the original's, a CRIU
+        restore reopened it by path just before -- keeps naming it."""
+        _prune(captured, self.path)
         copy_tree(captured, self.path)
 
     def branch(self, captured: str, tag: str, *, keep: bool = False) -> "Workspace":
