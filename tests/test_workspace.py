@@ -443,3 +443,25 @@ def test_a_restored_env_working_in_a_subdirectory_of_its_workspace_goes_on(tmp_p
     finally:
         env.close()
         os.chdir(cwd)
+
+
+def test_an_env_that_chose_another_workspace_itself_is_no_copy(tmp_path):
+    """The env made its own workspace in ``__init__`` (``self.workspace = own``) and the user
+    declared another: the first worker is no copy, so nothing is refused in its step; what it
+    writes in its own directory is outside the declared workspace and refuses the snapshot, as
+    before, naming the file."""
+    import functools
+
+    import agent_envs
+    from gym_fork.errors import UncapturedFilesError
+
+    own, ws = str(tmp_path / "own"), str(tmp_path / "ws")
+    os.makedirs(own)
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.notes_in, own, "derived"), workspace=ws)
+    try:
+        env.reset(seed=0)
+        assert env.step(0)[4]["notes"] == 1
+        with pytest.raises(UncapturedFilesError, match="notes.txt"):
+            env.snapshot()
+    finally:
+        env.close()

@@ -161,8 +161,8 @@ def set_workspace(path: str | None, previous: Any = None) -> None:
     rec = _active
     if rec is None:
         return
-    old = rec.workspace
-    if isinstance(previous, str) and previous:
+    old = rec.workspace  # None in an env's first worker: what the env chose itself is not a copy's
+    if old is not None and isinstance(previous, str) and previous:
         old = os.path.normpath(os.path.abspath(previous))
     rec.workspace = os.path.normpath(os.path.abspath(path)) if path else None
     if old and rec.workspace and old != rec.workspace:
