@@ -75,9 +75,10 @@ class Writer:
 
     def _read(self) -> None:
         for line in self.p.stdout:
-            self.lines.append(line.split())
             if line.startswith("ready"):
                 self.ready.set()
+            elif line.endswith("\n") and len(line.split()) >= 2:  # (not a line the kill cut short)
+                self.lines.append(line.split())
 
     def kill(self) -> None:
         self.p.kill()
