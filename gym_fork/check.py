@@ -200,11 +200,21 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
         return Row(check, REFUSES, short_error(e))  # diverged (e.g. files it wrote after the snapshot)
     except Exception as e:  # noqa: BLE001 - gym_fork's errors, and the env's own (pickle: in this process)
         return Row(check, FAIL, f"{type(e).__name__}: {short_error(e)}" if not isinstance(e, GymForkError) else short_error(e))
+    else:
+        diverged = next((how for how, run in runs.items() if how != "on" and run != runs["on"]), None)
+        if diverged is not None:
+            why = f"{diverged} diverges: {_first_difference(runs['on'], runs[diverged])}"
+            try:
+                hazard = env._request("order_hazard")
+            except Exception:  # noqa: BLE001 - an explanation, not the verdict
+                hazard = None
+            if hazard:
+                why += (f"; likely because the env holds {hazard}: a set iterates such objects in the order they "
+                        "lie in memory, which no copy keeps (nor a second run): give the class a __hash__ "
+                        "(e.g. by an id of its own), or keep them in a list or dict")
+            return Row(check, FAIL, why)
     finally:
         env.close()
-    for how, run in runs.items():
-        if how != "on" and run != runs["on"]:
-            return Row(check, FAIL, f"{how} diverges: {_first_difference(runs['on'], run)}")
     done = ", ".join(h for h in runs if h != "on")
     return Row(check, PASS, f"{steps} steps bit-identical after {done}" + (f"; {'; '.join(extra)}" if extra else ""))
 

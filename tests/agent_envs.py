@@ -470,6 +470,37 @@ def grid_view():
     return GridViewEnv()
 
 
+class Entity:
+    """A game object with no ``__hash__`` of its own: a set holds it by its address."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+class EntitiesEnv(_Base):
+    """Keeps a set of entities; each step spawns two and retires whichever the set yields first.
+    The set iterates by memory address, so the env is not reproducible: not in a second run, and
+    not in any copy (gym_fork's own loop allocates differently in a restored copy)."""
+
+    def reset(self, *, seed=None, options=None):
+        self.ents = {Entity(i) for i in range(8)}
+        self.n = 8
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self.t += 1
+        for _ in range(2):
+            self.ents.add(Entity(self.n))
+            self.n += 1
+        first = next(iter(self.ents))
+        self.ents.discard(first)
+        return self._obs(float(first.v)), 0.0, *self._done(), {}
+
+
+def entities():
+    return EntitiesEnv()
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

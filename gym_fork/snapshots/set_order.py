@@ -60,7 +60,19 @@ def set_order_problem(obj: Any, cross_process: bool = False, path: str = "env") 
     return None if found is None else found[0]
 
 
-def copy_problem(obj: Any, cross_process: bool = False, path: str = "env") -> tuple[str, str] | None:
+def address_order_hazard(obj: Any, path: str = "env") -> str | None:
+    """Where ``obj`` holds a set of objects hashed by their address, or None. Such a set iterates
+    in the order its objects lie in memory, which no copy keeps -- not a pickled one, and not a
+    process copy either, once either allocates new objects (gym_fork's own loop allocates
+    differently in the original and in a restored copy). An env that iterates it is not
+    reproducible (Gymnasium's checker finds it nondeterministic too); ``gym-fork check`` names it
+    when a restore diverges."""
+    found = copy_problem(obj, path=path, address_only=True)
+    return None if found is None else found[0]
+
+
+def copy_problem(obj: Any, cross_process: bool = False, path: str = "env", *,
+                 address_only: bool = False) -> tuple[str, str] | None:
     """``(where, what to do)`` when a pickled copy of ``obj`` would not go on like ``obj``: it
     would iterate a set in another order, or hold apart arrays that share memory here; else None.
 
@@ -98,7 +110,7 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env") -> tu
             if len(x) < 2:
                 continue
             items = list(x)
-            odd = next((i for i in items if not _hash_stable(i)), None) if cross_process else None
+            odd = next((i for i in items if not _hash_stable(i)), None) if cross_process and not address_only else None
             if odd is not None:
                 return (f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__}s, whose order follows "
                         "the hash seed)", SET_ORDER_FIX)
@@ -106,6 +118,8 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env") -> tu
             if odd is not None:  # a copy's elements are new objects, at other addresses
                 return (f"{_path(entry, path)} (a {type(x).__name__} of {type(odd).__name__} objects, hashed by their "
                         "address, which a copy's objects do not share)", SET_ORDER_FIX)
+            if address_only:
+                continue
             if items != list(type(x)(items) if type(x) in (set, frozenset) else set(items)):
                 return f"{_path(entry, path)} (a {type(x).__name__} whose order changes when it is pickled)", SET_ORDER_FIX
             continue
@@ -135,7 +149,7 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env") -> tu
                 arrays.append((v, (entry, k, kind)))
                 if v.dtype.hasobject:  # an object array holds Python objects: walk them as a list's items
                     push((v.ravel().tolist() if v.base is None else list(v.flat), (entry, k, kind), depth + 1))
-    return _shared_memory(arrays, in_lists, seen, path)
+    return None if address_only else _shared_memory(arrays, in_lists, seen, path)
 
 
 def _list_arrays(seq: list | tuple, kinds: set[type], entry: tuple, arrays: list, in_lists: set[int]) -> None:

@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork.errors import EnvNotShippableError, PolicyError
-from gym_fork.snapshots.set_order import copy_problem
+from gym_fork.snapshots.set_order import address_order_hazard, copy_problem
 from gym_fork.worker import checker, files, fswatch, mounts, refs, registry
 from gym_fork.worker.channel import PACKED_VERSION
 
@@ -437,6 +437,11 @@ class EnvServer:
         if packed:
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps
+
+    def cmd_order_hazard(self) -> str | None:
+        """Where the env holds a set whose order follows memory addresses (``gym-fork check``'s
+        explanation of a diverging restore), or None."""
+        return address_order_hazard(self.env)
 
     def cmd_untracked(self, patterns: list[str]) -> None:
         """The env's ``untracked_paths``: files open for writing there are logs to the fork-tier scan."""

@@ -143,3 +143,24 @@ def test_check_env_of_a_forkable_env_leaves_it_unchanged():
         env.close()
     with pytest.raises(ValueError, match="unknown backend"):
         gym_fork.check_env("CartPole-v1", backends=["nope"])
+
+
+def test_a_diverging_restore_is_explained_by_a_set_ordered_by_memory_addresses():
+    """An env iterating a set of objects hashed by their address goes on in the order its objects
+    lie in memory: no copy keeps that, so every tier diverges. The FAIL row says why and what to do
+    instead of only where the runs parted."""
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: agent_envs
+    import agent_envs
+
+    report = gym_fork.check_env(agent_envs.entities, backends=["fork", "criu"], steps=12, verbose=False)
+    rows = {r.check: r for r in report.rows}
+    for label in ("exact: fork tier (copy-on-write)", "exact: CRIU dumps"):
+        row = rows[label]
+        if row.verdict == PASS:  # addresses happened to line up this run: nothing to explain
+            continue
+        assert row.verdict == FAIL and "diverges" in row.detail, row
+        assert "env.ents (a set of Entity objects, hashed by their address" in row.detail, row
+        assert "give the class a __hash__" in row.detail
+    assert any(rows[label].verdict == FAIL for label in rows if label.startswith("exact:"))
