@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+import warnings
 import weakref
 from typing import Any, Callable, Literal, Sequence
 
@@ -32,6 +33,8 @@ from gym_fork.worker import files
 from gym_fork.worker.commands import make_source, pickle_policy
 
 log = logging.getLogger("gym_fork")
+# lineages whose first snapshot looked for sets that iterate by memory address (_warn_address_order)
+_ORDER_LOOKED_AT: set[str] = set()
 
 
 class ForkableEnv(gym.Wrapper):
@@ -620,6 +623,9 @@ class ForkableEnv(gym.Wrapper):
                         env_id=self.spec.id if self.spec else None,
                         actions=list(self._actions) if self._actions is not None else None, snap_id=sid)
         self._snapshots[snap.id] = snap
+        if self._lineage not in _ORDER_LOOKED_AT and self._backend.name != "pickle":  # (pickle refuses it)
+            _ORDER_LOOKED_AT.add(self._lineage)
+            self._warn_address_order()
         if counted:
             self._restore_rate.taken(snap)
         snap._mirror = self._meta  # replaced, never changed in place (_note_meta): no copy needed
@@ -834,6 +840,21 @@ class ForkableEnv(gym.Wrapper):
                              "ForkableEnv.from_snapshot(snapshot, workspace=DIR)")
         self._refuse_outside_writes(snapshot)
         return snapshot.payload()  # raises SnapshotReleasedError
+
+    def _warn_address_order(self) -> None:
+        """Warn, once per lineage (its first snapshot: one round trip), when the env holds a set
+        that iterates by memory address: no copy of it can be exact, and nothing else would say so."""
+        try:
+            hazard = self._request("order_hazard")
+        except Exception:  # noqa: BLE001 - a warning's look, never a reason to fail the snapshot
+            return
+        if hazard:
+            warnings.warn(
+                f"gym_fork: the env holds {hazard}. Such a set iterates in the order its objects lie in memory, "
+                "which no snapshot keeps (gym_fork's own work allocates differently in a restored copy, and so "
+                "does a second run): if the env iterates it, restores and forks may go on differently. Give "
+                "the class a __hash__ (an id of its own), or keep the objects in a list or dict.",
+                RuntimeWarning, stacklevel=3)
 
     def _outside_writes(self) -> list[str]:
         """The files this env's worker wrote outside its workspace and ``untracked_paths``, as the

@@ -829,3 +829,33 @@ def test_explore_refuses_branches_that_wrote_a_file_they_share(tmp_path):
         assert len(res.branches) == 4
     finally:
         env.close()
+
+
+def test_a_set_iterating_by_memory_address_is_warned_about_at_the_first_snapshot():
+    """No snapshot can copy an env exactly when it iterates a set of objects hashed by address
+    (the order follows where objects lie in memory). The process backends cannot refuse what
+    they cannot see used, so the first snapshot of a lineage warns, naming the set; later ones
+    and envs without such a set say nothing."""
+    import warnings
+
+    env = gym_fork.ForkableEnv(agent_envs.entities, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        with pytest.warns(RuntimeWarning, match=r"env\.ents \(a set of Entity objects, hashed by their address"):
+            env.snapshot()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            env.snapshot()
+            [kid] = env.fork()  # the same lineage
+            kid.snapshot()
+            kid.close()
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(agent_envs.goals_left, fork_tier=True)  # a set of numbers: no hazard
+    try:
+        env.reset(seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            env.snapshot()
+    finally:
+        env.close()
