@@ -501,6 +501,42 @@ def entities():
     return EntitiesEnv()
 
 
+class ForkSafeRNGEnv(_Base):
+    """Draws its noise from a generator of its own that it reseeds in any forked child, from fresh
+    entropy (``os.register_at_fork(after_in_child=...)``: a "fork-safe" generator, so that worker
+    processes of a multiprocessing pool do not draw alike). A fork-tier copy runs that hook; the
+    original never does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = random.Random(7)
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self.rng.seed(os.urandom(16))
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(float(self.rng.randrange(10**9))), 0.0, *self._done(), {}
+
+
+def fork_safe_rng():
+    return ForkSafeRNGEnv()
+
+
+def cache_clearing_hook():
+    """An env whose module registers an after-fork hook that only clears a cache (``lru_cache``'s
+    ``cache_clear``, as matplotlib's font manager and importlib_metadata do)."""
+    import functools
+
+    @functools.lru_cache(8)
+    def lookup(x):
+        return x * 2
+
+    os.register_at_fork(after_in_child=lookup.cache_clear)
+    return GlobalRNGEnv()
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

@@ -859,3 +859,42 @@ def test_a_set_iterating_by_memory_address_is_warned_about_at_the_first_snapshot
             env.snapshot()
     finally:
         env.close()
+
+
+# --- hooks the env runs after a fork ---------------------------------------------------------------------
+
+def test_an_env_hook_run_after_fork_makes_snapshots_process_dumps():
+    """A generator the env reseeds in every forked child (``os.register_at_fork``) was reseeded
+    in every fork-tier copy -- restores, fork() children, explore() branches -- and the original
+    never: each went on with other noise, silently. The scan now reports hooks it does not know:
+    ``fork_tier='auto'`` takes CRIU dumps (no hook runs), ``fork_tier=True`` refuses naming it."""
+    env = gym_fork.ForkableEnv(agent_envs.fork_safe_rng)  # fork_tier="auto"
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        assert type(snap._payload).__name__ == "CriuPayload"
+        want = [step(env, 1) for _ in range(3)]
+        env.restore(snap)
+        assert_same_traj([step(env, 1) for _ in range(3)], want)
+        [kid] = env.fork(snap)
+        assert_same_traj([step(kid, 1) for _ in range(3)], want)
+        kid.close()
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(agent_envs.fork_safe_rng, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(UncapturableStateError, match=r"ForkSafeRNGEnv\._reseed \(os\.register_at_fork"):
+            env.snapshot()
+        env.step(0)
+    finally:
+        env.close()
+    # hooks that only clear a cache or reset a library's locks keep the fork tier
+    env = gym_fork.ForkableEnv(agent_envs.cache_clearing_hook)
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        assert type(env.snapshot()._payload).__name__ == "ForkPayload"
+    finally:
+        env.close()

@@ -653,6 +653,7 @@ def main(argv: list[str]) -> int:
     try:
         lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
         files.install()  # files the env writes outside its workspace (see gym_fork.worker.files)
+        resources.watch_at_fork_hooks()  # hooks the env's modules register, which fork-tier copies would run
         fswatch.forked = _FORKED  # the same set: fork-tier processes are not the env's
         fswatch.start(refresh=True)  # ... and what its children and native code write (root only)
     except Exception as exc:  # noqa: BLE001

@@ -16,7 +16,8 @@ and how it can be captured:
     and unix sockets between the tree's processes, unlinked files up to :data:`GHOST_LIMIT`,
     anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset,
     interval timers (``signal.alarm``/``setitimer``) and POSIX timers, which a forked child does not
-    have);
+    have, and the env's own ``os.register_at_fork(after_in_child=...)`` hooks, which a forked
+    child runs);
 ``"criu+netns"``
     the same, but only when the worker has a network namespace of its own (TCP/UDP sockets and
     abstract unix sockets: a restored copy would otherwise collide with the original's address);
@@ -46,6 +47,7 @@ import signal
 import socket
 import stat
 import struct
+import sys
 from dataclasses import asdict, dataclass, field
 
 from gym_fork.worker import files, mounts
@@ -376,7 +378,7 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         reap_forked(own_children)
     me = host_pid()
     tids = os.listdir("/proc/self/task")
-    timers = _armed_timers(me)
+    timers = _armed_timers(me) + _child_hooks(me)
     env_kids, fork_kids = classify_children(_children("self", tids), own_children)
     # the exited ones are read anyway: collect them here, so that nothing needs to look for them
     # after the fork (see reap_forked), while the learner waits
@@ -417,6 +419,69 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
 
 #: the fingerprint (:func:`_quick_state`) taken by the last scan of this process that found nothing
 _last_clean: tuple | None = None
+
+
+# --- os.register_at_fork(after_in_child=...) -----------------------------------------------------------
+#: modules whose after-fork hooks only reset what a process must not share (locks, caches, event
+#: loops, thread pools) or what gym_fork carries on itself (``random``): a copy that runs them
+#: still goes on like the original
+HARMLESS_HOOK_MODULES = ("gym_fork", "logging", "concurrent.futures", "threading", "random", "multiprocessing",
+                         "asyncio", "importlib", "matplotlib", "fsspec", "filelock", "torch", "platformdirs")
+_hooks: list = []  # (after_in_child callable, the module that registered it) since watch_at_fork_hooks()
+
+
+def watch_at_fork_hooks() -> None:
+    """Note every ``after_in_child`` hook registered from now on (the worker calls it before it
+    builds the env). A fork-tier copy runs such hooks and the original never does: an env whose
+    hook changes its state (a fork-safe generator reseeding itself) would go on differently in
+    every copy, so the scan reports the hooks it does not know (:func:`_child_hooks`)."""
+    register = os.register_at_fork
+    if getattr(register, "gym_fork_watch", False):
+        return
+
+    def watched(**kwargs):
+        child = kwargs.get("after_in_child")
+        register(**kwargs)  # (raises for what it refuses, before anything is noted)
+        if child is not None:
+            caller = sys._getframe(1).f_globals.get("__name__", "?")  # who registers, not what: a
+            _hooks.append((child, caller))  # bound builtin (a list's clear) names no module
+
+    watched.gym_fork_watch = True  # type: ignore[attr-defined]
+    watched.__doc__ = register.__doc__
+    os.register_at_fork = watched  # type: ignore[assignment]
+
+
+def _hook_name(f, caller: str) -> str:
+    name = getattr(f, "__qualname__", None) or type(f).__qualname__
+    mod = getattr(f, "__module__", None)
+    return f"{mod}.{name}" if mod else f"{name}, registered by {caller}"
+
+
+def _clears_a_cache(f) -> bool:
+    """An ``lru_cache``'s ``cache_clear`` (matplotlib's fonts, importlib_metadata's zip paths)."""
+    return getattr(f, "__name__", "") == "cache_clear" and type(getattr(f, "__self__", None)).__name__ == \
+        "_lru_cache_wrapper"
+
+
+_unknown: list = []  # the hooks of _hooks[:_looked_at] that are not known to be harmless
+_looked_at = 0
+
+
+def _child_hooks(me: int) -> list[Resource]:
+    global _looked_at
+    for f, caller in _hooks[_looked_at:]:  # (hooks are only ever added: each is looked at once)
+        if not (any(caller == m or caller.startswith(m + ".") for m in HARMLESS_HOOK_MODULES) or _clears_a_cache(f)):
+            _unknown.append((f, caller))
+    _looked_at = len(_hooks)
+    out = []
+    for f, caller in _unknown:
+        name = _hook_name(f, caller)
+        out.append(Resource("at-fork hook", me, f"{name} (os.register_at_fork(after_in_child=...): every fork-tier "
+                                                "copy runs it, the original never did)", "criu",
+                            fix="a CRIU dump runs no hook: keep fork_tier='auto' (or False), which takes them; "
+                                "hooks of known libraries (locks, caches: functools.lru_cache's cache_clear) are "
+                                "not counted"))
+    return out
 
 
 _ITIMERS = ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF")
