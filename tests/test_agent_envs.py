@@ -174,15 +174,20 @@ def test_tcp_without_private_network_is_refused():
         env.close()
 
 
-def test_unix_socket_path_kept_is_refused():
-    env = gym_fork.ForkableEnv(agent_envs.redis_unix_kept_path)
+def assert_snapshot_refused(factory, match: str, **opts) -> None:
+    """The env's snapshot is refused (UncapturableStateError matching ``match``) and the env steps on."""
+    env = gym_fork.ForkableEnv(factory, **opts)
     try:
         env.reset(seed=0)
-        with pytest.raises(UncapturableStateError, match=r"redis\.sock \(listening\).*unlink the path"):
+        with pytest.raises(UncapturableStateError, match=match):
             env.snapshot()
         env.step(1)
     finally:
         env.close()
+
+
+def test_unix_socket_path_kept_is_refused():
+    assert_snapshot_refused(agent_envs.redis_unix_kept_path, r"redis\.sock \(listening\).*unlink the path")
 
 
 def test_sqlite_outside_workspace_is_refused(tmp_path):
@@ -882,14 +887,7 @@ def test_an_env_hook_run_after_fork_makes_snapshots_process_dumps():
         kid.close()
     finally:
         env.close()
-    env = gym_fork.ForkableEnv(agent_envs.fork_safe_rng, fork_tier=True)
-    try:
-        env.reset(seed=0)
-        with pytest.raises(UncapturableStateError, match=r"ForkSafeRNGEnv\._reseed \(os\.register_at_fork"):
-            env.snapshot()
-        env.step(0)
-    finally:
-        env.close()
+    assert_snapshot_refused(agent_envs.fork_safe_rng, r"ForkSafeRNGEnv\._reseed \(os\.register_at_fork", fork_tier=True)
     # hooks that only clear a cache or reset a library's locks keep the fork tier
     env = gym_fork.ForkableEnv(agent_envs.cache_clearing_hook)
     try:
