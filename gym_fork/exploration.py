@@ -18,6 +18,7 @@ import numpy as np
 
 from gym_fork.backends import capacity
 from gym_fork.env import ForkableEnv
+from gym_fork.errors import UncapturedFilesError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import is_sb3_model, pickle_policy
 
@@ -216,8 +217,6 @@ def _refuse_shared_writes(kids: list[ForkableEnv]) -> None:
     for i, k in enumerate(kids):
         paths = k._outside_writes()
         if paths:
-            from gym_fork.errors import UncapturedFilesError
-
             shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
             raise UncapturedFilesError(
                 f"explore(): branch {i} wrote {shown}, outside its workspace: the branches share such a file "

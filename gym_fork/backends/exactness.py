@@ -34,7 +34,7 @@ from typing import Any, Callable
 import cloudpickle
 import numpy as np
 
-from gym_fork.errors import ForeignWorkspaceError
+from gym_fork.errors import ForeignWorkspaceError, UnsupportedEnvError
 from gym_fork.worker import files
 
 
@@ -150,8 +150,6 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
     a, b = runs
     for x in (*a, *b):
         if isinstance(x, _Raised) and x[0] == ForeignWorkspaceError.__name__:
-            from gym_fork.errors import UnsupportedEnvError
-
             raise UnsupportedEnvError(
                 f"{x[1]} (a pickled copy, stepped in a copy of the workspace as a fork() child is, reached "
                 "into the original's directory; nothing was snapshotted)")
