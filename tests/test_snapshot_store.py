@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -25,9 +26,23 @@ def _traj(env, actions):
     return [env.step(a)[:3] for a in actions]
 
 
+def _stored_bytes(tmp_path, env_id: str) -> int:
+    """What one snapshot of a fresh ``env_id`` worker occupies in a store (it grows with what the
+    worker imports, so budgets are sized from it rather than written down)."""
+    probe = SnapshotStore(tmp_path / "probe")
+    env = gym_fork.ForkableEnv(env_id, store=probe, fork_tier=True)
+    env.reset(seed=1)
+    env.snapshot().pin()
+    size = probe.disk_bytes()
+    env.close()
+    return size
+
+
 def test_budgets_under_1000_snapshots(tmp_path):
-    mb = 1 << 20
-    st = SnapshotStore(tmp_path / "store", max_in_memory=4, max_bytes=30 * mb)
+    # room for the pinned snapshot and the one just spilled (most pages shared as chunks), not
+    # for the 10 the user keeps: the disk budget has to evict
+    budget = int(_stored_bytes(tmp_path, "CartPole-v1") * 1.5)
+    st = SnapshotStore(tmp_path / "store", max_in_memory=4, max_bytes=budget)
     env = gym_fork.ForkableEnv("CartPole-v1", store=st, fork_tier=True)
     env.reset(seed=1)
     kept = []
@@ -45,7 +60,7 @@ def test_budgets_under_1000_snapshots(tmp_path):
         max_live = max(max_live, len(st.in_memory()))
         if st.stats["written"] != written:  # something went to disk: the budget holds
             written = st.stats["written"]
-            assert st.disk_bytes() <= 30 * mb
+            assert st.disk_bytes() <= budget
     del s
     assert max_live <= 4 + 1  # the one just taken may be counted before the next enforcement
     assert len(st.in_memory()) <= 4
@@ -68,6 +83,27 @@ def test_budgets_under_1000_snapshots(tmp_path):
     for root, dirs, files in os.walk(st.path):
         for d in dirs:
             assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700
+    env.close()
+
+
+def test_a_budget_that_pinned_snapshots_exceed_is_said_once(tmp_path):
+    one = _stored_bytes(tmp_path, "CartPole-v1")
+    st = SnapshotStore(tmp_path / "store", max_bytes=one // 2)
+    env = gym_fork.ForkableEnv("CartPole-v1", store=st, fork_tier=True)
+    env.reset(seed=1)
+    with pytest.warns(RuntimeWarning, match=r"over its disk budget .*1 pinned snapshot.*Unpin some") as said:
+        first = env.snapshot().pin()  # cannot be evicted, and alone exceeds the budget
+    assert len([w for w in said if "disk budget" in str(w.message)]) == 1
+    env.step(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same excess is not said again at the next write
+        second = env.snapshot().pin()
+    assert set(st.list()) == {first.id, second.id}  # pinned: kept over the budget, as asked
+    first.unpin()
+    second.unpin()
+    env.step(1)
+    env.snapshot().pin().unpin()  # unpinned: the budget evicts down to what fits
+    assert st.disk_bytes() <= one // 2 or len(st.list()) <= 1
     env.close()
 
 

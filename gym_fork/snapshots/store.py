@@ -40,7 +40,8 @@ import os
 import shutil
 import time
 import weakref
-from typing import Any, Iterator
+import warnings
+from typing import Any, Collection, Iterator
 
 from gym_fork.errors import BundleDamagedError, BundleError, NoSpaceError, SnapshotCorruptedError, StoreError
 from gym_fork.snapshots import private_dirs, quarantine, sessiondir
@@ -100,6 +101,7 @@ class SnapshotStore:
         # payloads that stand for images kept here (restores reassemble them) -> (snapshot id,
         # the signed image list it was loaded with: an entry swapped since is refused)
         self._stored: weakref.WeakKeyDictionary[Any, tuple[str, dict]] = weakref.WeakKeyDictionary()
+        self._over_budget_said = False
         self.stats = {"spilled": 0, "collected": 0, "evicted": 0, "written": 0, "quarantined": 0}
         with self._index.locked():
             self._index.reconcile()
@@ -422,6 +424,26 @@ class SnapshotStore:
                 self.stats["evicted"] += 1
             self._index.write(idx)
             self._chunks.drop_unreferenced(refs)
+            left = (sum(e.get("own_bytes", 0) for e in idx["snapshots"].values())
+                    + sum(sizes[c] for c, n in refs.items() if n > 0))
+            if left <= self.max_bytes:
+                self._over_budget_said = False
+            elif not self._over_budget_said:  # only pinned (and the just written) snapshots are left
+                self._over_budget_said = True  # said once per excess, not at every write
+                self._warn_over_budget(idx, left, keep)
+
+    def _warn_over_budget(self, idx: dict, left: int, keep: Collection[str]) -> None:
+        """A budget the store cannot keep is said, not silently broken: every evictable snapshot
+        is gone and what cannot be evicted still exceeds ``max_bytes``."""
+        pinned = sorted(sid for sid, e in idx["snapshots"].items() if e.get("pinned"))
+        held = sorted(set(keep) - set(pinned))
+        warnings.warn(
+            f"gym_fork: the store {self.path} holds {left / 2**20:.1f} MiB, over its disk budget "
+            f"max_bytes={self.max_bytes} ({self.max_bytes / 2**20:.1f} MiB), and nothing more can "
+            f"be evicted: {len(pinned)} pinned snapshot(s) {pinned[:5]}"
+            + (f" and the one just written {held}" if held else "")
+            + " must stay. Unpin some (snap.unpin() or `gym-fork snapshots rm ID`) or raise max_bytes.",
+            RuntimeWarning, stacklevel=4)
 
     def _remove_locked(self, idx: dict, sid: str) -> None:
         d = self._snap_dir(sid)
