@@ -36,11 +36,15 @@ def _tree(pid: int) -> set[int]:
             continue
         out.add(p)
         try:
-            for tid in os.listdir(f"/proc/{p}/task"):
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
                 with open(f"/proc/{p}/task/{tid}/children") as f:
                     todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
+            except OSError:  # a thread that ended since the listing; its siblings still count
+                continue
     return out
 
 

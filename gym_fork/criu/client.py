@@ -264,13 +264,18 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def _proc_children(pid: int) -> list[str]:
+    """Children of every thread of ``pid`` (each child is listed under the thread that made it)."""
     out: list[str] = []
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 out += f.read().split()
-    except OSError:
-        pass
+        except OSError:  # that thread ended since the listing: the others' children still count
+            continue
     return out
 
 

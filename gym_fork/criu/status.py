@@ -330,9 +330,13 @@ def dump_size_bound(pid: int, *, tree: bool = False) -> int:
                 total += next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:")), 0)
             if not tree:
                 break
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
+            tids = os.listdir(f"/proc/{p}/task")
         except OSError:
             continue
+        for t in tids:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:  # a thread that just ended: its siblings' children still count
+                continue
     return total + (32 << 20)

@@ -73,13 +73,20 @@ class AgentProcess:
         return out
 
     def children(self) -> list[int]:
+        """The agent's child processes (each is listed under the thread that started it)."""
         out: list[int] = []
         try:
-            for t in os.listdir(f"/proc/{self.pid}/task"):
+            tasks = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:  # the agent is gone
+            return out
+        for t in tasks:
+            try:
                 with open(f"/proc/{self.pid}/task/{t}/children") as f:
                     out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
+            except OSError:
+                # That thread ended since the listing (e.g. the one that just stopped a worker):
+                # skip it, not the threads after it, whose children would go unseen.
+                continue
         return out
 
     def log(self) -> str:
