@@ -862,9 +862,13 @@ def process_named(root: int, name: str) -> int:
             with open(f"/proc/{pid}/comm") as f:
                 if f.read().strip() == name and pid != root:
                     return pid
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:  # a thread that ended since the listing
+                continue
     raise LookupError(f"no process {name!r} below {root}")

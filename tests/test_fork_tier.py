@@ -123,13 +123,17 @@ def _children_states(pid: int) -> dict[int, str]:
     """``{child pid: state letter}`` of a process's children (host pids, as /proc names them)."""
     kids: dict[int, str] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            for kid in map(int, f.read().split()):
-                try:
-                    with open(f"/proc/{kid}/stat") as s:
-                        kids[kid] = s.read().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    pass  # reaped meanwhile
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                listed = list(map(int, f.read().split()))
+        except OSError:  # a thread that ended since the listing
+            continue
+        for kid in listed:
+            try:
+                with open(f"/proc/{kid}/stat") as s:
+                    kids[kid] = s.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                pass  # reaped meanwhile
     return kids
 
 
