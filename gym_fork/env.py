@@ -684,8 +684,10 @@ class ForkableEnv(gym.Wrapper):
 
         With ``snapshot=None`` a snapshot of the current state is taken (and released after).
         ``rng="same"`` keeps every copy's randomness identical to the snapshot's (same actions give
-        the same trajectories); ``rng="reseed"`` reseeds each copy's ``np_random`` (and ALE's RNG)
-        from ``seeds[i]`` or fresh entropy, leaving the simulated state untouched.
+        the same trajectories); ``rng="reseed"`` reseeds, from ``seeds[i]`` or fresh entropy, every
+        random generator each copy's env draws from -- ``np_random``, generators of its own, ALE's
+        RNG, and in its worker ``random``'s, ``np.random``'s and torch's (see
+        :mod:`gym_fork.worker.reseed`) -- leaving the simulated state untouched.
         This env is not changed. Close the returned envs when done.
 
         With a ``workspace``, each child works in its own new directory ``DIR.branch-<id>`` holding
@@ -749,9 +751,17 @@ class ForkableEnv(gym.Wrapper):
                                                           keep=keep_workspace)
                 child._ws_finalizer = weakref.finalize(child, child._workspace.discard)
                 child._request("setattr", "workspace", child._workspace.path, "unwrapped")
-            if rng == "reseed":
+            if rng == "reseed":  # sent to all, then answered: the copies reseed side by side
                 seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
-                child._request("reseed", seed)
+                child._handle.send("reseed", seed)
+        if rng == "reseed":
+            try:
+                for child in children:
+                    child._handle.receive()
+            except BaseException:
+                for child in children:
+                    child.close()
+                raise
         return children
 
     def migrate(self, target: Any, *, token: str | bytes | None = None, token_file: str | None = None,

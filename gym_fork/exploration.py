@@ -112,7 +112,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             With ``policy_in_worker=True``: a picklable callable ``obs -> action``, or a list of
             ``n_branches`` of them (one per branch, e.g. each with its own random generator).
         rng: ``"reseed"`` (default) gives each branch its own env randomness (``seeds[i]`` or
-            fresh entropy); ``"same"`` keeps the snapshot's, so identical actions replay exactly.
+            fresh entropy; every generator the env draws from, as :meth:`ForkableEnv.fork`);
+            ``"same"`` keeps the snapshot's, so identical actions replay exactly.
         return_snapshots: snapshot every branch's end state (``Branch.snapshot``; its
             ``parent_id`` is the root and its ``actions`` the branch's actions). They belong to
             ``env`` afterwards and are released with it.

@@ -395,8 +395,8 @@ class ForkableVecEnv(VecEnv):
         returns those slots' new observations, stacked in the order of ``indices``.
 
         ``rng="same"`` keeps every copy's randomness identical (same actions, same trajectories);
-        ``rng="reseed"`` gives each copy its own ``np_random`` from ``seeds[k]`` (or fresh
-        entropy), as :meth:`ForkableEnv.fork` does. On a failed restore no slot has changed.
+        ``rng="reseed"`` reseeds every generator each copy's env draws from with ``seeds[k]`` (or
+        fresh entropy), as :meth:`ForkableEnv.fork` does. On a failed restore no slot has changed.
         """
         idx = [int(i) for i in self._get_indices(indices)]
         if not idx:

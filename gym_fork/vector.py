@@ -28,7 +28,8 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 from gym_fork.backends.base import Backend
 from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
-from gym_fork.worker.commands import EnvSource, build_env, make_source, reseed_env
+from gym_fork.worker.commands import EnvSource, build_env, make_source
+from gym_fork.worker.reseed import reseed_env
 
 __all__ = ["ForkableVectorEnv", "make_vec"]
 
@@ -498,9 +499,10 @@ class ForkableVectorEnv(VectorEnv):
             snapshot: a snapshot of any slot of this env.
             indices: distinct slot numbers.
             rng: ``"same"``: every copy keeps the snapshot's randomness (the same actions give the
-                same trajectories); ``"reseed"``: each copy's ``np_random`` (and ALE's RNG, and
-                wrappers' generators) is reseeded from ``seeds[k]`` or fresh entropy, the simulated
-                state unchanged -- as :meth:`gym_fork.ForkableEnv.fork`.
+                same trajectories); ``"reseed"``: every generator each copy's env draws from
+                (``np_random``, its own, ALE's, its worker's global ones) is reseeded from
+                ``seeds[k]`` or fresh entropy, the simulated state unchanged -- as
+                :meth:`gym_fork.ForkableEnv.fork`.
             seeds: with ``rng="reseed"``, one seed per index.
 
         Returns:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import gymnasium as gym
@@ -11,6 +12,7 @@ import pytest
 from conftest import process_alive, assert_same_traj, run_actions, same
 
 import gym_fork
+import random_envs
 
 pytestmark = pytest.mark.criu
 
@@ -63,6 +65,54 @@ def test_reseeded_branches_differ_and_reproduce(env_id, kwargs):
         a1, a2, b = traj_of(1), traj_of(1), traj_of(2)
         assert_same_traj(a1, a2)  # a branch is reproducible from its seed
         assert not all(same(x, y) for x, y in zip(a1, b)) or len(a1) != len(b), "reseeded branches must differ"
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("backend", ["fork", "criu"])
+@pytest.mark.parametrize("factory", [random_envs.global_random, random_envs.legacy_numpy,
+                                     random_envs.own_generators], ids=lambda f: f.__name__)
+def test_reseed_reaches_generators_beyond_np_random(factory, backend):
+    """rng="reseed" used to reseed only np_random: copies of an env drawing from random, np.random
+    or a generator of its own stayed identical -- explore(n_branches=8) returned one branch 8 times."""
+    env = gym_fork.ForkableEnv(factory, fork_tier=backend == "fork", backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+        acts = [0, 1, 1, 0, 1]
+        kids = env.fork(snap, 3, rng="reseed", seeds=[7, 7, 8])
+        try:
+            a, a_again, b = (run_actions(k, acts)[0] for k in kids)
+        finally:
+            for k in kids:
+                k.close()
+        assert_same_traj(a, a_again)  # reproducible from its seed
+        assert not same(a, b), "copies reseeded differently went on alike"
+        env.restore(snap)
+        assert not same(a, run_actions(env, acts)[0]), "a reseeded copy went on like the snapshot"
+        res = gym_fork.explore(env, snap, lambda obs: 0, n_branches=4, horizon=3, progress=False)
+        assert len({b.ret for b in res.branches}) == 4, "explore's branches are not each their own"
+    finally:
+        env.close()
+
+
+def test_in_process_reseed_leaves_the_learners_global_generators_alone():
+    """A pickle-backend copy lives in the learner's process: its reseed gives the env's own
+    generators new streams but must not touch the learner's random / np.random."""
+    env = gym_fork.ForkableEnv(random_envs.own_generators, backend="pickle")
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        before = (random.getstate(), np.random.get_state(legacy=False)["state"]["key"].tobytes())
+        kids = env.fork(snap, 2, rng="reseed", seeds=[1, 2])
+        after = (random.getstate(), np.random.get_state(legacy=False)["state"]["key"].tobytes())
+        try:
+            assert before == after
+            assert not same(run_actions(kids[0], [0, 0])[0], run_actions(kids[1], [0, 0])[0])
+        finally:
+            for k in kids:
+                k.close()
     finally:
         env.close()
 

@@ -22,6 +22,7 @@ import numpy as np
 from gym_fork.errors import EnvNotShippableError, PolicyError
 from gym_fork.snapshots.set_order import address_order_hazard, copy_problem
 from gym_fork.worker import checker, files, fswatch, mounts, refs, registry
+from gym_fork.worker.reseed import reseed_env
 from gym_fork.worker.channel import PACKED_VERSION
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
@@ -454,8 +455,8 @@ class EnvServer:
         if binds:
             mounts.enter(binds)
 
-    def cmd_reseed(self, seed: int) -> None:
-        reseed_env(self.env, seed)
+    def cmd_reseed(self, seed: int) -> list[str]:
+        return reseed_env(self.env, seed)
 
     def cmd_replay(self, ops: list) -> list:
         """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of
@@ -472,33 +473,6 @@ class EnvServer:
             except Exception as e:  # noqa: BLE001 - the source saw this error too (or it diverged)
                 out.append(canonical_digest(("error", type(e).__name__, str(e))))
         return out
-
-
-def reseed_env(env: gym.Env, seed: int) -> None:
-    """Give a branch its own randomness, leaving the simulated state untouched.
-
-    Reseeded: the env's ``np_random`` (what Gymnasium envs draw from: FrozenLake's slips,
-    Blackjack's cards, ...), ALE's emulator RNG (sticky actions), and the ``_np_random`` of any
-    wrapper that keeps one.  Not reseeded: generators an env keeps under other names, and global
-    ``random``/``numpy.random`` state.
-    """
-    ss = np.random.SeedSequence(seed)
-    env_seed, ale_seed, wrapper_seed = ss.generate_state(3, np.uint32)
-    u = env.unwrapped
-    ale = getattr(u, "ale", None)
-    if ale is not None and hasattr(ale, "cloneState") and hasattr(u, "seed_game") and hasattr(u, "load_game"):
-        # ALE takes a new RNG seed only on a ROM reload, which resets the game: keep the game
-        # state aside (without its RNG), reseed + reload, then put the game state back.
-        state = ale.cloneState(include_rng=False)
-        u.seed_game(int(ale_seed))
-        u.load_game()
-        ale.restoreState(state)
-    u.np_random = np.random.Generator(np.random.PCG64(int(env_seed)))
-    layer = env
-    while isinstance(layer, gym.Wrapper):
-        if getattr(layer, "_np_random", None) is not None:
-            layer._np_random = np.random.Generator(np.random.PCG64(int(wrapper_seed)))
-        layer = layer.env
 
 
 def host_pid() -> int:

@@ -55,7 +55,7 @@ from gym_fork.worker.channel import (  # noqa: E402
     ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, SpinWait, recv_fds, reply_parts, send_fds, spin_cap)
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
-from gym_fork.worker import files, fswatch  # noqa: E402
+from gym_fork.worker import files, fswatch, reseed  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
@@ -653,6 +653,7 @@ def main(argv: list[str]) -> int:
     try:
         lean.install()  # SB3's Monitor without SB3's algorithms and torch (see gym_fork.worker.lean)
         files.install()  # files the env writes outside its workspace (see gym_fork.worker.files)
+        reseed.own_process()  # rng="reseed" may reseed this process's global generators too
         resources.watch_at_fork_hooks()  # hooks the env's modules register, which fork-tier copies would run
         fswatch.forked = _FORKED  # the same set: fork-tier processes are not the env's
         fswatch.start(refresh=True)  # ... and what its children and native code write (root only)

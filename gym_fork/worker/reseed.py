@@ -1,0 +1,195 @@
+"""Randomness of its own for a copy: ``fork(..., rng="reseed")``, ``explore()``'s default.
+
+A copy starts with its snapshot's generators in the snapshot's state, so copies stepped alike go
+on alike.  Reseeding gives each copy its own streams and leaves the simulated state untouched.
+An env draws its randomness from wherever its author put it, not only from ``np_random``: a
+``self.noise = np.random.default_rng(seed)``, a generator inside a component object, Python's
+``random`` module, NumPy's legacy ``np.random.*``.  Reseeding only ``np_random`` left the copies
+of such an env identical -- ``explore(n_branches=16)`` returned one branch sixteen times, and
+nothing said so.  Reseeded here:
+
+- every ``numpy.random.Generator``, ``numpy.random.RandomState`` and ``random.Random`` reachable
+  from the env and its wrappers through instance attributes, dicts, lists and tuples (the env's
+  ``np_random``, a wrapper's ``_np_random``, the spaces' generators, an env's own generators);
+- ALE's emulator RNG (sticky actions);
+- in a worker process, where the env has the process to itself: generators in the module globals
+  of the env's and its wrappers' classes, and the process-wide ones -- ``random``'s, NumPy's
+  legacy global ``RandomState`` and, when the env loaded torch, torch's default generator.  Not
+  in the learner's process (the pickle backend's in-process copies): there those are the
+  learner's own, shared with the env the copy was made from.
+
+Each generator is reseeded in place (whoever holds it sees the new stream) from a seed derived
+from the copy's seed and the generator's place in a fixed walk order, so a branch is reproducible
+from its seed.  Not reseeded: randomness out of reach of that walk (inside C libraries, closures,
+objects more than :data:`WALK_DEPTH` levels down).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from collections import deque
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+#: how many levels of attributes / items below the env the walk looks for generators
+WALK_DEPTH = 8
+#: how many objects the walk visits at most (an env holding a huge buffer is not walked whole)
+WALK_LIMIT = 50_000
+
+_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random)
+# values that hold no generator: never descended into
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndarray, np.generic,
+           memoryview, range, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType)
+
+_own_process = False
+
+
+def own_process() -> None:
+    """Declare that this process runs one env and nothing else (a worker): reseeding may then
+    also reseed module-level and process-wide generators."""
+    global _own_process
+    _own_process = True
+
+
+def generators_of(env: gym.Env, *, process_wide: bool | None = None) -> list[tuple[str, Any]]:
+    """The random generators a copy of ``env`` draws from, as ``(where, generator)`` in a fixed
+    order (breadth first through the env's attributes, then module globals, then the process-wide
+    ones); each generator once.  ``process_wide``: include module globals and process-wide
+    generators (default: when this process is a worker)."""
+    if process_wide is None:
+        process_wide = _own_process
+    found: dict[int, tuple[str, Any]] = {}
+    # every layer of the wrapper stack is a root: a deep stack (Atari's) does not push the env
+    # itself below the walk's depth
+    roots: list[tuple[Any, str]] = []
+    modules: list[str] = []
+    layer: Any = env
+    where = "env"
+    while True:
+        roots.append((layer, where))
+        name = type(layer).__module__
+        if name not in modules and not name.startswith(("gymnasium.", "gym_fork.")):
+            modules.append(name)  # (Gymnasium's own wrappers keep no generators at module level)
+        if not isinstance(layer, gym.Wrapper):
+            break
+        layer, where = layer.env, where + ".env"
+    if process_wide:
+        for name in modules:
+            module = sys.modules.get(name)
+            if module is not None:  # its names, without __builtins__, __spec__ and the like
+                roots.append(({k: v for k, v in vars(module).items() if not k.startswith("__")}, f"{name}."))
+    _walk(roots, found)
+    if process_wide:
+        for where, g in _process_generators():
+            found.setdefault(id(g), (where, g))
+    return list(found.values())
+
+
+_LEAF, _GEN, _DICT, _SEQ, _OBJ = range(5)
+_kinds: dict[type, int] = {}  # what the walk does with a value of each type (decided once per type)
+
+
+def _kind(t: type) -> int:
+    k = _kinds.get(t)
+    if k is None:
+        k = (_GEN if issubclass(t, _GENERATORS) else _LEAF if issubclass(t, _LEAVES) else
+             _DICT if issubclass(t, dict) else _SEQ if issubclass(t, (list, tuple)) else _OBJ)
+        _kinds[t] = k
+    return k
+
+
+def _walk(roots: list[tuple[Any, str]], found: dict[int, tuple[str, Any]]) -> None:
+    """Breadth first from ``roots``; each object once. Where a generator hangs is kept as a chain
+    of (parent, key) links and spelled out only for the generators found."""
+    seen: set[int] = set()
+    # (object, link: (parent link, key, how) or the root's name, depth)
+    todo: deque[tuple[Any, Any, int]] = deque((obj, where, 0) for obj, where in roots)
+    push, pop, kinds = todo.append, todo.popleft, _kinds
+    visited = 0
+    while todo and visited < WALK_LIMIT:
+        x, link, depth = pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        visited += 1
+        k = kinds.get(type(x)) or _kind(type(x))
+        if k == _GEN:
+            found.setdefault(id(x), (_spell(link), x))
+            continue
+        if depth >= WALK_DEPTH:
+            continue
+        if k == _DICT:
+            items, how = list(x.items()), "item"
+        elif k == _SEQ:
+            items, how = enumerate(x), "item"
+        elif k == _OBJ:
+            d = getattr(x, "__dict__", None)
+            if type(d) is not dict:
+                continue
+            items, how = list(d.items()), "attr"
+        else:
+            continue
+        for key, v in items:
+            kv = kinds.get(type(v))
+            if kv is None:
+                kv = _kind(type(v))
+            if kv != _LEAF:
+                push((v, (link, key, how), depth + 1))
+
+
+def _spell(link: Any) -> str:
+    """``env.env._np_random``, ``module.name``, ``env.levels[2]``: where a link leads."""
+    parts = []
+    while isinstance(link, tuple):
+        link, key, how = link
+        parts.append(f".{key}" if how == "attr" or (isinstance(link, str) and link.endswith(".")) else f"[{key!r}]")
+    root = link[:-1] if link.endswith(".") else link
+    return root + "".join(reversed(parts))
+
+
+def _process_generators() -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = [("random (the module's generator)", random._inst),  # type: ignore[attr-defined]
+                                  ("numpy.random (the legacy global RandomState)", np.random.mtrand._rand)]
+    torch = sys.modules.get("torch")  # only if the env (or a policy in the worker) loaded it
+    if torch is not None and hasattr(torch, "default_generator"):
+        out.append(("torch.default_generator", torch.default_generator))
+    return out
+
+
+def reseed_env(env: gym.Env, seed: int) -> list[str]:
+    """Give a copy its own randomness (see the module docstring). Returns where the reseeded
+    generators hang, in the order they were reseeded."""
+    u = env.unwrapped
+    ale = getattr(u, "ale", None)
+    if ale is not None and hasattr(ale, "cloneState") and hasattr(u, "seed_game") and hasattr(u, "load_game"):
+        # ALE takes a new RNG seed only on a ROM reload, which resets the game: keep the game
+        # state aside (without its RNG), reseed + reload, then put the game state back.
+        state = ale.cloneState(include_rng=False)
+        u.seed_game(int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0]))
+        u.load_game()
+        ale.restoreState(state)
+    if getattr(u, "_np_random", None) is None:  # never seeded: Gymnasium would make one from entropy
+        u.np_random = np.random.Generator(np.random.PCG64(0))  # (reseeded below, with the rest)
+    done = []
+    for i, (where, g) in enumerate(generators_of(env)):
+        _reseed(g, np.random.SeedSequence(seed, spawn_key=(i + 1,)))
+        done.append(where)
+    return done
+
+
+def _reseed(g: Any, ss: np.random.SeedSequence) -> None:
+    """Reseed ``g`` in place from ``ss``, keeping its kind of generator."""
+    if isinstance(g, np.random.Generator):
+        bit = g.bit_generator
+        bit.state = type(bit)(ss).state
+    elif isinstance(g, np.random.RandomState):
+        g.seed(ss.generate_state(4, np.uint32))
+    elif isinstance(g, random.Random):
+        g.seed(int.from_bytes(ss.generate_state(4, np.uint32).tobytes(), "little"))
+    else:  # torch.Generator
+        g.manual_seed(int(ss.generate_state(1, np.uint64)[0] >> 1))
