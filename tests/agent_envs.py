@@ -342,11 +342,13 @@ def listing_in(workspace: str):
 class LogEnv(_Base):
     """An agent that keeps a log file open between steps and writes a line per step, as a
     ``logging.FileHandler`` (``mode="a"``) or SB3's ``Monitor`` (``mode="w"``, flushed per line)
-    does. ``mode="r+"`` opens it for reading and writing."""
+    does. ``mode="r+"`` opens it for reading and writing. ``flush=False`` leaves the lines in
+    Python's buffer, as ``print(..., file=f)`` does, until it fills or the file is closed."""
 
-    def __init__(self, path: str, mode: str = "a") -> None:
+    def __init__(self, path: str, mode: str = "a", flush: bool = True) -> None:
         super().__init__()
         self.path = path
+        self.flush = flush
         self.file = open(path, mode)
         if mode == "r+":
             self.file.seek(0, os.SEEK_END)
@@ -354,12 +356,17 @@ class LogEnv(_Base):
     def step(self, action):
         self.t += 1
         self.file.write(f"step {self.t} action {int(action)}\n")
-        self.file.flush()
+        if self.flush:
+            self.file.flush()
         return self._obs(float(action)), 0.0, *self._done(), {}
 
 
-def log_to(path: str, mode: str = "a"):
-    return LogEnv(path, mode)
+    def close(self):
+        self.file.close()
+
+
+def log_to(path: str, mode: str = "a", flush: bool = True):
+    return LogEnv(path, mode, flush)
 
 
 class ToolExitEnv(_Base):

@@ -721,6 +721,31 @@ def test_a_log_the_env_holds_open_is_appended_to_by_every_copy(tmp_path, fork_ti
     assert lines == ["step 1 action 1", "step 2 action 2", *after, *after, "step 3 action 0", "step 6 action 1"]
 
 
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_lines_still_in_pythons_buffer_reach_a_log_once(tmp_path, fork_tier):
+    """Lines the env wrote to its log but Python had not flushed were part of the memory every
+    copy got: the original and each copy flushed them, and the log held each line written before
+    the snapshot once per copy. The worker now flushes a log's buffer before a copy is made."""
+    path = str(tmp_path / "agent.log")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path, "a", False), untracked_paths=[path],
+                               fork_tier=fork_tier)
+    env.reset(seed=0)
+    for a in (1, 2):
+        env.step(a)
+    snap = env.snapshot()
+    kids = env.fork(snap, 2)
+    for i, kid in enumerate(kids):
+        kid.step(3 + i)
+        kid.close()  # (closing the env closes its file: what it wrote is flushed)
+    env.step(0)
+    env.close()
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert sorted(lines) == ["step 1 action 1", "step 2 action 2", "step 3 action 0", "step 3 action 3",
+                             "step 3 action 4"]
+    assert lines[:2] == ["step 1 action 1", "step 2 action 2"]
+
+
 def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only(tmp_path):
     """Undeclared, a file held open for writing still refuses a snapshot, and the message names
     ``untracked_paths``; declared but open for reading too (the env may read back what it wrote),

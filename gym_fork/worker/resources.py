@@ -50,7 +50,7 @@ import struct
 import sys
 from dataclasses import asdict, dataclass, field
 
-from gym_fork.worker import files, mounts
+from gym_fork.worker import files, log_buffers, mounts
 
 #: unlinked files up to this size are copied into CRIU images (``--ghost-limit``); larger ones are refused
 GHOST_LIMIT = 64 << 20
@@ -390,7 +390,9 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         # it would find nothing again (every descriptor it would report shows in the fingerprint).
         quick = _quick_state(own_fds)
         if quick is not None and quick == _last_clean:
+            log_buffers.flush()  # (the logs the last scan noted are those open now)
             return Scan(pid=me, ns_init=os.getpid() == 1, resources=[], fork_processes=fork_procs, tree=[me])
+    _seen_logs.clear()
     logs = set(log_files) if log_files is not None else _stdio_files()
     found: list[Resource] = list(timers)
     if len(tids) > 1:
@@ -414,11 +416,15 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
                 found.extend(_scan_maps(str(pid), pid))
         _resolve_peers(found, tree)
     _last_clean = quick if not found else None
+    log_buffers.note(_seen_logs)
+    log_buffers.flush()  # the copy about to be made must not hold lines the original will write
     return Scan(pid=me, ns_init=os.getpid() == 1, resources=found, fork_processes=fork_procs, tree=tree)
 
 
 #: the fingerprint (:func:`_quick_state`) taken by the last scan of this process that found nothing
 _last_clean: tuple | None = None
+#: the worker's own descriptors the running scan found to be logs every copy appends to
+_seen_logs: set[int] = set()
 
 
 # --- os.register_at_fork(after_in_child=...) -----------------------------------------------------------
@@ -662,7 +668,10 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
             return Resource("file", pid, f"{path} (open for writing, in a private directory)", "criu", fd,
                             detail={"path": path})
         if files.is_log(path):
-            return _log_resource(proc, pid, fd, path, flags, st)
+            found = _log_resource(proc, pid, fd, path, flags, st)
+            if found is None and proc == "self":
+                _seen_logs.add(fd)  # its Python buffer is flushed before each copy (log_buffers)
+            return found
         return Resource("file", pid, f"{path} (open for writing)", "none", fd, detail={"path": path},
                         fix=f"its content is not part of a process snapshot, so copies would share one "
                             f"{os.path.basename(path)}: declare its directory private (ForkableEnv(..., private_dirs=["

@@ -1,0 +1,57 @@
+"""Python's buffers over the env's log files, emptied before a copy of the worker is made.
+
+A log the env keeps open (``untracked_paths``, SB3's ``*.monitor.csv``) is appended to by every
+copy.  What the env wrote through a buffered Python file (``open(path, "a")`` and ``print(...,
+file=f)`` without a flush) is still in the process's memory when a fork-tier snapshot or a CRIU
+dump copies that memory: the original and each restored copy then flush the same lines, and the
+log holds every line written before the snapshot once per copy (measured: three times after a
+fork of two copies, on both backends).  The worker's scan (:func:`gym_fork.worker.resources.
+fork_blockers`) notes which of its descriptors are such logs; :func:`flush` writes their Python
+buffers out right before the copy, so each line reaches the file once, in the order written.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import weakref
+
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+_fds: frozenset[int] = frozenset()  # the worker's descriptors open on logs (the last full scan's)
+_files: list[weakref.ref] = []  # the Python file objects over them, found once per change
+_found_for: frozenset[int] | None = None
+
+
+def note(fds: set[int] | frozenset[int]) -> None:
+    """The worker's descriptors that are logs, as the latest full scan found them."""
+    global _fds
+    _fds = frozenset(fds)
+
+
+def flush() -> None:
+    """Write out the Python buffers of every file object over a noted log descriptor."""
+    if not _fds:
+        return
+    for f in _objects():
+        try:
+            f.flush()
+        except (OSError, ValueError):  # closed meanwhile, or the disk is full: nothing to do here
+            pass
+
+
+def _objects() -> list:
+    global _files, _found_for
+    live = [f for f in (r() for r in _files) if f is not None and not f.closed]
+    if _found_for != _fds or len(live) != len(_files):
+        # gc.get_objects() costs milliseconds on a large heap: only when the logs changed
+        live = [o for o in gc.get_objects() if isinstance(o, _BUFFERED) and _fileno(o) in _fds]
+        _files, _found_for = [weakref.ref(o) for o in live], _fds
+    return live
+
+
+def _fileno(f) -> int | None:
+    try:
+        return f.fileno()
+    except (OSError, ValueError):
+        return None
