@@ -179,6 +179,15 @@ def reseed_env(env: gym.Env, seed: int) -> list[str]:
     for i, (where, g) in enumerate(generators_of(env)):
         _reseed(g, np.random.SeedSequence(seed, spawn_key=(i + 1,)))
         done.append(where)
+    # as Gymnasium's np_random setter says of a generator it cannot trace to a seed: the seed
+    # reset() was given no longer describes the stream (-1), rather than a seed that misleads
+    layer: Any = env
+    while True:
+        if getattr(layer, "_np_random_seed", None) is not None:
+            layer._np_random_seed = -1
+        if not isinstance(layer, gym.Wrapper):
+            break
+        layer = layer.env
     return done
 
 

@@ -66,6 +66,14 @@ def test_reseeding_is_in_place_reproducible_and_keeps_each_generators_kind():
     assert draws(3) != draws(4)
 
 
+def test_np_random_seed_no_longer_claims_the_reset_seed():
+    env = gym.make("CartPole-v1")
+    env.reset(seed=5)
+    assert env.unwrapped.np_random_seed == 5
+    reseed.reseed_env(env, 1)
+    assert env.unwrapped.np_random_seed == -1  # as Gymnasium says of a generator set by hand
+
+
 def test_the_walk_stops_at_its_limit(monkeypatch):
     """An env holding a huge structure is not walked whole: the walk visits WALK_LIMIT objects."""
     env = random_envs.OwnGeneratorsEnv()
