@@ -8,7 +8,8 @@ An env draws its randomness from wherever its author put it, not only from ``np_
 of such an env identical -- ``explore(n_branches=16)`` returned one branch sixteen times, and
 nothing said so.  Reseeded here:
 
-- every ``numpy.random.Generator``, ``numpy.random.RandomState`` and ``random.Random`` reachable
+- every ``numpy.random.Generator``, ``numpy.random.RandomState``, ``random.Random`` and
+  ``torch.Generator`` reachable
   from the env and its wrappers through instance attributes, dicts, lists and tuples (the env's
   ``np_random``, a wrapper's ``_np_random``, the spaces' generators, an env's own generators);
 - ALE's emulator RNG (sticky actions);
@@ -97,7 +98,8 @@ _kinds: dict[type, int] = {}  # what the walk does with a value of each type (de
 def _kind(t: type) -> int:
     k = _kinds.get(t)
     if k is None:
-        k = (_GEN if issubclass(t, _GENERATORS) else _LEAF if issubclass(t, _LEAVES) else
+        torch_generator = t.__name__ == "Generator" and t.__module__ in ("torch", "torch._C")  # (not imported here)
+        k = (_GEN if issubclass(t, _GENERATORS) or torch_generator else _LEAF if issubclass(t, _LEAVES) else
              _DICT if issubclass(t, dict) else _SEQ if issubclass(t, (list, tuple)) else _OBJ)
         _kinds[t] = k
     return k

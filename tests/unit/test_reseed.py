@@ -66,6 +66,21 @@ def test_reseeding_is_in_place_reproducible_and_keeps_each_generators_kind():
     assert draws(3) != draws(4)
 
 
+def test_a_torch_generator_the_env_keeps_is_reseeded():
+    torch = __import__("torch")
+    env = random_envs.OwnGeneratorsEnv()
+    env.reset(seed=0)
+    env.world_model_noise = torch.Generator().manual_seed(0)
+    assert "env.world_model_noise" in [w for w, _ in reseed.generators_of(env, process_wide=False)]
+
+    def draw(seed):
+        env.world_model_noise.manual_seed(0)
+        reseed.reseed_env(env, seed)
+        return torch.rand(3, generator=env.world_model_noise).tolist()
+
+    assert draw(1) == draw(1) != draw(2)
+
+
 def test_np_random_seed_no_longer_claims_the_reset_seed():
     env = gym.make("CartPole-v1")
     env.reset(seed=5)
