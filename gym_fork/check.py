@@ -13,6 +13,8 @@ Two kinds of checks, one verdict table:
   that cannot work here is "n/a", one that refuses the env (with the reason) "refuses"; a
   backend that accepts the env and whose copies diverge FAILs.  If no backend accepts the env,
   that is a FAIL too.
+* **Reseeded branches**, on the first backend that passed: two copies reseeded differently
+  (``rng="reseed"``) stepped alike, then reset, must differ somewhere; a WARN when they do not.
 
 Example:
     >>> import gym_fork
@@ -113,9 +115,14 @@ def check_env(env: str | Callable[[], gym.Env] | ForkableEnv, *, backends: Seque
     build = env_builder(env, env_kwargs)
     report = CheckReport(env=_name(env))
     report.rows.append(_gymnasium_row(build, env, skip_render_check, report))
+    exact_on = []
     for name in backends:
         label, options = BACKENDS[name]
         report.rows.append(_exactness_row(f"exact: {label}", lambda o=options: build(**o), steps, seed))
+        if report.rows[-1].verdict == PASS:
+            exact_on.append(options)
+    if exact_on:  # on the first backend that copies it exactly
+        report.rows.append(_reseed_row(lambda o=exact_on[0]: build(**o), steps, seed))
     if not any(r.verdict == PASS for r in report.rows if r.check.startswith("exact:")) and not any(
             r.verdict == FAIL for r in report.rows if r.check.startswith("exact:")):
         report.rows.append(Row("exact: any backend", FAIL, "no backend here can snapshot this env exactly"))
@@ -219,6 +226,44 @@ def _exactness_row(check: str, build: Callable[[], ForkableEnv], steps: int, see
     return Row(check, PASS, f"{steps} steps bit-identical after {done}" + (f"; {'; '.join(extra)}" if extra else ""))
 
 
+def _reseed_row(build: Callable[[], ForkableEnv], steps: int, seed: int) -> Row:
+    """Whether ``fork(..., rng="reseed")`` gives copies randomness of their own: two copies
+    reseeded differently, given the same actions and then an unseeded ``reset()``, must differ
+    somewhere. Copies that do not either draw no randomness at all, or draw it from somewhere
+    the reseed cannot reach: explore()'s branches would then differ only by their actions."""
+    check = "rng='reseed'"
+    try:
+        env = build()
+    except GymForkError as e:
+        return Row(check, NA, short_error(e))
+    try:
+        space = copy.deepcopy(env.action_space)
+        space.seed(seed)
+        env.reset(seed=seed)
+        _drive(env, [space.sample() for _ in range(steps)])
+        snap = env.snapshot()
+        tail = [space.sample() for _ in range(steps)]
+        kids = env.fork(snap, 2)
+        try:
+            reached = [k._request("reseed", s) for k, s in zip(kids, (seed + 1, seed + 2))]
+            a, b = ([*_drive(k, tail), ("reset",) + tuple(canonical_digest(x) for x in k.reset())] for k in kids)
+        finally:
+            for k in kids:
+                k.close()
+    except Exception as e:  # noqa: BLE001 - a note on branching, not on the env's exactness
+        return Row(check, NA, f"{type(e).__name__}: {short_error(e)}")
+    finally:
+        env.close()
+    names = ", ".join(reached[0]) or "nothing"
+    if a != b:
+        return Row(check, PASS, f"copies reseeded differently diverge ({_first_difference(a, b)}); "
+                                f"reseeded: {names}")
+    return Row(check, WARN, f"two copies reseeded differently went on identically ({steps} steps, then a "
+                            "reset): the env draws no randomness, or draws it where rng='reseed' cannot reach "
+                            "(a C library, a closure); explore()'s branches would differ only by their actions. "
+                            f"Reseeded: {names}")
+
+
 def _saved_run(snap: Any, tail: list) -> list | str:
     """The continuation from ``snap`` saved as a bundle and loaded back, or why that is n/a."""
     tmp = tempfile.mkdtemp(prefix="gym_fork-check-")
@@ -252,6 +297,9 @@ def _drive(env: gym.Env, actions: list) -> list:
 def _first_difference(a: list, b: list) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
+            if x[0] == "reset" and y[0] == "reset":
+                fields = [f for f, p, q in zip(("obs", "info"), x[1:], y[1:]) if p != q]
+                return f"at item {i}: the reset's {', '.join(fields)} differ"
             if x[0] == "reset" or y[0] == "reset":
                 return f"at item {i} (an episode ends in one run only)"
             fields = [f for f, p, q in zip(_FIELDS, x, y) if p != q]

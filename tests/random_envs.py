@@ -76,6 +76,20 @@ class OwnGeneratorsEnv(_NoisyWalk):
         return self.wind.gust() + self.dice[0].random() + float(self.legacy["rs"].rand())
 
 
+class NoRandomnessEnv(_NoisyWalk):
+    """Draws nothing: every reset starts at 0, every step adds the action."""
+
+    def _seed_noise(self, seed):
+        pass
+
+    def _noise(self):
+        return 0.0
+
+
+def no_randomness():
+    return NoRandomnessEnv()
+
+
 def global_random():
     return GlobalRandomEnv()
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import gym_fork
-from gym_fork.check import FAIL, PASS, REFUSES
+from gym_fork.check import FAIL, PASS, REFUSES, WARN
+
+import random_envs
 
 pytestmark = pytest.mark.criu
 
@@ -137,7 +139,8 @@ def test_check_env_of_a_forkable_env_leaves_it_unchanged():
             env.step(a)
         state = np.array(env.unwrapped.state)
         report = gym_fork.check_env(env, backends=["fork", "pickle"], steps=10, verbose=False)
-        assert report.ok and [r.verdict for r in report.rows[1:]] == [PASS, PASS]
+        assert report.ok and [r.verdict for r in report.rows[1:]] == [PASS, PASS, PASS]  # + rng='reseed'
+        assert "_np_random" in report.rows[-1].detail
         assert env.steps == 3 and np.array_equal(env.unwrapped.state, state)
     finally:
         env.close()
@@ -164,3 +167,15 @@ def test_a_diverging_restore_is_explained_by_a_set_ordered_by_memory_addresses()
         assert "env.ents (a set of Entity objects, hashed by their address" in row.detail, row
         assert "give the class a __hash__" in row.detail
     assert any(rows[label].verdict == FAIL for label in rows if label.startswith("exact:"))
+
+
+@pytest.mark.parametrize("factory,verdict,says", [
+    (random_envs.global_random, PASS, "random (the module's generator)"),
+    (random_envs.own_generators, PASS, "env.noise, env.dice[0], env.legacy['rs']"),
+    (random_envs.no_randomness, WARN, "went on identically"),
+], ids=lambda x: getattr(x, "__name__", x))
+def test_the_reseed_row_says_whether_branches_get_randomness_of_their_own(factory, verdict, says):
+    report = gym_fork.check_env(factory, backends=["fork"], steps=10, verbose=False)
+    row = report.rows[-1]
+    assert row.check == "rng='reseed'" and row.verdict == verdict and says in row.detail, row
+    assert report.ok
