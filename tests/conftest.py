@@ -79,6 +79,34 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def process_states(pid: int, *, tree: bool = False) -> dict[int, str]:
+    """``{pid: state letter}`` of ``pid``'s children (``tree``: of all its descendants), host
+    pids as /proc names them. A thread that ends, or a child reaped, while this reads is skipped."""
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                try:
+                    with open(f"/proc/{kid}/stat") as s:
+                        out[kid] = s.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if tree:
+                    todo.append(kid)
+    return out
+
+
 def eventually(cond, timeout: float = 5.0, every: float = 0.01) -> bool:
     """Whether ``cond()`` becomes true within ``timeout`` seconds (asked every ``every``)."""
     deadline = time.monotonic() + timeout

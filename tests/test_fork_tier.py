@@ -14,7 +14,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import assert_same_traj, eventually, run_actions
+from conftest import assert_same_traj, eventually, process_states, run_actions
 
 import gym_fork
 from gym_fork.errors import BackendUnavailableError
@@ -119,24 +119,6 @@ def test_no_leaks_after_close():
     assert not os.path.exists(image), "close() must delete persisted images"
 
 
-def _children_states(pid: int) -> dict[int, str]:
-    """``{child pid: state letter}`` of a process's children (host pids, as /proc names them)."""
-    kids: dict[int, str] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                listed = list(map(int, f.read().split()))
-        except OSError:  # a thread that ended since the listing
-            continue
-        for kid in listed:
-            try:
-                with open(f"/proc/{kid}/stat") as s:
-                    kids[kid] = s.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                pass  # reaped meanwhile
-    return kids
-
-
 def test_released_snapshots_and_their_orphaned_copies_do_not_pile_up_as_zombies(monkeypatch):
     """A worker that is PID 1 of its namespace adopts the ready copies of the snapshots it
     releases (their frozen parent exits first).  Right after a fork the worker only collects
@@ -157,12 +139,12 @@ def test_released_snapshots_and_their_orphaned_copies_do_not_pile_up_as_zombies(
             env.step(i % 2)
             snap.release()  # its frozen process exits on EOF, and then its ready copy
         def all_exited() -> bool:  # the last frozen snapshot and its copy, orphaned to the worker,
-            states = _children_states(worker)  # and any earlier pair that exited after a scan
+            states = process_states(worker)  # and any earlier pair that exited after a scan
             return list(states.values()).count("Z") >= 2 and set(states.values()) == {"Z"}
 
-        assert eventually(all_exited), _children_states(worker)
+        assert eventually(all_exited), process_states(worker)
         keep = env.snapshot()  # the scan collects every exited one it finds
-        states = _children_states(worker)
+        states = process_states(worker)
         assert "Z" not in states.values(), f"exited children left uncollected: {states}"
         assert len(states) <= 1, states  # the new frozen snapshot (forked after the answer)
         env.step(0)

@@ -8,7 +8,7 @@ import os
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import eventually, process_alive, same
+from conftest import eventually, process_alive, process_states, same
 
 import gym_fork
 from gym_fork.errors import PolicyError, WorkerError
@@ -442,31 +442,6 @@ def test_a_policy_the_workers_cannot_unpickle_fails_as_without_preloading(tmp_pa
         env.close()
 
 
-def _tree_states(pid: int) -> dict[int, str]:
-    """``{pid: state letter}`` of every descendant of ``pid`` (host pids)."""
-    out, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for kid in kids:
-                try:
-                    with open(f"/proc/{kid}/stat") as s:
-                        out[kid] = s.read().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    continue  # reaped meanwhile
-                todo.append(kid)
-    return out
-
-
 def test_preloaded_branches_leave_no_zombie_behind(tmp_path, monkeypatch):
     """Preloaded branches are clones of a snapshot of the first branch's worker, released while
     they run; they, that frozen process and the first branch end under the root snapshot's frozen
@@ -484,10 +459,10 @@ def test_preloaded_branches_leave_no_zombie_behind(tmp_path, monkeypatch):
         worker = env.worker_pid
 
         def settled() -> bool:  # all branch processes gone: the root's frozen process is left, with
-            return len(_tree_states(worker)) <= 3  # up to two ready copies (clones came in a burst)
+            return len(process_states(worker, tree=True)) <= 3  # up to two ready copies (clones came in a burst)
 
-        assert eventually(settled), _tree_states(worker)
-        assert "Z" not in _tree_states(worker).values(), _tree_states(worker)
+        assert eventually(settled), process_states(worker, tree=True)
+        assert "Z" not in process_states(worker, tree=True).values(), process_states(worker, tree=True)
     finally:
         env.close()
 
