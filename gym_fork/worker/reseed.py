@@ -30,6 +30,7 @@ from __future__ import annotations
 import random
 import sys
 import types
+import weakref
 from collections import deque
 from typing import Any
 
@@ -45,7 +46,7 @@ _GENERATORS = (np.random.Generator, np.random.RandomState, random.Random)
 # values that hold no generator: never descended into
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndarray, np.generic,
            memoryview, range, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType)
+           types.MethodType, weakref.ref, weakref.ProxyType, weakref.CallableProxyType)
 
 _own_process = False
 
@@ -130,7 +131,10 @@ def _walk(roots: list[tuple[Any, str]], found: dict[int, tuple[str, Any]]) -> No
         elif k == _SEQ:
             items, how = enumerate(x), "item"
         elif k == _OBJ:
-            d = getattr(x, "__dict__", None)
+            try:
+                d = getattr(x, "__dict__", None)
+            except Exception:  # noqa: BLE001 - an object that will not show its attributes holds none we reach
+                continue
             if type(d) is not dict:
                 continue
             items, how = list(d.items()), "attr"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import gymnasium as gym
 import numpy as np
 
@@ -79,6 +81,23 @@ def test_a_torch_generator_the_env_keeps_is_reseeded():
         return torch.rand(3, generator=env.world_model_noise).tolist()
 
     assert draw(1) == draw(1) != draw(2)
+
+
+def test_objects_that_refuse_to_be_looked_into_are_passed_over():
+    class Stubborn:
+        @property
+        def __dict__(self):
+            raise RuntimeError("not telling")
+
+    class Gone:
+        pass
+
+    env = random_envs.OwnGeneratorsEnv()
+    env.reset(seed=0)
+    gone = Gone()
+    env.helpers = [Stubborn(), weakref.proxy(gone)]
+    del gone  # a proxy whose object is gone raises ReferenceError on any attribute
+    assert len(reseed.generators_of(env, process_wide=False)) == 4
 
 
 def test_np_random_seed_no_longer_claims_the_reset_seed():
