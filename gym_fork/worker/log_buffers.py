@@ -45,7 +45,8 @@ def _objects() -> list:
     live = [f for f in (r() for r in _files) if f is not None and not f.closed]
     if _found_for != _fds or len(live) != len(_files):
         # gc.get_objects() costs milliseconds on a large heap: only when the logs changed
-        live = [o for o in gc.get_objects() if isinstance(o, _BUFFERED) and _fileno(o) in _fds]
+        # (type(), not isinstance(): that may ask an object's own __class__, which can raise)
+        live = [o for o in gc.get_objects() if issubclass(type(o), _BUFFERED) and _fileno(o) in _fds]
         _files, _found_for = [weakref.ref(o) for o in live], _fds
     return live
 
