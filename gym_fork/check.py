@@ -22,7 +22,7 @@ Example:
     >>> report.ok
     True
     >>> [(r.check, r.verdict) for r in report.rows]
-    [('gymnasium checker', 'WARN'), ('exact: pickle', 'PASS')]
+    [('gymnasium checker', 'WARN'), ('exact: pickle', 'PASS'), ("rng='reseed'", 'PASS')]
     >>> report.warnings[0]   # CartPole's velocities are unbounded
     'A Box observation space minimum value is -infinity. This is probably too low.'
 """
