@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_same_traj
+from conftest import assert_same_traj, process_states
 
 import agent_envs
 import gym_fork
@@ -29,23 +29,7 @@ pytestmark = pytest.mark.criu
 
 def _tree(pid: int) -> set[int]:
     """pid and all its descendants (host pids)."""
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p in out:
-            continue
-        out.add(p)
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:  # a thread that ended since the listing; its siblings still count
-                continue
-    return out
+    return {pid, *process_states(pid, tree=True)}
 
 
 def _alive(pids: set[int]) -> set[int]:
