@@ -20,6 +20,7 @@ from gym_fork.backends import capacity
 from gym_fork.env import ForkableEnv
 from gym_fork.errors import UncapturedFilesError
 from gym_fork.snapshots.snapshot import Snapshot
+from gym_fork.worker.channel import canonical_digest
 from gym_fork.worker.commands import is_sb3_model, pickle_policy
 
 Policy = Callable[[Any], Any]
@@ -191,6 +192,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         else:
             _run_closed_loop(kids, branches, act, horizon, stop_at_done, progress)
         _refuse_shared_writes(kids)
+        if rng == "reseed":
+            _warn_if_all_alike(branches)
         if return_snapshots:
             for k, b in zip(kids, branches):
                 b.snapshot = k._snapshot(ready_copy=False)  # most are never restored: no copy ahead
@@ -226,6 +229,30 @@ def _refuse_shared_writes(kids: list[ForkableEnv]) -> None:
                 "keep such files in the env's workspace (workspace=DIR: every branch gets its own copy), declare "
                 "their directories private (private_dirs=[DIR], root), or, if their content does not matter "
                 "(logs), declare them with untracked_paths=[...].", paths)
+
+
+def _warn_if_all_alike(branches: list[Branch]) -> None:
+    """Say so when every reseeded branch went on exactly like the first: then neither the policy
+    nor the env's randomness told them apart, and all branches but one were wasted work. (Cheap
+    in the usual case: the first branch whose rewards differ ends the comparison.)"""
+    if len(branches) < 2:
+        return
+    first = branches[0]
+    try:
+        if any(b.rewards != first.rewards for b in branches[1:]):
+            return
+    except (ValueError, TypeError):  # rewards that do not compare as a list does (arrays): by digest
+        pass
+    same = canonical_digest((first.actions, first.rewards, first.terminated, first.truncated, first.final_obs))
+    if any(canonical_digest((b.actions, b.rewards, b.terminated, b.truncated, b.final_obs)) != same
+           for b in branches[1:]):
+        return
+    warnings.warn(
+        f"explore(): all {len(branches)} branches went on identically (the same actions, rewards and final "
+        "observations), though rng='reseed' gave each its own seed: neither the policy nor the env's randomness "
+        "told them apart, so all but one were wasted. The env may draw no randomness after the snapshot (use a "
+        "stochastic policy, or one policy per branch), or draw it where a reseed cannot reach, such as a C "
+        "library (`gym-fork check ENV` lists what a reseed reaches).", RuntimeWarning, stacklevel=3)
 
 
 def check_in_worker_policy(policy: Any, n_branches: int) -> None:

@@ -97,6 +97,25 @@ def test_reseed_reaches_generators_beyond_np_random(factory, backend):
         env.close()
 
 
+def test_explore_says_when_reseeded_branches_all_went_on_alike():
+    """16 branches that cannot differ (a deterministic policy, an env with no randomness after
+    the snapshot) are 15 wasted: explore() says so; branches that differ pass without a word."""
+    import warnings
+
+    for factory, alike in [(random_envs.no_randomness, True), (random_envs.own_generators, False)]:
+        env = gym_fork.ForkableEnv(factory, fork_tier=True)
+        try:
+            env.reset(seed=0)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                gym_fork.explore(env, None, lambda obs: 1, n_branches=4, horizon=5, progress=False)
+                gym_fork.explore(env, None, lambda obs: 1, n_branches=4, horizon=5, rng="same", progress=False)
+            told = [w for w in said if "branches went on identically" in str(w.message)]
+            assert len(told) == (1 if alike else 0), [str(w.message) for w in said]
+        finally:
+            env.close()
+
+
 def test_in_process_reseed_leaves_the_learners_global_generators_alone():
     """A pickle-backend copy lives in the learner's process: its reseed gives the env's own
     generators new streams but must not touch the learner's random / np.random."""
