@@ -858,24 +858,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def process_named(root: int, name: str) -> int:
-    """Host pid of the first process called ``name`` below ``root`` (e.g. a copy's redis-server)."""
-    todo = [root]
-    while todo:
-        pid = todo.pop(0)
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == name and pid != root:
-                    return pid
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:  # a thread that ended since the listing
-                continue
-    raise LookupError(f"no process {name!r} below {root}")

@@ -26,7 +26,7 @@ import signal
 
 import pytest
 import redis
-from conftest import assert_same_traj
+from conftest import assert_same_traj, process_states
 from test_agent_envs import _netns_fds, _tree, assert_gone, step
 
 import agent_envs
@@ -118,7 +118,15 @@ def test_outside_server_migration_is_refused_before_anything_moves(outside_redis
 # --- the env's own server resets the connection a restored copy holds ---------------------------
 
 def _server(env) -> int:
-    return agent_envs.process_named(env.worker_pid, "redis-server")
+    """Host pid of the redis-server below ``env``'s worker."""
+    for pid in process_states(env.worker_pid, tree=True):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "redis-server":
+                    return pid
+        except OSError:
+            continue
+    raise LookupError(f"no redis-server below {env.worker_pid}")
 
 
 def _admin(env, fn):
