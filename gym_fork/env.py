@@ -374,13 +374,18 @@ class ForkableEnv(gym.Wrapper):
                 raise ValueError("rollout(policy=...) needs steps=N: how many steps to run at most")
             self._policy_rollout_send(pickle_policy(policy), capacity.count(steps, "steps"), stop_at_done)
 
-    def _policy_rollout_send(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> None:
+    def _policy_rollout_send(self, policy_blob: bytes | int, steps: int, stop_at_done: bool, *,
+                             reseed: bool = False, shared: bool = False) -> None:
         """:meth:`rollout_send` with the policy pickled already (explore() pickles it once for all
-        of its branches), or the index of one the worker has unpickled ahead (``load_policy``)."""
+        of its branches), or the index of one the worker has unpickled ahead (``load_policy``).
+        ``reseed``/``shared``: a reseeded branch's policy (``EnvServer.cmd_policy_rollout``)."""
         if self._closed:
             raise EnvClosedError("rollout() on a closed ForkableEnv; create a new one")
         self._pending_rollout = None
-        self._handle.send("policy_rollout", policy_blob, steps, stop_at_done)
+        if reseed:
+            self._handle.send("policy_rollout", policy_blob, steps, stop_at_done, True, shared)
+        else:  # (the arguments every worker, of any gym_fork version, takes)
+            self._handle.send("policy_rollout", policy_blob, steps, stop_at_done)
 
     def rollout_receive(self) -> dict:
         """Second half of :meth:`rollout`. When the policy or the env raised midway, this env's

@@ -132,10 +132,14 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             open-loop ``actions``), still choosing every action from the observation it sees.
             The fast path for cheap policies (scripted, planners, small NumPy models): on a
             2-vCPU VM, 16 closed-loop Pong branches ran 1.4x faster than round trips per step.
-            Every branch steps its own unpickled copy (``policy`` here is not changed), so a
-            stochastic policy needs one generator per branch -- pass a list of policies -- or all
-            branches draw the same numbers (a UserWarning says so when the one policy holds a
-            generator). SB3 models stay in the learner (batched).
+            Every branch steps its own unpickled copy (``policy`` here is not changed). With
+            ``rng="reseed"`` each copy of one policy shared by all branches has the generators
+            it holds (attributes, closed-over variables, and module globals its code names)
+            reseeded from the branch's seed, as the env's are, so a stochastic policy draws
+            differently in every branch and a branch is reproducible from its seed; a list of
+            policies (one per branch) keeps the seeds their author gave them. With
+            ``rng="same"`` every copy draws the same numbers (a UserWarning says so when the one
+            policy holds a generator). SB3 models stay in the learner (batched).
 
     Raises:
         TypeError: ``n_branches`` or ``horizon`` is not an int; with ``policy_in_worker=True``, a
@@ -164,7 +168,7 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
     if policy_in_worker:
         if policy is None:
             raise ValueError("policy_in_worker=True needs a policy (open-loop `actions` run in the workers anyway)")
-        policies = _per_branch(policy, n_branches)
+        policies = _per_branch(policy, n_branches, rng)
         act = None
     else:
         act = as_policy(policy, deterministic) if policy is not None else None
@@ -188,7 +192,10 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         if actions is not None:
             _run_open_loop(kids, branches, actions, horizon, stop_at_done)
         elif policy_in_worker:
-            _run_in_workers(kids, branches, policies, horizon, stop_at_done, progress)
+            # one policy for all branches: each copy's generators reseeded from its branch's seed (a list
+            # keeps its author's seeds); so decided for the whole call, as a Ray pool's node sees it too
+            _run_in_workers(kids, branches, policies, horizon, stop_at_done, progress, reseed=rng == "reseed",
+                            shared=not isinstance(policy, (list, tuple)))
         else:
             _run_closed_loop(kids, branches, act, horizon, stop_at_done, progress)
         _refuse_shared_writes(kids)
@@ -255,23 +262,24 @@ def _warn_if_all_alike(branches: list[Branch]) -> None:
         "library (`gym-fork check ENV` lists what a reseed reaches).", RuntimeWarning, stacklevel=3)
 
 
-def check_in_worker_policy(policy: Any, n_branches: int) -> None:
+def check_in_worker_policy(policy: Any, n_branches: int, rng: str = "reseed") -> None:
     """Raise what :func:`explore` with ``policy_in_worker=True`` would, before anything starts
     (for callers that ship the policy elsewhere first, such as the Ray pool)."""
-    _per_branch(policy, n_branches)
+    _per_branch(policy, n_branches, rng)
 
 
-def _per_branch(policy: Any, n_branches: int) -> list[bytes]:
+def _per_branch(policy: Any, n_branches: int, rng: str) -> list[bytes]:
     """The pickled policy of every branch (one pickle when all branches share one policy)."""
     if isinstance(policy, (list, tuple)):
         if len(policy) != n_branches:
             raise ValueError(f"a list of policies needs one per branch ({n_branches}), got {len(policy)}")
         return [pickle_policy(p) for p in policy]
-    if n_branches > 1 and _holds_generator(policy):
+    if n_branches > 1 and rng == "same" and _holds_generator(policy):
         warnings.warn(
-            f"explore(policy_in_worker=True): every branch gets a copy of the same {type(policy).__name__}, "
-            "random generator included, so all branches draw the same numbers. Pass one policy per "
-            "branch, each with its own seed (a list of n_branches policies).", UserWarning, stacklevel=3)
+            f"explore(policy_in_worker=True, rng='same'): every branch gets a copy of the same "
+            f"{type(policy).__name__}, random generator included, so all branches draw the same numbers. "
+            "Use rng='reseed' (each copy's generators reseeded from its branch's seed), or pass one policy "
+            "per branch, each with its own seed (a list of n_branches policies).", UserWarning, stacklevel=3)
     return [pickle_policy(policy)] * n_branches
 
 
@@ -303,12 +311,13 @@ def _run_open_loop(kids: list, branches: list[Branch], actions: Sequence[Sequenc
 
 
 def _run_in_workers(kids: list, branches: list[Branch], policies: list[bytes], horizon: int,
-                    stop_at_done: bool, progress: bool | None) -> None:
+                    stop_at_done: bool, progress: bool | None, *, reseed: bool, shared: bool) -> None:
     index = {blob: i for i, blob in enumerate(dict.fromkeys(policies))}
     for k, blob in zip(kids, policies):  # every worker starts its closed-loop rollout at once ...
         # a worker that unpickled the policies ahead (the backend's preloading) runs its by index
         i = index[blob]
-        k._policy_rollout_send(i if i < getattr(k._handle, "preloaded", 0) else blob, horizon, stop_at_done)
+        k._policy_rollout_send(i if i < getattr(k._handle, "preloaded", 0) else blob, horizon, stop_at_done,
+                               reseed=reseed, shared=shared)
     bar = _progress(len(kids), progress if progress is not None else len(kids) * horizon >= 20000, "branch")
     try:
         for k, b in zip(kids, branches):  # ... and we collect in order

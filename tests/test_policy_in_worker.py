@@ -4,6 +4,7 @@ and ``explore(..., policy_in_worker=True)`` must equal the same policy run here,
 from __future__ import annotations
 
 import os
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -145,7 +146,7 @@ def test_one_policy_per_branch_each_with_its_own_generator(cartpole):
     gen = np.random.default_rng(0)
     with pytest.warns(UserWarning, match="same numbers"):  # a generator closed over, too
         gym_fork.explore(env, root, lambda o: int(gen.random() < 0.5), n_branches=2, horizon=5,
-                         policy_in_worker=True)
+                         policy_in_worker=True, rng="same")
     import warnings
 
     with warnings.catch_warnings():
@@ -154,6 +155,59 @@ def test_one_policy_per_branch_each_with_its_own_generator(cartpole):
         warnings.simplefilter("error", UserWarning)
         gym_fork.explore(env, root, [Noisy(1), Noisy(2)], n_branches=2, horizon=5, policy_in_worker=True)
         gym_fork.explore(env, root, lean, n_branches=2, horizon=5, policy_in_worker=True)
+        # with rng="reseed" (the default) each copy of the one policy gets its branch's seed
+        gym_fork.explore(env, root, shared, n_branches=2, horizon=5, policy_in_worker=True)
+
+
+_GLOBAL_RNG = np.random.default_rng(3)
+
+
+def global_noisy(obs) -> int:
+    """A stochastic policy drawing from its module's generator (pickled by reference: a worker
+    imports this module and has that generator of its own)."""
+    return int(_GLOBAL_RNG.random() < 0.5 + 0.4 * np.tanh(obs[2] * 10))
+
+
+def closed_over_noisy(seed: int):
+    gen = np.random.default_rng(seed)
+    return lambda obs: int(gen.random() < 0.5 + 0.4 * np.tanh(obs[2] * 10))
+
+
+@pytest.mark.parametrize("kind", [{"fork_tier": True}, {"fork_tier": False}, {"backend": "pickle"}],
+                         ids=["fork-tier", "criu", "pickle"])
+@pytest.mark.parametrize("policy", ["object", "closure", "module-global"])
+def test_one_stochastic_policy_shared_by_all_branches_draws_per_branch_with_reseed(kind, policy):
+    """rng="reseed": each branch's copy of the one policy has its generators reseeded from the
+    branch's seed, as the env's are: the branches differ (they were all alike, wasted work), and
+    the same seeds give the same branches again (explore()'s reproducibility from Branch.seed)."""
+    if policy == "module-global" and kind.get("backend") == "pickle":
+        pytest.skip("in process, a policy pickled by reference is the learner's own function and generator")
+    make = {"object": lambda: Noisy(7), "closure": lambda: closed_over_noisy(7),
+            "module-global": lambda: global_noisy}[policy]
+    env = gym_fork.make("CartPole-v1", **kind)
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+
+        def run(seeds):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # neither "same numbers" nor "all branches alike"
+                res = gym_fork.explore(env, root, make(), n_branches=len(seeds), horizon=40, seeds=seeds,
+                                       policy_in_worker=True, stop_at_done=False)
+            return [tuple(b.actions) for b in res.branches]
+
+        first = run([11, 12, 13, 14])
+        assert len(set(first)) == 4  # each branch its own draws
+        assert run([11, 12, 13, 14]) == first  # reproducible from the seeds
+        assert run([13, 11]) == [first[2], first[0]]  # a branch's seed alone decides it
+        if policy == "object":  # one policy per branch keeps its own seeds (not reseeded)
+            # (to the episode's end: CartPole's reset draws from the env's reseeded generator)
+            own = gym_fork.explore(env, root, [Noisy(1), Noisy(2)], n_branches=2, horizon=40, seeds=[11, 12],
+                                   policy_in_worker=True)
+            ref = gym_fork.explore(env, root, Noisy(2), n_branches=1, horizon=40, rng="same")
+            assert own.branches[1].actions == ref.branches[0].actions
+    finally:
+        env.close()
 
 
 @pytest.mark.parametrize("kind", [{}, {"backend": "pickle"}], ids=["worker", "in-process"])
@@ -333,6 +387,13 @@ time.sleep(0.05)  # an expensive import (a policy module that imports torch take
 class Lean:
     def __call__(self, obs):
         return int(obs[2] > 0)
+
+
+class TorchCoin:
+    """A stochastic policy drawing from torch's global generator (the module needs torch)."""
+    def __call__(self, obs):
+        import torch
+        return int(torch.rand(()).item() < 0.5)
 
 
 class Seeded:
@@ -531,3 +592,20 @@ def test_the_modules_a_pickle_would_import_are_read_from_its_opcodes():
     mods = pickled_modules(cloudpickle.dumps(local))
     assert {"numpy", "json"} <= set(mods) and FailsAt.__module__ not in mods
     assert pickled_modules(b"not a pickle") == []
+
+
+def test_a_policy_whose_import_brings_torch_is_reproducible_from_the_branch_seeds(tmp_path, monkeypatch):
+    """Unpickling the policy in each branch's worker imports torch there, after the reseed, and
+    torch seeds its generator from fresh entropy at import: the branches were not reproducible
+    from their seeds. The worker reseeds generators that appeared since from the branch's seed."""
+    mod, log, _ = _policy_module(tmp_path, monkeypatch, "torch_policy", extra="import torch")
+    env = gym_fork.make("CartPole-v1", fork_tier=False, untracked_paths=[str(log)])  # no preloading
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        runs = [[tuple(b.actions) for b in gym_fork.explore(
+            env, root, mod.TorchCoin(), n_branches=2, horizon=30, seeds=[5, 6], policy_in_worker=True,
+            stop_at_done=False).branches] for _ in range(2)]
+        assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+    finally:
+        env.close()

@@ -146,6 +146,16 @@ class Offset:
         return (crc_policy(obs) + self.k) % 4
 
 
+class Coin:
+    """A stochastic policy with a generator of its own, one object for all branches."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, obs) -> int:
+        return int(self.rng.integers(4))
+
+
 def test_policy_in_the_workers_gives_the_local_branches_on_every_node(pool, lander):
     env, snap = lander
     seeds = [21, 22, 23, 24]
@@ -161,6 +171,15 @@ def test_policy_in_the_workers_gives_the_local_branches_on_every_node(pool, land
     here = gym_fork.explore(env, snap, Offset(2), n_branches=1, horizon=60, rng="reseed", seeds=[23])
     here.branches[0].index = 2
     assert_same_branch(remote.branches[2], here.branches[0])
+    # one stochastic policy for all branches, reseeded per branch from its seed: the same on a
+    # node that runs that branch alone
+    local = gym_fork.explore(env, snap, Coin(5), n_branches=4, horizon=60, rng="reseed", seeds=seeds,
+                             policy_in_worker=True)
+    remote = pool.explore(snap, Coin(5), n_branches=4, horizon=60, rng="reseed", seeds=seeds,
+                          branches_per_call=1, policy_in_worker=True)
+    assert len({tuple(b.actions) for b in local.branches}) == 4 and not remote.failed
+    for a, b in zip(remote.branches, local.branches):
+        assert_same_branch(a, b)
     with pytest.raises(ValueError, match="cannot be combined with policy_in_worker"):
         pool.explore(snap, policies, n_branches=4, horizon=5, record_obs=True, policy_in_worker=True)
     with pytest.raises(TypeError, match="needs policy_in_worker=True"):

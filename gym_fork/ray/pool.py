@@ -208,7 +208,7 @@ class RayBranchPool:
             if record_obs:
                 raise ValueError("record_obs=True records what the learner-side policy was asked; "
                                  "it cannot be combined with policy_in_worker=True")
-            check_in_worker_policy(policy, n_branches)
+            check_in_worker_policy(policy, n_branches, rng)
         elif isinstance(policy, (list, tuple)):
             raise TypeError("a list of policies (one per branch) needs policy_in_worker=True")
         nodes = self.nodes

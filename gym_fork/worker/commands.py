@@ -22,7 +22,7 @@ import numpy as np
 from gym_fork.errors import EnvNotShippableError, PolicyError
 from gym_fork.snapshots.set_order import address_order_hazard, copy_problem
 from gym_fork.worker import checker, files, fswatch, mounts, refs, registry
-from gym_fork.worker.reseed import reseed_env
+from gym_fork.worker.reseed import reseed_env, reseed_policy
 from gym_fork.worker.channel import PACKED_VERSION
 
 # ("id", env_id, kwargs) | ("factory", cloudpickled zero-arg callable) | ("instance", cloudpickled env)
@@ -256,6 +256,10 @@ class EnvServer:
         self.pace: float | None = None
         # policies unpickled ahead of a batch of branches (cmd_load_policy), by index
         self.policies: list = []
+        # this copy's seed (fork(..., rng="reseed")) and the generators reseeded from it, by id:
+        # a policy run here later is reseeded from the same seed (cmd_policy_rollout)
+        self.copy_seed: int | None = None
+        self.reseeded: dict[int, Any] = {}
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
         method: Callable | None = getattr(self, "cmd_" + cmd, None)
@@ -296,12 +300,18 @@ class EnvServer:
                 pass  # branch that unpickles it says so)
         return time.perf_counter() - t0
 
-    def cmd_policy_rollout(self, policy_blob: bytes | int, steps: int, stop_at_done: bool) -> dict:
+    def cmd_policy_rollout(self, policy_blob: bytes | int, steps: int, stop_at_done: bool, reseed: bool = False,
+                           shared: bool = False) -> dict:
         """Run a closed-loop branch here in the worker: ``policy(obs) -> action`` (cloudpickled by
         the controller, unpickled into this process's own copy; or, an int, the one
         :meth:`cmd_load_policy` unpickled at that index) picks every action from the
         observation it sees, for up to ``steps`` steps -- no round trip per step. The reply also
-        says which ``actions`` the policy took, so the controller's action log stays exact."""
+        says which ``actions`` the policy took, so the controller's action log stays exact.
+
+        ``reseed`` (a branch of ``explore(rng="reseed")``, after :meth:`cmd_reseed`): generators
+        that appeared since the reseed (unpickling the policy imported torch) are reseeded from
+        this copy's seed too, and with ``shared`` (every branch got a copy of this one policy)
+        so are the policy's own: otherwise every branch would draw the same numbers."""
         if type(policy_blob) is int:
             if not 0 <= policy_blob < len(self.policies):
                 raise ValueError(f"no loaded policy {policy_blob} in this worker ({len(self.policies)} loaded)")
@@ -310,6 +320,8 @@ class EnvServer:
             policy, self.policies = self.policies[policy_blob], []
         else:
             policy = cloudpickle.loads(policy_blob)
+        if reseed and self.copy_seed is not None:
+            reseed_policy(policy, self.copy_seed, self.reseeded, own_generators=shared)
         # each observation is the policy's own copy, as in the learner: a policy that normalises
         # in place must not write into an array the env keeps (some return their state buffer)
         return self._rollout(lambda obs: policy(_own_copy(obs)), steps, stop_at_done)
@@ -456,7 +468,8 @@ class EnvServer:
             mounts.enter(binds)
 
     def cmd_reseed(self, seed: int) -> list[str]:
-        return reseed_env(self.env, seed)
+        self.copy_seed, self.reseeded = seed, {}
+        return reseed_env(self.env, seed, self.reseeded)
 
     def cmd_replay(self, ops: list) -> list:
         """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of

@@ -19,10 +19,14 @@ nothing said so.  Reseeded here:
   in the learner's process (the pickle backend's in-process copies): there those are the
   learner's own, shared with the env the copy was made from.
 
+A policy that ``explore(..., policy_in_worker=True)`` runs inside the copy gets the same
+treatment from the copy's seed (:func:`reseed_policy`): the one policy every branch gets a copy
+of, and generators that unpickling it brought into the process (torch's).
+
 Each generator is reseeded in place (whoever holds it sees the new stream) from a seed derived
 from the copy's seed and the generator's place in a fixed walk order, so a branch is reproducible
-from its seed.  Not reseeded: randomness out of reach of that walk (inside C libraries, closures,
-objects more than :data:`WALK_DEPTH` levels down).
+from its seed.  Not reseeded: randomness out of reach of that walk (inside C libraries, an env's
+closures, objects more than :data:`WALK_DEPTH` levels down).
 """
 
 from __future__ import annotations
@@ -167,9 +171,10 @@ def _process_generators() -> list[tuple[str, Any]]:
     return out
 
 
-def reseed_env(env: gym.Env, seed: int) -> list[str]:
+def reseed_env(env: gym.Env, seed: int, reseeded: dict[int, Any] | None = None) -> list[str]:
     """Give a copy its own randomness (see the module docstring). Returns where the reseeded
-    generators hang, in the order they were reseeded."""
+    generators hang, in the order they were reseeded; ``reseeded`` (if given) gets each of them,
+    by id, so that :func:`reseed_policy` leaves them alone."""
     u = env.unwrapped
     ale = getattr(u, "ale", None)
     if ale is not None and hasattr(ale, "cloneState") and hasattr(u, "seed_game") and hasattr(u, "load_game"):
@@ -185,6 +190,8 @@ def reseed_env(env: gym.Env, seed: int) -> list[str]:
     for i, (where, g) in enumerate(generators_of(env)):
         _reseed(g, np.random.SeedSequence(seed, spawn_key=(i + 1,)))
         done.append(where)
+        if reseeded is not None:
+            reseeded[id(g)] = g  # (kept alive with it: an id is not reused while it is recorded)
     # as Gymnasium's np_random setter says of a generator it cannot trace to a seed: the seed
     # reset() was given no longer describes the stream (-1), rather than a seed that misleads
     layer: Any = env
@@ -195,6 +202,82 @@ def reseed_env(env: gym.Env, seed: int) -> list[str]:
             break
         layer = layer.env
     return done
+
+
+def reseed_policy(policy: Any, seed: int, reseeded: dict[int, Any], *, own_generators: bool) -> list[str]:
+    """Give the policy a branch runs in its worker (``explore(..., policy_in_worker=True)``)
+    randomness of the copy's own, after :func:`reseed_env` gave the env its: a copy's seed then
+    decides the whole branch.
+
+    - ``own_generators``: also the generators the policy holds -- in its attributes, in the
+      variables a function closes over or its defaults, and (in a worker) in the module globals
+      its code names.  For one policy that every branch gets a copy of: each copy would otherwise
+      draw the same numbers.  (One policy per branch keeps the seeds its author gave it.)
+    - In a worker: process-wide generators that appeared since the env's reseed -- torch's, when
+      unpickling the policy first imported torch (seeded from fresh entropy at import: the branch
+      would not be reproducible from its seed).
+
+    Generators in ``reseeded`` (the env's, and those of an earlier call) are left alone; those
+    reseeded here are added.  Returns where they hang."""
+    found: dict[int, tuple[str, Any]] = {}
+    if own_generators:
+        _walk(_callable_roots(policy), found)
+    if _own_process:
+        for where, g in _process_generators():
+            found.setdefault(id(g), (where, g))
+    done = []
+    # spawn keys of two numbers: never one of the env's (one number each)
+    for i, (where, g) in enumerate(found.values()):
+        if id(g) in reseeded:
+            continue
+        _reseed(g, np.random.SeedSequence(seed, spawn_key=(0, i + 1)))
+        reseeded[id(g)] = g
+        done.append(where)
+    return done
+
+
+def _callable_roots(policy: Any, where: str = "policy", depth: int = 0) -> list[tuple[Any, str]]:
+    """Where a policy's generators may hang: the object itself (its attributes), and for a
+    function or method what it closes over, its defaults, the object it is bound to and (only
+    in a worker: elsewhere they are the caller's own modules) the globals its code names."""
+    roots: list[tuple[Any, str]] = [(policy, where)]
+    if depth > 3:
+        return roots
+    if isinstance(policy, types.MethodType):
+        return roots + _callable_roots(policy.__self__, f"{where}.__self__", depth + 1)
+    inner = getattr(policy, "func", None)  # functools.partial
+    if isinstance(inner, (types.FunctionType, types.MethodType)) and not isinstance(policy, types.FunctionType):
+        roots += _callable_roots(inner, f"{where}.func", depth + 1)
+        roots += [(list(getattr(policy, "args", ())), f"{where}.args"),
+                  (dict(getattr(policy, "keywords", None) or {}), f"{where}.keywords")]
+    if not isinstance(policy, types.FunctionType):
+        call = getattr(type(policy), "__call__", None)
+        if isinstance(call, types.FunctionType) and call.__closure__:
+            roots += _function_roots(call, f"{where}.__call__")
+        return roots
+    return roots + _function_roots(policy, where)
+
+
+def _function_roots(f: types.FunctionType, where: str) -> list[tuple[Any, str]]:
+    code = f.__code__
+    cells = {}
+    for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    roots: list[tuple[Any, str]] = [(cells, f"{where}.<closure>."), (list(f.__defaults__ or ()), f"{where}.__defaults__"),
+                                    (dict(f.__kwdefaults__ or {}), f"{where}.__kwdefaults__")]
+    if _own_process:
+        names: set[str] = set()
+        todo = [code]
+        while todo:  # the names of nested functions' code too (a comprehension, an inner def)
+            c = todo.pop()
+            names.update(c.co_names)
+            todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        g = f.__globals__
+        roots.append(({n: g[n] for n in sorted(names) if n in g}, f"{f.__module__}."))
+    return roots
 
 
 def _reseed(g: Any, ss: np.random.SeedSequence) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import weakref
 
 import gymnasium as gym
@@ -115,3 +116,55 @@ def test_the_walk_stops_at_its_limit(monkeypatch):
     assert len(reseed.generators_of(env, process_wide=False)) == 4
     monkeypatch.setattr(reseed, "WALK_LIMIT", 3)  # the env, its _np_random, its noise
     assert [w for w, _ in reseed.generators_of(env, process_wide=False)] == ["env._np_random", "env.noise"]
+
+
+class _Holder:
+    def __init__(self):
+        self.rng = np.random.default_rng(1)
+
+    def act(self, obs):
+        return int(self.rng.integers(2))
+
+
+def test_a_policys_generators_are_found_in_each_form_a_callable_keeps_them():
+    import functools
+
+    closed = np.random.default_rng(2)
+    default = random.Random(3)
+    forms = {
+        "object": (_Holder(), "policy.rng"),
+        "bound method": (_Holder().act, "policy.__self__.rng"),
+        "closure": ((lambda obs: closed.integers(2)), "policy.<closure>.closed"),
+        "default": ((lambda obs, r=default: r.random()), "policy.__defaults__[0]"),
+        "partial": (functools.partial(lambda obs, g: g.integers(2), g=np.random.default_rng(4)),
+                    "policy.keywords['g']"),
+    }
+    for name, (policy, where) in forms.items():
+        got = reseed.reseed_policy(policy, 9, {}, own_generators=True)
+        assert got == [where], name
+
+
+def test_reseed_policy_leaves_what_was_reseeded_alone_and_is_reproducible():
+    shared = np.random.default_rng(5)  # the env's and the policy's both: reseeded with the env
+    env_done = {id(shared): shared}
+    a, b = _Holder(), _Holder()
+    a.shared = b.shared = shared
+    before = shared.bit_generator.state
+    assert reseed.reseed_policy(a, 7, dict(env_done), own_generators=True) == ["policy.rng"]
+    assert reseed.reseed_policy(b, 7, dict(env_done), own_generators=True) == ["policy.rng"]
+    assert shared.bit_generator.state == before
+    assert a.rng.bit_generator.state == b.rng.bit_generator.state  # the same seed, the same stream
+    c = _Holder()
+    reseed.reseed_policy(c, 8, {}, own_generators=True)
+    assert c.rng.bit_generator.state != a.rng.bit_generator.state
+    # never the stream of one of the env's generators with the same seed (spawn keys differ)
+    env = random_envs.OwnGeneratorsEnv()
+    env.reset(seed=0)
+    reseed.reseed_env(env, 7)
+    assert all(g.bit_generator.state != a.rng.bit_generator.state
+               for _, g in reseed.generators_of(env, process_wide=False) if isinstance(g, np.random.Generator))
+    # not own_generators: the policy's are kept (one policy per branch keeps its author's seed)
+    d = _Holder()
+    kept = d.rng.bit_generator.state
+    reseed.reseed_policy(d, 7, {}, own_generators=False)
+    assert d.rng.bit_generator.state == kept
