@@ -858,3 +858,88 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PROMPT = b"@@gf$ "
+
+
+class TerminalEnv(_Base):
+    """An agent's terminal tool: an interactive bash on a pseudo-terminal the env opens itself
+    (as ``pexpect.spawn`` does), kept between steps. The shell's state -- variables, functions,
+    its working directory, the terminal's settings (echo off) -- shapes every observation: each
+    step runs a command and observes a digest of exactly what the terminal showed."""
+
+    def __init__(self, scratch: str | None = None) -> None:
+        import pty
+
+        super().__init__()
+        self.master, slave = pty.openpty()
+        self.slave_name = os.ttyname(slave)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PS1": _PROMPT.decode(), "TERM": "dumb",
+               "HOME": scratch or "/tmp", "LANG": "C"}
+        self.shell = subprocess.Popen(["bash", "--norc", "--noprofile", "-i"], stdin=slave, stdout=slave,
+                                      stderr=slave, start_new_session=True, env=env, cwd=scratch or "/tmp")
+        os.close(slave)
+        self._until_prompt()
+        self.run("stty -echo; f() { X=$(( (X * 31 + $1 + ${#PWD}) % 1000003 )); echo \"x=$X\"; }")
+        if scratch:
+            self.run("mkdir -p work && cd work")
+
+    def _until_prompt(self, timeout: float = 10.0) -> bytes:
+        import select
+
+        out, end = b"", time.monotonic() + timeout
+        while not out.endswith(_PROMPT):
+            ready, _, _ = select.select([self.master], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"no prompt from the shell; it showed {out[-200:]!r}")
+            out += os.read(self.master, 65536)
+        return out
+
+    def run(self, command: str) -> bytes:
+        os.write(self.master, command.encode() + b"\n")
+        return self._until_prompt()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.run("X=1")
+        return self._obs(0.0), {}
+
+    def step(self, action):
+        self.t += 1
+        shown = self.run(f"f {int(action)}")
+        value = int(shown.split(b"x=")[-1].split()[0])
+        # the digest covers everything the terminal showed (an echo turned back on would show)
+        return self._obs(float(value * 4096 + zlib.crc32(shown) % 4096)), 0.0, *self._done(), {"shown": shown}
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.shell.kill()
+            self.shell.wait(5)
+        with contextlib.suppress(OSError):
+            os.close(self.master)
+
+
+def terminal(scratch: str | None = None):
+    return TerminalEnv(scratch)
+
+
+class ForeignTerminalEnv(_Base):
+    """Writes to a terminal it did not open: the slave end of a pty whose master someone else
+    holds (the learner's terminal, say)."""
+
+    def __init__(self, slave_name: str) -> None:
+        super().__init__()
+        self.fd = os.open(slave_name, os.O_RDWR | os.O_NOCTTY)
+
+    def step(self, action):
+        self.t += 1
+        os.write(self.fd, b"step\n")
+        return self._obs(float(action)), 0.0, *self._done(), {}
+
+    def close(self):
+        os.close(self.fd)
+
+
+def foreign_terminal(slave_name: str):
+    return ForeignTerminalEnv(slave_name)

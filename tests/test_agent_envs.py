@@ -127,6 +127,82 @@ def test_thread_started_after_reset():
     check_exact_and_isolated(agent_envs.thread_after_reset)
 
 
+def _again_from_a_restored_copy(env) -> None:
+    """A restored copy lives in a mount namespace with a devpts of its own: it is dumped from
+    there, and its snapshot restores (twice, and as a fork) to the same continuation."""
+    snap = env.snapshot()
+    first = [step(env, a) for a in (3, 1, 2)]
+    for _ in range(2):
+        env.restore(snap)
+        assert_same_traj(first, [step(env, a) for a in (3, 1, 2)])
+    kid = env.fork(snap, 1)[0]
+    try:
+        assert_same_traj(first, [step(kid, a) for a in (3, 1, 2)])
+    finally:
+        kid.close()
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["plain", "cd-into-scratch"])
+def test_an_interactive_shell_on_a_pty_the_env_opened(tmp_path, scratch):
+    """An agent's terminal tool: bash on a pty the env opened (pexpect's way), its variables,
+    function, working directory and terminal settings kept between steps. Both ends of the pty
+    are the env's, so a CRIU dump of the tree captures it; each restore gets a devpts instance of
+    its own, where the pty keeps its number while the original still holds it. (Refused as "a
+    terminal" before.)"""
+    factory = functools.partial(agent_envs.terminal, str(tmp_path) if scratch else None)
+    check_exact_and_isolated(factory, on_restored=_again_from_a_restored_copy)
+
+
+def test_a_pty_shell_snapshot_saved_and_loaded(tmp_path):
+    env = gym_fork.ForkableEnv(agent_envs.terminal)
+    try:
+        env.reset(seed=1)
+        for a in (1, 2):
+            env.step(a)
+        snap = env.snapshot()
+        want = [step(env, a) for a in (0, 3)]
+        snap.save(str(tmp_path / "shell.gfsnap"))
+        loaded = gym_fork.load_snapshot(str(tmp_path / "shell.gfsnap"))
+        env.restore(loaded)
+        assert_same_traj(want, [step(env, a) for a in (0, 3)])
+    finally:
+        env.close()
+
+
+def test_terminals_the_env_does_not_own_are_refused_by_name():
+    """A terminal whose other end a process outside the env holds is not the env's: refused,
+    naming who holds it, and the env runs on."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        env = gym_fork.ForkableEnv(functools.partial(agent_envs.foreign_terminal, os.ttyname(slave)))
+        try:
+            env.reset(seed=0)
+            env.step(1)
+            with pytest.raises(UncapturableStateError, match="a terminal.*not on a terminal"):
+                env.snapshot()
+            env.step(2)
+        finally:
+            env.close()
+        env = gym_fork.ForkableEnv(agent_envs.terminal)  # its own pty, but we open its terminal end too
+        try:
+            env.reset(seed=0)
+            fd = os.open(env.unwrapped.slave_name, os.O_RDWR | os.O_NOCTTY)
+            try:
+                with pytest.raises(UncapturableStateError, match=rf"pty \d+, also open in process\(es\) \[{os.getpid()}\]"):
+                    env.snapshot()
+            finally:
+                os.close(fd)
+            env.step(1)
+            env.snapshot()  # ours closed again: the env's own
+        finally:
+            env.close()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
 def test_car_racing_render_thread_switches_to_criu(caplog):
     """CarRacing-v3 starts a thread at reset(): its snapshots become CRIU dumps, with one log line."""
     caplog.set_level("INFO", logger="gym_fork")
@@ -909,3 +985,17 @@ def test_an_env_hook_run_after_fork_makes_snapshots_process_dumps():
         assert type(env.snapshot()._payload).__name__ == "ForkPayload"
     finally:
         env.close()
+
+
+def test_without_root_a_pty_of_the_envs_own_is_refused_with_the_reason():
+    """CRIU in a user namespace cannot mount the devpts instance a restore of ptys needs: the
+    snapshot is refused up front (not a restore that fails later)."""
+    from gym_fork.backends.treecapture import check_tree
+    from gym_fork.worker.resources import Resource, Scan
+
+    scan = Scan(pid=42, ns_init=True, fork_processes=[], tree=[42, 43], resources=[
+        Resource("pty", 42, "pty 0 (master end) between processes of the env", "criu", 5),
+        Resource("child", 43, "process 43 (bash)", "criu")])
+    with pytest.raises(UncapturableStateError, match="only by CRIU as root"):
+        check_tree(scan, criu_ok=True, private_network=False, root=False)
+    assert check_tree(scan, criu_ok=True, private_network=False) == [r.what for r in scan.resources]

@@ -794,6 +794,27 @@ def test_env_with_a_workspace_is_refused_before_anything_moves(lo, tmp_path):
     _clean(lo.agents["B"])
 
 
+def test_an_env_with_an_interactive_shell_on_a_pty_migrates(lo):
+    """The worker and its bash on a pty the env opened move together; on the agent the tree is
+    restored with a devpts of its own (the pty keeps its number) and the shell goes on exactly."""
+    from tests import agent_envs
+
+    env, ref = gym_fork.ForkableEnv(agent_envs.terminal), gym_fork.ForkableEnv(agent_envs.terminal)
+    try:
+        for e in (env, ref):
+            e.reset(seed=3)
+            for a in (1, 2, 3):
+                e.step(a)
+        rep = env.migrate(lo.target["B"], token=lo.token)
+        assert rep["node"] == "B" and env.steps == 3
+        acts = _actions(12, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(lo.agents["B"])
+
+
 def test_bad_targets_fail_at_once_and_leave_the_env_alone():
     from gym_fork.migration import MigrationError
 

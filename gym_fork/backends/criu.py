@@ -373,13 +373,14 @@ class CriuBackend(Backend):
             if found.ns_init and found.fork_processes and self.mode != "fork" and self.fork_tier is not True:
                 found, moved = self._move_out_frozen(handle, found)
             treecapture.check_tree(found, criu_ok=self.mode != "fork", private_network=self._private_net(handle.pid),
-                                   unavailable=self.unavailable, fork_tier_required=self.fork_tier is True)
+                                   unavailable=self.unavailable, fork_tier_required=self.fork_tier is True,
+                                   root=self.mode == "root")
             log.warning(treecapture.describe_switch(found, moved) + DUMP_COST)
             handle.fork_tier = False  # its tree holds no fork-tier process: the dumps from now on stay exact
             return self._dump(handle, snap_id, leave_running=True, scan=found)
         scan = Scan.from_wire(handle.request("resources"))
         treecapture.check_tree(scan, criu_ok=self.mode != "fork", private_network=self._private_net(handle.pid),
-                               unavailable=self.unavailable)
+                               unavailable=self.unavailable, root=self.mode == "root")
         return self._dump(handle, snap_id, leave_running=True, scan=scan)
 
     def _move_out_frozen(self, handle: RemoteHandle, scan: Scan) -> tuple[Scan, int]:
@@ -711,9 +712,14 @@ class CriuBackend(Backend):
             inherit = {f"socket:[{payload.ino}]": theirs.fileno()}
             if nsfd >= 0:
                 inherit[treecapture.NETNS_KEY] = nsfd
-            binary = _restore_wrapper(workdir, self.binary or criu_status().binary, binds) if binds else self.binary
-            if binds and self.mode != "root":
-                raise RestoreError("private directories need CRIU as root")
+            # a tree with ptys of its own gets a devpts of its own, where each pty keeps its number
+            # (the original's, still open, holds that number in ours)
+            devpts = treecapture.needs_devpts(payload.path)
+            if (binds or devpts) and self.mode != "root":
+                raise RestoreError("private directories need CRIU as root" if binds else
+                                   "restoring a tree with ptys of its own needs CRIU as root")
+            binary = (_restore_wrapper(workdir, self.binary or criu_status().binary, binds or [], devpts=devpts)
+                      if binds or devpts else self.binary)
             with treecapture.image_lock(payload.path):
                 pid = client.restore(payload.path, inherit_fd=inherit,
                                      rst_sibling=True,  # the restored worker becomes our child: waitpid works
@@ -896,11 +902,15 @@ class _dump_binary:
                     pass
 
 
-def _restore_wrapper(workdir: str, criu: str, binds: Binds) -> str:
+def _restore_wrapper(workdir: str, criu: str, binds: Binds, devpts: bool = False) -> str:
     """A script in ``workdir`` that runs criu in a new mount namespace where each ``(source,
-    target)`` of ``binds`` is bound: the restored tree is born there and opens its files there."""
+    target)`` of ``binds`` is bound: the restored tree is born there and opens its files there.
+    ``devpts``: that namespace also gets a new devpts instance (its own pty numbers, all free), so
+    that CRIU can give each of the tree's ptys its old number while the original holds it here."""
     unshare = shutil.which("unshare") or "/usr/bin/unshare"
-    mounts = "; ".join(f"mount --bind -- {shlex.quote(src)} {shlex.quote(dst)}" for src, dst in binds)
+    mounts = "; ".join([f"mount --bind -- {shlex.quote(src)} {shlex.quote(dst)}" for src, dst in binds] +
+                       (["mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts /dev/pts",
+                         "mount --bind /dev/pts/ptmx /dev/ptmx"] if devpts else []))
     inner = f"set -e; {mounts}; exec {shlex.quote(criu)} \"$@\""
     return _criu_via(os.path.join(workdir, "criu-private"),
                      f"exec {unshare} --mount --propagation private -- /bin/sh -c {shlex.quote(inner)} criu \"$@\"\n")

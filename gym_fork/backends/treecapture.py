@@ -5,7 +5,7 @@ controller decides, per snapshot:
 
 * nothing found: a copy-on-write ``fork()`` snapshot (the fork tier), or a plain CRIU dump;
 * only things a CRIU dump of the whole process tree restores exactly: such a dump (children,
-  threads, pipes and sockets between the tree's processes, unlinked files, ...), provided the
+  threads, pipes, sockets and ptys between the tree's processes, unlinked files, ...), provided the
   worker can be dumped with its tree (it is the init of its PID namespace and no fork-tier process
   of gym_fork's lives in its tree) and CRIU runs here;
 * anything else: :class:`~gym_fork.errors.UncapturableStateError`, naming each resource (pid, fd,
@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import weakref
@@ -38,7 +39,7 @@ def _names(rs: list[Resource]) -> str:
 
 
 def check_tree(scan: Scan, *, criu_ok: bool, private_network: bool, unavailable: str | None = None,
-               fork_tier_required: bool = False) -> list[str]:
+               fork_tier_required: bool = False, root: bool = True) -> list[str]:
     """Whether a CRIU dump of the scanned worker's whole tree is exact; the reasons it is needed.
 
     Args:
@@ -47,6 +48,8 @@ def check_tree(scan: Scan, *, criu_ok: bool, private_network: bool, unavailable:
         private_network: the worker has a network namespace of its own.
         unavailable: why CRIU cannot run here (for the message).
         fork_tier_required: the user asked for ``fork_tier=True``.
+        root: CRIU runs as root (else in a user namespace, where a restore cannot mount the devpts
+            instance a tree with ptys of its own needs).
 
     Returns:
         Short descriptions of what only the CRIU dump captures (empty: nothing special).
@@ -58,6 +61,10 @@ def check_tree(scan: Scan, *, criu_ok: bool, private_network: bool, unavailable:
     none = [r for r in res if r.capture == "none"]
     if not private_network:
         none += [r for r in res if r.capture == "criu+netns"]
+    if not root:  # (copies: the scan is the caller's)
+        none += [dataclasses.replace(r, capture="none", fix=(
+            "a pty the env opened is captured only by CRIU as root (a restore mounts a devpts of its own); "
+            "run as root, or talk to the tool over pipes")) for r in res if r.kind == "pty" and r.capture == "criu"]
     if none:
         fixes = list(dict.fromkeys(r.fix for r in none if r.fix))
         raise UncapturableStateError(
@@ -117,6 +124,9 @@ def summary(resources: list[Resource]) -> str:
             parts.append(f"{len(rs)} child process{'es' if len(rs) > 1 else ''} ({names})")
         elif kind == "thread":
             parts.append(rs[0].what)
+        elif kind == "pty":  # one per pty, not per descriptor (a shell holds its terminal 4 times)
+            n = len({(r.detail.get("dev"), r.detail.get("index")) for r in rs})
+            parts.append(f"{n} pty{'s' if n > 1 else ''} the env opened")
         elif len(rs) == 1:
             parts.append(rs[0].what)
         else:
@@ -167,11 +177,23 @@ def needs_serial_restore(scan: Scan | None) -> bool:
         r.kind == "unlinked-file" or (r.kind == "listener" and r.capture == "criu") for r in scan.resources)
 
 
+#: written next to the images of a tree that holds ptys of its own (an interactive shell)
+DEVPTS_MARK = "gym_fork-devpts"
+
+
 def mark_images(images_dir: str, scan: Scan | None) -> None:
     """Note in a fresh image directory (before its manifest) what restoring it needs."""
     if needs_serial_restore(scan):
         with open(os.path.join(images_dir, SERIAL_MARK), "w") as f:
             f.write("unlinked files or unix socket paths are re-created at their old paths during a restore\n")
+    if scan is not None and any(r.kind == "pty" and r.capture == "criu" for r in scan.resources):
+        with open(os.path.join(images_dir, DEVPTS_MARK), "w") as f:
+            f.write("the tree's ptys are restored in a devpts instance of its own, each with its old number\n")
+
+
+def needs_devpts(images_dir: str) -> bool:
+    """Whether the tree in ``images_dir`` holds ptys of its own (see :func:`mark_images`)."""
+    return os.path.exists(os.path.join(images_dir, DEVPTS_MARK))
 
 
 def image_lock(images_dir: str):

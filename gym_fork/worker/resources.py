@@ -15,6 +15,7 @@ and how it can be captured:
     a CRIU dump of the worker's whole tree restores it exactly (threads, child processes, pipes
     and unix sockets between the tree's processes, unlinked files up to :data:`GHOST_LIMIT`,
     anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset,
+    ptys the env opened itself (both ends in the tree: an interactive shell, as pexpect runs one),
     interval timers (``signal.alarm``/``setitimer``) and POSIX timers, which a forked child does not
     have, and the env's own ``os.register_at_fork(after_in_child=...)`` hooks, which a forked
     child runs);
@@ -346,6 +347,23 @@ def _fd_flags(proc: str, fd: str) -> int:
     return 0
 
 
+def _pty_index(proc: str, fd: str) -> int | None:
+    """The number of the pty whose master ``fd`` is (``tty-index`` in its fdinfo)."""
+    try:
+        with open(f"/proc/{proc}/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"tty-index:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _pts_number(target: str) -> int | None:
+    tail = target[len("/dev/pts/"):]
+    return int(tail) if tail.isdigit() else None
+
+
 def _link(proc: str, fd: str) -> str | None:
     try:
         return os.readlink(f"/proc/{proc}/fd/{fd}")
@@ -632,6 +650,23 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
         return None
     flags = _fd_flags(proc, name)
     writing = bool(flags & _WRITE_FLAGS)
+    if stat.S_ISCHR(st.st_mode) and (target == "/dev/ptmx" or target.startswith("/dev/pts/")):
+        # a pseudo-terminal: one the env opened itself (an interactive shell on a pty, as pexpect
+        # and agents' terminal tools run one) is the env's, when both ends are in its tree
+        # (_resolve_peers); a terminal the worker was started on is not
+        # A pty is a number in one devpts instance (each restored tree has its own, where the
+        # numbers start again): (instance, number) names it. A master opened through /dev/ptmx
+        # belongs to the instance at /dev/pts where it was opened.
+        if target == "/dev/ptmx":
+            index, end = _pty_index(proc, name), "master"
+            try:
+                dev = os.stat(f"/proc/{proc}/root/dev/pts").st_dev
+            except OSError:
+                dev = None
+        else:
+            index, end, dev = _pts_number(target), "slave", st.st_dev
+        return Resource("pty", pid, f"{target} ({end} end of pty {index})", "?", fd,
+                        detail={"index": index, "end": end, "dev": dev})
     if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
         gpu = target.startswith(("/dev/nvidia", "/dev/dri", "/dev/kfd", "/dev/accel"))
         tty = target.startswith(("/dev/pts", "/dev/tty", "/dev/console", "/dev/ptmx"))
@@ -853,6 +888,62 @@ def _resolve_peers(found: list[Resource], tree: list[int]) -> None:
                 r.what = f"pipe:[{ino}] ({r.detail['end']} end; the other end is closed)"
     if socks:
         _resolve_sockets(socks, tree)
+    ptys = [r for r in found if r.kind == "pty"]
+    if ptys:
+        _resolve_ptys(ptys, tree)
+
+
+def _resolve_ptys(ptys: list[Resource], tree: list[int]) -> None:
+    """A pty the env opened (its master in the tree) and whose terminal end only the tree holds
+    is captured by a CRIU dump (a restore gets a devpts of its own, where the pty keeps its
+    number: see ``CriuBackend``); any other terminal is not the env's."""
+    masters = {(r.detail["dev"], r.detail["index"]) for r in ptys
+               if r.detail["end"] == "master" and None not in (r.detail["dev"], r.detail["index"])}
+    outside = _pts_holders_outside(masters, tree) if masters else {}
+    for r in ptys:
+        key, index = (r.detail["dev"], r.detail["index"]), r.detail["index"]
+        if key in masters and not outside.get(key):
+            r.capture = "criu"
+            r.what = f"pty {index} ({r.detail['end']} end) between processes of the env"
+        elif key in masters:
+            r.capture = "none"
+            r.what = f"pty {index}, also open in process(es) {outside[key]} outside the env"
+            r.fix = ("a process outside the env's process tree holds this terminal, and it is not snapshotted: "
+                     "open the terminal only in the env's own processes")
+        else:
+            r.kind = "device"
+            r.capture = "none"
+            r.what = f"{'/dev/ptmx' if r.detail['end'] == 'master' else f'/dev/pts/{index}'} (a terminal)"
+            r.fix = ("a terminal the env did not open (the worker's or a child's stdio on the terminal you run "
+                     "from) is not captured: start the env with stdin/stdout/stderr not on a terminal; a pty "
+                     "the env opens itself (pty.openpty(), pexpect) is captured")
+
+
+def _pts_holders_outside(ptys: set[tuple[int, int]], tree: list[int]) -> dict[tuple[int, int], list[int]]:
+    """Pids outside ``tree`` holding the terminal end of one of ``ptys`` ((devpts instance,
+    number) pairs), each pid once (a /proc walk: only on the slow path)."""
+    want = {f"/dev/pts/{i}" for _dev, i in ptys}
+    out: dict[tuple[int, int], list[int]] = {}
+    skip = set(tree)
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            t = _link(name, fd)
+            if t not in want:
+                continue
+            try:
+                key = (os.stat(f"/proc/{name}/fd/{fd}").st_dev, int(t[len("/dev/pts/"):]))
+            except OSError:
+                continue
+            holders = out.setdefault(key, []) if key in ptys else None
+            if holders is not None and int(name) not in holders:
+                holders.append(int(name))
+    return out
 
 
 def _holders_outside(inos: set[int], kind: str, tree: list[int]) -> dict[int, list[int]]:
