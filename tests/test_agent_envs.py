@@ -806,6 +806,26 @@ def test_lines_still_in_pythons_buffer_reach_a_log_once(tmp_path, fork_tier):
     assert lines[:2] == ["step 1 action 1", "step 2 action 2"]
 
 
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_an_abandoned_branchs_lines_still_reach_its_log(tmp_path, fork_tier):
+    """A restore stops the worker it replaces (CRIU's are killed): the lines that branch had
+    written but Python had not flushed were lost with it, where an env dropped in the learner's
+    process flushes them when collected. Its log now holds them."""
+    path = str(tmp_path / "agent.log")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path, "a", False), untracked_paths=[path],
+                               fork_tier=fork_tier)
+    env.reset(seed=0)
+    for a in (1, 2):
+        env.step(a)
+    snap = env.snapshot()
+    env.step(3)  # the branch the restore abandons
+    env.restore(snap)
+    env.step(0)
+    env.close()
+    with open(path) as f:
+        assert f.read().splitlines() == ["step 1 action 1", "step 2 action 2", "step 3 action 3", "step 3 action 0"]
+
+
 def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only(tmp_path):
     """Undeclared, a file held open for writing still refuses a snapshot, and the message names
     ``untracked_paths``; declared but open for reading too (the env may read back what it wrote),

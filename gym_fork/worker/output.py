@@ -30,7 +30,7 @@ import traceback
 import warnings
 from typing import Any
 
-from gym_fork.worker import files, fswatch
+from gym_fork.worker import files, fswatch, log_buffers
 
 OUTPUT = 2  # frame tag, next to channel.OK (0) and channel.ERR (1)
 _events: list[tuple] = []
@@ -68,7 +68,9 @@ def identify(env: Any) -> None:
 def flush(chan: Any) -> None:
     """Send the pending events on ``chan`` (right before a reply); a no-op when there are none.
     A changed record of files written outside the workspace rides along as a ``("files",
-    record)`` event (:mod:`gym_fork.worker.files`)."""
+    record)`` event (:mod:`gym_fork.worker.files`). Python's buffers over the env's logs are
+    written out too (:mod:`gym_fork.worker.log_buffers`)."""
+    log_buffers.flush()  # (a copy killed by a restore leaves no lines behind in its memory)
     fswatch.drain()  # what the env's children and native code changed (one read() when nothing)
     written = files.pending()
     spawned = fswatch.spawned and not fswatch.spawn_told
