@@ -369,6 +369,36 @@ def log_to(path: str, mode: str = "a", flush: bool = True):
     return LogEnv(path, mode, flush)
 
 
+class MemoryLogEnv(_Base):
+    """Logs a record per step through a ``logging.handlers.MemoryHandler`` (records kept until
+    100 are buffered or an error comes) in front of a ``FileHandler`` on ``path``."""
+
+    def __init__(self, path: str) -> None:
+        import logging.handlers
+
+        super().__init__()
+        self.log = logging.getLogger(f"agent_envs.memory_log.{id(self)}")
+        self.log.propagate = False
+        self.log.setLevel(logging.INFO)
+        self.file = logging.FileHandler(path)
+        self.file.setFormatter(logging.Formatter("%(message)s"))
+        self.buffer = logging.handlers.MemoryHandler(100, flushLevel=logging.ERROR, target=self.file)
+        self.log.addHandler(self.buffer)
+
+    def step(self, action):
+        self.t += 1
+        self.log.info("step %d action %d", self.t, int(action))
+        return self._obs(float(action)), 0.0, *self._done(), {}
+
+    def close(self):
+        self.buffer.close()  # (hands what it holds to the file)
+        self.file.close()
+
+
+def memory_log_to(path: str):
+    return MemoryLogEnv(path)
+
+
 class ToolExitEnv(_Base):
     """Runs a tool per step and observes its exit code, as an agent's shell tool does. It handles
     SIGCHLD itself: ``"ignore"`` (``SIG_IGN``, a common way not to leave zombies: then every

@@ -826,6 +826,34 @@ def test_an_abandoned_branchs_lines_still_reach_its_log(tmp_path, fork_tier):
         assert f.read().splitlines() == ["step 1 action 1", "step 2 action 2", "step 3 action 3", "step 3 action 0"]
 
 
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_records_a_memory_handler_buffers_for_a_log_reach_it_once(tmp_path, fork_tier):
+    """A ``logging`` ``MemoryHandler`` in front of a log: its buffered records were copied into
+    every fork and restored copy (each wrote them again: 3x here) and lost with the branch a
+    restore abandoned. Each record now reaches the log once."""
+    from collections import Counter
+
+    path = str(tmp_path / "agent.log")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.memory_log_to, path), untracked_paths=[path],
+                               fork_tier=fork_tier)
+    env.reset(seed=0)
+    for a in (1, 2):
+        env.step(a)
+    snap = env.snapshot()
+    for i, kid in enumerate(env.fork(snap, 2)):
+        kid.step(3 + i)
+        kid.close()
+    env.step(0)  # abandoned by the restore
+    env.restore(snap)
+    env.step(2)
+    env.close()
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert Counter(lines) == Counter(["step 1 action 1", "step 2 action 2", "step 3 action 3", "step 3 action 4",
+                                      "step 3 action 0", "step 3 action 2"])
+    assert lines[:2] == ["step 1 action 1", "step 2 action 2"]
+
+
 def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only(tmp_path):
     """Undeclared, a file held open for writing still refuses a snapshot, and the message names
     ``untracked_paths``; declared but open for reading too (the env may read back what it wrote),

@@ -13,13 +13,15 @@ It also runs ahead of every reply (:func:`gym_fork.worker.output.flush`): a rest
 worker it replaces without a word (CRIU's are killed), and the lines the abandoned branch had
 written were lost with its memory, where an env dropped in the learner's process flushes them
 when it is collected.  Between the env's calls a noted log holds nothing unwritten (~1 µs a
-reply, only for an env with such logs).
+reply, only for an env with such logs).  The records a ``logging`` ``MemoryHandler`` buffers for
+such a log are written out the same way.
 """
 
 from __future__ import annotations
 
 import gc
 import io
+import sys
 import weakref
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
@@ -36,14 +38,39 @@ def note(fds: set[int] | frozenset[int]) -> None:
 
 
 def flush() -> None:
-    """Write out the Python buffers of every file object over a noted log descriptor."""
+    """Write out the Python buffers of every file object over a noted log descriptor, after the
+    records ``logging`` buffering handlers (``MemoryHandler``) hold for such a log."""
     if not _fds:
         return
+    if "logging.handlers" in sys.modules:
+        _flush_logging_buffers()
     for f in _objects():
         try:
             f.flush()
         except (OSError, ValueError):  # closed meanwhile, or the disk is full: nothing to do here
             pass
+
+
+def _flush_logging_buffers() -> None:
+    """A ``MemoryHandler`` keeps records until it fills or sees an error, then hands them to its
+    target: over a noted log, those records are lines not yet written, like a file's buffer."""
+    import logging
+    from logging.handlers import BufferingHandler
+
+    for ref in list(logging._handlerList):  # type: ignore[attr-defined]  # (every live handler, weakly)
+        h = ref()
+        if not isinstance(h, BufferingHandler) or not getattr(h, "buffer", None):
+            continue
+        target = h
+        for _ in range(4):  # a chain of buffering handlers ends at the one that writes
+            target = getattr(target, "target", None)
+            if not isinstance(target, BufferingHandler):
+                break
+        if _fileno(getattr(target, "stream", None)) in _fds:
+            try:
+                h.flush()
+            except Exception:  # noqa: BLE001 - a handler that fails here fails when it flushes anyway
+                pass
 
 
 def _objects() -> list:
