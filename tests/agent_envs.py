@@ -339,6 +339,42 @@ def listing_in(workspace: str):
     return ListingEnv(workspace)
 
 
+class UnsortedListingEnv(_Base):
+    """An agent that walks its directory as ``find`` and ``os.walk`` do -- unsorted, in the order
+    the file system lists entries -- after changing it: action 0 writes a new file, 1 removes the
+    first file by name, 2 writes ``n{t % 3}.txt`` (anew or again; see below), 3 writes a file into
+    ``sub{t % 2}/``. Its observation is a digest of the walk in that order; ``info["walk"]`` the
+    walk. ``root``: the directory (None: its ``workspace`` attribute). Action 2 renames the first
+    file by name to ``r{t}.txt`` when there are three or more (a rename files it last, as an
+    atomic write's does)."""
+
+    def __init__(self, root: str | None = None) -> None:
+        super().__init__()
+        self.root = root
+
+    def step(self, action):
+        self.t += 1
+        root = self.root or self.workspace
+        a = int(action)
+        names = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n)))
+        if a == 1:
+            if names:
+                os.unlink(os.path.join(root, names[0]))
+        elif a == 2 and len(names) >= 3:
+            os.rename(os.path.join(root, names[0]), os.path.join(root, f"r{self.t}.txt"))
+        else:
+            where = os.path.join(root, f"sub{self.t % 2}") if a == 3 else root
+            os.makedirs(where, exist_ok=True)
+            with open(os.path.join(where, f"n{self.t % 3}.txt" if a == 2 else f"f{self.t}.txt"), "w") as f:
+                f.write(f"{self.t}\n")
+        walk = [(os.path.relpath(top, root), dirs, files) for top, dirs, files in os.walk(root)]
+        return self._obs(float(zlib.crc32(repr(walk).encode()))), 0.0, *self._done(), {"walk": walk}
+
+
+def unsorted_listing(root: str | None = None):
+    return UnsortedListingEnv(root)
+
+
 class LogEnv(_Base):
     """An agent that keeps a log file open between steps and writes a line per step, as a
     ``logging.FileHandler`` (``mode="a"``) or SB3's ``Monitor`` (``mode="w"``, flushed per line)

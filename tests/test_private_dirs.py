@@ -292,6 +292,58 @@ def test_saved_snapshot_carries_its_private_dirs_to_a_fresh_interpreter(tmp_path
         env.close()
 
 
+ORDER_CHILD = r"""
+import json, sys
+import gym_fork
+sys.path.insert(0, sys.argv[3])
+import agent_envs
+
+app, fork_tier = sys.argv[1], json.loads(sys.argv[2])
+import functools
+env = gym_fork.ForkableEnv(functools.partial(agent_envs.unsorted_listing, app), private_dirs=[app], fork_tier=fork_tier)
+env.reset(seed=0)
+for a in [0, 0, 3, 0, 2, 3, 0, 1, 2, 0, 3]:
+    env.step(a)
+snap = env.snapshot()
+want = [env.step(a)[4]["walk"] for a in (0, 3, 2)]
+for a in (1, 1, 0, 2, 3, 1):
+    env.step(a)
+env.restore(snap)
+restored = [env.step(a)[4]["walk"] for a in (0, 3, 2)]
+[kid] = env.fork(snap, 1)
+forked = [kid.step(a)[4]["walk"] for a in (0, 3, 2)]
+kid.close()
+env.close()
+print(json.dumps({"restored": restored == want, "forked": forked == want}))
+"""
+
+
+@pytest.mark.parametrize("fork_tier", ["auto", False], ids=["fork-tier", "criu-only"])
+def test_private_copies_on_tmpfs_list_as_the_worker_did(tmp_path, fork_tier):
+    """The copies a worker sees live in gym_fork's session directory; where that is a tmpfs
+    (``$GYM_FORK_DIR``, or ``/tmp`` on many distributions), which lists entries in the order they
+    were made, a restored or forked copy walked its private directory in another order than the
+    worker did at the snapshot. (A fresh interpreter: the session directory is chosen once.)"""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from test_workspace import tmpfs_dir
+
+    session = tmpfs_dir(tmp_path)
+    app = tmp_path / "app"
+    app.mkdir()
+    try:
+        out = subprocess.run([sys.executable, "-c", ORDER_CHILD, str(app), json.dumps(fork_tier),
+                              os.path.dirname(__file__)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "GYM_FORK_DIR": session})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == {"restored": True, "forked": True}
+    finally:
+        shutil.rmtree(session, ignore_errors=True)
+
+
 def test_damaged_private_files_in_a_bundle_are_refused(tmp_path, app_env):
     from gym_fork.errors import SnapshotCorruptedError
 

@@ -4,6 +4,8 @@ brings back exactly that content, and fork branches each get an isolated copy.""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -315,6 +317,77 @@ def test_a_listing_of_the_workspace_continues_exactly(tmp_path, how):
     env.restore(gym_fork.load_snapshot(bundle))
     assert env.step(0)[4]["listing"] == want[0]
     env.close()
+
+
+def tmpfs_dir(tmp_path) -> str:
+    """A new directory on a tmpfs (/dev/shm; /tmp on many distributions), removed afterwards by
+    the caller; such a file system lists a directory's entries in the order they were made."""
+    import tempfile
+
+    with open("/proc/mounts") as f:
+        assert any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in f), "/dev/shm is not a tmpfs here"
+    return tempfile.mkdtemp(dir="/dev/shm", prefix=f"gym_fork-test-{tmp_path.name}-")
+
+
+WALK_ACTIONS = [0, 0, 3, 0, 2, 3, 0, 1, 2, 0, 3]
+
+
+@pytest.mark.parametrize("how", [{"fork_tier": True}, {"fork_tier": False}, {"backend": "pickle"}],
+                         ids=["fork-tier", "criu-dumps", "pickle"])
+def test_an_unsorted_walk_of_a_workspace_on_tmpfs_continues_exactly(tmp_path, how):
+    """``os.walk``, ``os.listdir`` and ``find`` list entries unsorted, in the order the file system
+    keeps; tmpfs keeps the order they were made in, which copying the capture back did not
+    reproduce: a restored workspace (and a fork child's, and a loaded bundle's) walked in another
+    order than the original, on every backend."""
+    import functools
+
+    import agent_envs
+
+    base = tmpfs_dir(tmp_path)
+    try:
+        ws = os.path.join(base, "ws")
+        env = gym_fork.ForkableEnv(agent_envs.unsorted_listing, workspace=ws, **how)
+        env.reset(seed=0)
+        for a in WALK_ACTIONS:
+            env.step(a)
+        snap = env.snapshot()
+        want = [env.step(a)[4]["walk"] for a in (0, 3, 2)]
+        for a in (1, 1, 0, 2, 3, 1):  # change the live directory more before going back
+            env.step(a)
+        env.restore(snap)
+        assert [env.step(a)[4]["walk"] for a in (0, 3, 2)] == want
+        [child] = env.fork(snap, 1)
+        assert [child.step(a)[4]["walk"] for a in (0, 3, 2)] == want
+        child.close()
+        bundle = snap.save(str(tmp_path / "bundle"))
+        env.restore(gym_fork.load_snapshot(bundle))
+        assert [env.step(a)[4]["walk"] for a in (0, 3, 2)] == want
+        env.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_order_the_file_system_does_not_keep_is_said(tmp_path):
+    """Where the file system orders entries by itself (ext4: by a hash of the name), a recorded
+    order it does not list in cannot be made: a RuntimeWarning says so, naming the directory."""
+    from gym_fork.snapshots import workspace as wsmod
+
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for d in (src, dst):
+        d.mkdir()
+        for i in range(12):
+            (d / f"e{i}").write_text("x")
+    listed = os.listdir(dst)
+    order = {"": listed[::-1]}  # an order this directory does not list in now
+    if fs == "tmpfs":  # made in that order, it lists so
+        wsmod.put_in_order(str(dst), str(src), order)
+        assert os.listdir(dst) == listed[::-1]
+    else:
+        assert fs.startswith("ext"), f"this test knows tmpfs and ext4, not {fs}"
+        with pytest.warns(RuntimeWarning, match=r"1 directory of .*\(\.\) list their entries in another order"):
+            wsmod.put_in_order(str(dst), str(src), order)
+        assert os.listdir(dst) == listed and sorted(os.listdir(dst)) == sorted(os.listdir(src))
 
 
 def _digests(root: str) -> dict:

@@ -47,7 +47,7 @@ import subprocess
 import weakref
 from collections.abc import Iterable, Sequence
 
-from gym_fork.snapshots import sessiondir
+from gym_fork.snapshots import sessiondir, workspace
 
 
 def normalise(dirs: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -133,6 +133,7 @@ class PrivateDirs:
             sessiondir.private_mkdir(tmp)
             for i, d in enumerate(self.dirs):
                 _copy(f"/proc/{pid}/root{d}", os.path.join(tmp, str(i)))
+                workspace.record_order(f"/proc/{pid}/root{d}", os.path.join(tmp, str(i)))
             os.rename(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -148,6 +149,8 @@ class PrivateDirs:
             binds = []
             for i, d in enumerate(self.dirs):
                 _copy(d if captured is None else os.path.join(captured, str(i)), os.path.join(root, str(i)))
+                if captured is not None:  # listed as the worker's copy listed at the capture
+                    workspace.put_in_order(os.path.join(root, str(i)), os.path.join(captured, str(i)))
                 binds.append((os.path.join(root, str(i)), d))
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)

@@ -34,7 +34,16 @@ Branch directories: a ``fork()`` child's ``DIR.branch-<id>`` is deleted when tha
 ``child.close(keep_workspace=True)``.  The directory passed as ``workspace=`` is never deleted.
 
 Captures, restores and branches keep every entry's mode and times, the workspace directory's own
-included (an env that lists its workspace, ``.`` and all, sees what it saw at the snapshot).
+included (an env that lists its workspace, ``.`` and all, sees what it saw at the snapshot), and
+the order in which each directory lists its entries: ``os.listdir``, ``os.walk``, ``glob`` and
+``find`` list them unsorted, in an order the file system keeps -- on tmpfs (``/tmp`` on many
+distributions) the order they were created in, which a copy does not reproduce (measured: a
+restored workspace on tmpfs listed 6 files in another order, on every backend).  A capture
+records each directory's order beside it (``<capture>.order.json``); a restore or branch whose
+copy lists differently moves the entries of that directory out and back in the order that lists
+like the capture (the entries themselves, their inodes and times stay; the directory's times are
+put back).  Where the file system orders entries by itself (ext4 by a hash of the name, seeded
+per file system: another machine) that cannot be done, and a ``RuntimeWarning`` says so.
 
 Persistence: ``Snapshot.save`` and a ``SnapshotStore`` entry hold the capture in ``workspace/``,
 listed (size, sha256, mode of every file; directories; symlink targets; every entry's mtime and
@@ -46,12 +55,118 @@ files are 0600 and directories 0700; the original modes are put back when loadin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import warnings
 
 from gym_fork.snapshots import sessiondir
 from gym_fork.errors import SnapshotCorruptedError
+
+#: beside a capture ``C``: ``C + ORDER``, every directory's entries in the order it lists them
+ORDER = ".order.json"
+
+
+def listing_order(root: str) -> dict[str, list[str]]:
+    """Every directory under ``root`` (``""``: root itself; links not followed) -> its entries
+    in the order the file system lists them."""
+    out: dict[str, list[str]] = {}
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        d = os.path.join(root, rel) if rel else root
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        out[rel] = names
+        for n in names:
+            p = os.path.join(d, n)
+            if os.path.isdir(p) and not os.path.islink(p):
+                todo.append(os.path.join(rel, n) if rel else n)
+    return out
+
+
+def record_order(live: str, captured: str) -> None:
+    """Note beside ``captured`` how the directories of ``live`` (what it is a copy of) list."""
+    with open(os.open(captured + ORDER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
+        json.dump(listing_order(live), f)
+
+
+def read_order(captured: str) -> dict[str, list[str]] | None:
+    try:
+        with open(captured + ORDER) as f:
+            order = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return order if _order_ok(order) else None
+
+
+def _order_ok(order: object) -> bool:
+    return isinstance(order, dict) and all(
+        isinstance(rel, str) and isinstance(names, list) and all(isinstance(n, str) and n and "/" not in n
+                                                                 and n not in (".", "..") for n in names)
+        for rel, names in order.items())
+
+
+def drop_capture(captured: str) -> None:
+    shutil.rmtree(captured, ignore_errors=True)
+    try:
+        os.unlink(captured + ORDER)
+    except OSError:
+        pass
+
+
+def put_in_order(root: str, captured: str, order: dict[str, list[str]] | None = None) -> None:
+    """Make every directory of ``root`` (a copy of ``captured``) list its entries as the
+    capture's original did (``order``: as given instead); a RuntimeWarning names those the file
+    system would not reorder."""
+    if order is None:
+        order = read_order(captured)
+    if not order:
+        return
+    stuck = []
+    for rel in sorted(order, key=lambda r: r.count(os.sep), reverse=True):  # (deepest first: times below settle)
+        want = order[rel]
+        d = os.path.join(root, check_rel(rel)) if rel else root
+        try:
+            have = os.listdir(d)
+        except OSError:
+            continue
+        if have == want or sorted(have) != sorted(want):
+            continue
+        if not _reorder(d, want):
+            stuck.append(rel or ".")
+        shutil.copystat(os.path.join(captured, rel) if rel else captured, d)  # (the moves changed its times)
+    if stuck:
+        warnings.warn(
+            f"{len(stuck)} director{'ies' if len(stuck) > 1 else 'y'} of {root} ({', '.join(stuck[:3])}) list their "
+            "entries in another order than at the snapshot: this file system orders entries by itself (by a hash "
+            "of the name, seeded per file system: the snapshot was taken on another one). An env that lists them "
+            "unsorted (os.listdir, os.walk, find) sees another order than the original did.", RuntimeWarning,
+            stacklevel=3)
+
+
+def _reorder(d: str, want: list[str]) -> bool:
+    """Move ``d``'s entries out and back in, in the order that makes it list as ``want``: the
+    reverse of it (tmpfs lists the newest first) or, failing that, ``want`` itself."""
+    aside = os.path.join(d, f".gym_fork-order-{os.urandom(4).hex()}")
+    os.mkdir(aside, 0o700)
+    try:
+        for n in want:
+            os.rename(os.path.join(d, n), os.path.join(aside, n))
+        for attempt in (want[::-1], want):
+            for n in attempt:
+                os.rename(os.path.join(aside, n), os.path.join(d, n))
+            if [n for n in os.listdir(d) if n != os.path.basename(aside)] == want:
+                return True
+            if attempt is not want:
+                for n in want:
+                    os.rename(os.path.join(d, n), os.path.join(aside, n))
+        return False
+    finally:
+        os.rmdir(aside)
 
 def copy_tree(src: str, dst: str) -> None:
     """Copy ``src``'s content into the (new or empty) directory ``dst``, byte for byte.
@@ -103,6 +218,7 @@ class Workspace:
         tmp = dst + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         copy_tree(self.path, tmp)
+        record_order(self.path, dst)
         os.rename(tmp, dst)
         return dst
 
@@ -113,6 +229,7 @@ class Workspace:
         restore reopened it by path just before -- keeps naming it."""
         _prune(captured, self.path)
         copy_tree(captured, self.path)
+        put_in_order(self.path, captured)
 
     def branch(self, captured: str, tag: str, *, keep: bool = False) -> "Workspace":
         """A new directory next to this one, holding a copy of ``captured`` (deleted when the
@@ -120,6 +237,7 @@ class Workspace:
         path = f"{self.path}.branch-{tag}"
         shutil.rmtree(path, ignore_errors=True)
         copy_tree(captured, path)
+        put_in_order(path, captured)
         return Workspace(path, owned=True, keep=keep)
 
 
@@ -129,7 +247,7 @@ def attach(snap, ws: Workspace) -> None:
 
     snap.workspace = ws.capture(snap.id)
     snap.workspace_path = ws.path
-    weakref.finalize(snap, shutil.rmtree, snap.workspace, True)
+    weakref.finalize(snap, drop_capture, snap.workspace)
 
 
 # --- persistence: a capture inside a bundle or a SnapshotStore entry --------------------------------
@@ -200,6 +318,9 @@ def pack(captured: str, dest: str, *, times: bool = False) -> dict:
     for rel in man["dirs"]:
         os.chmod(os.path.join(dest, rel), 0o700)
     man["root"] = {"mode": stat.S_IMODE(top.st_mode), "mtime_ns": top.st_mtime_ns}
+    order = read_order(captured)
+    if order is not None:
+        man["order"] = order
     return man
 
 
@@ -219,6 +340,9 @@ def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
     if top is not None and not (isinstance(top, dict) and type(top.get("mode")) is int
                                 and type(top.get("mtime_ns")) is int):
         raise SnapshotCorruptedError(f"{what}: the signed mode and time of the workspace directory are malformed")
+    order = manifest.get("order")  # absent in bundles written before it was recorded
+    if order is not None and not (_order_ok(order) and all(r == "" or check_rel(r) for r in order)):
+        raise SnapshotCorruptedError(f"{what}: the signed listing order of the workspace is malformed")
     if not os.path.isdir(src) or os.path.islink(src):
         raise SnapshotCorruptedError(f"{what}: the workspace directory {src} is missing")
     dst = dst or os.path.join(sessiondir.session_dir(), f"ws-load-{os.urandom(6).hex()}")
@@ -249,6 +373,9 @@ def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
         if top is not None:  # last: nothing below changes any more (the rename changes the parent)
             os.chmod(tmp, top["mode"] & 0o7777)
             os.utime(tmp, ns=(top["mtime_ns"], top["mtime_ns"]))
+        if order is not None:
+            with open(os.open(dst + ORDER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
+                json.dump(order, f)
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -264,4 +391,4 @@ def adopt(snap, src: str, manifest: dict | None, origin: str | None, what: str) 
 
     snap.workspace = unpack(src, manifest, what)
     snap.workspace_path = origin
-    weakref.finalize(snap, shutil.rmtree, snap.workspace, True)
+    weakref.finalize(snap, drop_capture, snap.workspace)
