@@ -336,3 +336,22 @@ def test_a_loaded_snapshot_restored_into_an_env_brings_the_workers_spaces(tmp_pa
         assert env.observation_space == narrow == env.unwrapped.__getattr__("observation_space")
     finally:
         env.close()
+
+
+def test_the_spaces_generators_are_the_learners_a_restore_does_not_rewind_them(cartpole):
+    """docs/guide/boundary.md, "Spaces and their generators": random exploration from a restored
+    state draws fresh actions; fork children share the parent's spaces (one stream)."""
+    cartpole, _ref = cartpole
+    cartpole.action_space.seed(5)
+    snap = cartpole.snapshot()
+    first = [int(cartpole.action_space.sample()) for _ in range(16)]
+    cartpole.restore(snap)
+    assert [int(cartpole.action_space.sample()) for _ in range(16)] != first
+    cartpole.action_space.seed(5)  # seeding it again replays the same draws
+    assert [int(cartpole.action_space.sample()) for _ in range(16)] == first
+    kids = cartpole.fork(snap, 2)
+    try:
+        assert all(k.action_space is cartpole.action_space for k in kids)
+    finally:
+        for k in kids:
+            k.close()
