@@ -526,10 +526,15 @@ def notes_in(workspace: str, how: str = "attr"):
 class GridViewEnv(_Base):
     """A grid with the agent's row kept beside it as a NumPy view (``self.row = self.grid[1]``):
     each step adds to the row through the view and observes column sums of the grid. A pickled
-    copy holds the two apart, so its writes through ``row`` no longer reach ``grid``."""
+    copy holds the two apart, so its writes through ``row`` no longer reach ``grid``.
+    ``masked``: the grid is a masked array (an ``ndarray`` subclass; its views share its data)."""
+
+    def __init__(self, masked: bool = False) -> None:
+        super().__init__()
+        self.masked = masked
 
     def reset(self, *, seed=None, options=None):
-        self.grid = np.zeros((4, 4))
+        self.grid = np.ma.zeros((4, 4)) if self.masked else np.zeros((4, 4))
         self.row = self.grid[1]
         return super().reset(seed=seed, options=options)
 
@@ -539,8 +544,8 @@ class GridViewEnv(_Base):
         return self._obs(float(self.grid.sum(axis=0) @ np.arange(4.0))), 0.0, *self._done(), {}
 
 
-def grid_view():
-    return GridViewEnv()
+def grid_view(masked: bool = False):
+    return GridViewEnv(masked)
 
 
 class Entity:

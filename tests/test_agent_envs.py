@@ -907,13 +907,16 @@ def test_the_envs_own_sigchld_handling_continues_in_every_copy(tmp_path, fork_ti
 
 # --- arrays that share memory --------------------------------------------------------------------------
 
-def test_pickle_refuses_arrays_that_share_memory():
+@pytest.mark.parametrize("masked", [False, True], ids=["ndarray", "masked-array"])
+def test_pickle_refuses_arrays_that_share_memory(masked):
     """A NumPy view kept beside the array it looks into (``self.row = self.grid[1]``) is pickled as
     an array of its own: after a restore, writes through the view no longer reached the grid, and
     the env went on differently -- while the first-snapshot check passed (both pickled copies were
     alike, and alike wrong). Every pickle snapshot now refuses it, naming both; an instance holding
-    it is not shipped to a worker; process snapshots copy it exactly."""
-    env = gym_fork.ForkableEnv(agent_envs.grid_view, backend="pickle")
+    it is not shipped to a worker; process snapshots copy it exactly. The same for an ``ndarray``
+    subclass (a masked array), which the check passed over."""
+    factory = functools.partial(agent_envs.grid_view, masked)
+    env = gym_fork.ForkableEnv(factory, backend="pickle")
     try:
         env.reset(seed=0)
         env.step(1)
@@ -923,12 +926,12 @@ def test_pickle_refuses_arrays_that_share_memory():
         assert env.step(2)[0][1] == 3.0  # untouched: the view still writes into the grid (1 + 2)
     finally:
         env.close()
-    inst = agent_envs.grid_view()
+    inst = agent_envs.grid_view(masked)
     inst.reset(seed=0)
     with pytest.raises(gym_fork.errors.EnvNotShippableError, match=r"env\.grid and env\.row"):
         gym_fork.ForkableEnv(inst)
     for fork_tier in (True, False):
-        env = gym_fork.ForkableEnv(agent_envs.grid_view, fork_tier=fork_tier)
+        env = gym_fork.ForkableEnv(factory, fork_tier=fork_tier)
         try:
             env.reset(seed=0)
             env.step(1)

@@ -145,7 +145,7 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env", *,
         for k, v in pairs:
             if not isinstance(v, leaves):  # (lists and tuples of plain values: _plain, when popped)
                 push((v, (entry, k, kind), depth + 1))
-            elif v.__class__ is ndarray:
+            elif isinstance(v, ndarray):  # (subclasses too: a masked array's view shares its data)
                 arrays.append((v, (entry, k, kind)))
                 if v.dtype.hasobject:  # an object array holds Python objects: walk them as a list's items
                     push((v.ravel().tolist() if v.base is None else list(v.flat), (entry, k, kind), depth + 1))
@@ -162,8 +162,8 @@ def _list_arrays(seq: list | tuple, kinds: set[type], entry: tuple, arrays: list
         if not any(map(is_not, bases, repeat(None))):  # (not bases.count(None): that compares arrays)
             return
     else:
-        in_lists.update(id(a) for a in seq if a.__class__ is ndarray)
-    arrays.extend((a, (entry, i, "item")) for i, a in enumerate(seq) if a.__class__ is ndarray and a.base is not None)
+        in_lists.update(id(a) for a in seq if isinstance(a, ndarray))
+    arrays.extend((a, (entry, i, "item")) for i, a in enumerate(seq) if isinstance(a, ndarray) and a.base is not None)
 
 
 _BASE = attrgetter("base")
@@ -179,7 +179,7 @@ def _shared_memory(arrays: list[tuple[np.ndarray, Any]], in_lists: set[int], see
         if base is None:
             owner: Any = a
         else:
-            while base.__class__ is ndarray and base.base is not None:
+            while isinstance(base, ndarray) and base.base is not None:
                 base = base.base
             owner = base
         first = owners.setdefault(id(owner), (a, at))
@@ -189,11 +189,11 @@ def _shared_memory(arrays: list[tuple[np.ndarray, Any]], in_lists: set[int], see
                     "the other)", SHARED_MEMORY_FIX)
         if owner is a or not a.flags.writeable:
             continue
-        if owner.__class__ is ndarray and id(owner) in in_lists:
+        if isinstance(owner, ndarray) and id(owner) in in_lists:
             return (f"{_path((None, at, 0), path)} (a view of an array in a list the env also holds, which a "
                     "pickled copy holds apart: a write through one would no longer show in the other)",
                     SHARED_MEMORY_FIX)
-        if owner.__class__ is not ndarray and id(owner) in seen:
+        if not isinstance(owner, ndarray) and id(owner) in seen:
             return (f"{_path((None, at, 0), path)} (a view of memory that {type(owner).__name__} holds, which a "
                     "pickled copy holds apart)", SHARED_MEMORY_FIX)
     return None
