@@ -946,8 +946,10 @@ class TerminalEnv(_Base):
         super().__init__()
         self.master, slave = pty.openpty()
         self.slave_name = os.ttyname(slave)
+        # (HISTFILE empty: no ~/.bash_history written when a shell ends, a file outside the env's
+        # directories that a later snapshot of a shell still running would be refused for)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PS1": _PROMPT.decode(), "TERM": "dumb",
-               "HOME": scratch or "/tmp", "LANG": "C"}
+               "HOME": scratch or "/tmp", "LANG": "C", "HISTFILE": ""}
         self.shell = subprocess.Popen(["bash", "--norc", "--noprofile", "-i"], stdin=slave, stdout=slave,
                                       stderr=slave, start_new_session=True, env=env, cwd=scratch or "/tmp")
         os.close(slave)

@@ -921,35 +921,30 @@ def _resolve_ptys(ptys: list[Resource], tree: list[int]) -> None:
 
 def _pts_holders_outside(ptys: set[tuple[int, int]], tree: list[int]) -> dict[tuple[int, int], list[int]]:
     """Pids outside ``tree`` holding the terminal end of one of ``ptys`` ((devpts instance,
-    number) pairs), each pid once (a /proc walk: only on the slow path)."""
-    want = {f"/dev/pts/{i}" for _dev, i in ptys}
+    number) pairs), each pid once."""
     out: dict[tuple[int, int], list[int]] = {}
-    skip = set(tree)
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in skip:
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
+    for pid, fd, link in _held_outside({f"/dev/pts/{i}" for _dev, i in ptys}, tree):
+        try:  # the same number in another devpts instance is another terminal
+            key = (os.stat(f"/proc/{pid}/fd/{fd}").st_dev, int(link[len("/dev/pts/"):]))
         except OSError:
             continue
-        for fd in fds:
-            t = _link(name, fd)
-            if t not in want:
-                continue
-            try:
-                key = (os.stat(f"/proc/{name}/fd/{fd}").st_dev, int(t[len("/dev/pts/"):]))
-            except OSError:
-                continue
-            holders = out.setdefault(key, []) if key in ptys else None
-            if holders is not None and int(name) not in holders:
-                holders.append(int(name))
+        if key in ptys and pid not in out.setdefault(key, []):
+            out[key].append(pid)
     return out
 
 
 def _holders_outside(inos: set[int], kind: str, tree: list[int]) -> dict[int, list[int]]:
-    """Pids outside ``tree`` holding ``kind:[ino]`` (a walk over /proc: only on the slow path)."""
+    """Pids outside ``tree`` holding ``kind:[ino]``."""
     want = {f"{kind}:[{i}]": i for i in inos}
     out: dict[int, list[int]] = {}
+    for pid, _fd, link in _held_outside(set(want), tree):
+        out.setdefault(want[link], []).append(pid)
+    return out
+
+
+def _held_outside(links: set[str], tree: list[int]):
+    """``(pid, fd, link)`` of every descriptor outside ``tree`` whose link is one of ``links`` (a
+    walk over /proc: only on the slow path)."""
     skip = set(tree)
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in skip:
@@ -959,10 +954,9 @@ def _holders_outside(inos: set[int], kind: str, tree: list[int]) -> dict[int, li
         except OSError:
             continue
         for fd in fds:
-            t = _link(name, fd)
-            if t in want:
-                out.setdefault(want[t], []).append(int(name))
-    return out
+            link = _link(name, fd)
+            if link in links:
+                yield int(name), fd, link
 
 
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
