@@ -142,15 +142,22 @@ def _again_from_a_restored_copy(env) -> None:
         kid.close()
 
 
-@pytest.mark.parametrize("scratch", [False, True], ids=["plain", "cd-into-scratch"])
-def test_an_interactive_shell_on_a_pty_the_env_opened(tmp_path, scratch):
+@pytest.mark.parametrize("scratch, opts", [(False, {}), (True, {}), (True, {"private_dirs": True}),
+                                           (False, {"private_network": True})],
+                         ids=["plain", "cd-into-scratch", "in-a-private-dir", "private-network"])
+def test_an_interactive_shell_on_a_pty_the_env_opened(tmp_path, scratch, opts):
     """An agent's terminal tool: bash on a pty the env opened (pexpect's way), its variables,
     function, working directory and terminal settings kept between steps. Both ends of the pty
     are the env's, so a CRIU dump of the tree captures it; each restore gets a devpts instance of
-    its own, where the pty keeps its number while the original still holds it. (Refused as "a
+    its own, where the pty keeps its number while the original still holds it (also together
+    with a private directory's binds, or a network namespace of its own). (Refused as "a
     terminal" before.)"""
     factory = functools.partial(agent_envs.terminal, str(tmp_path) if scratch else None)
-    check_exact_and_isolated(factory, on_restored=_again_from_a_restored_copy)
+    if opts.get("private_dirs"):
+        opts = {"private_dirs": [str(tmp_path)]}
+    check_exact_and_isolated(factory, on_restored=_again_from_a_restored_copy, **opts)
+    if opts.get("private_dirs"):
+        assert os.listdir(tmp_path) == []  # the shell's `mkdir work` happened in the copies only
 
 
 def test_a_pty_shell_snapshot_saved_and_loaded(tmp_path):
