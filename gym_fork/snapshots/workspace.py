@@ -77,14 +77,12 @@ def listing_order(root: str) -> dict[str, list[str]]:
         rel = todo.pop()
         d = os.path.join(root, rel) if rel else root
         try:
-            names = os.listdir(d)
+            with os.scandir(d) as it:  # (readdir order, as listdir; the entry types without a stat each)
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
         except OSError:
             continue
-        out[rel] = names
-        for n in names:
-            p = os.path.join(d, n)
-            if os.path.isdir(p) and not os.path.islink(p):
-                todo.append(os.path.join(rel, n) if rel else n)
+        out[rel] = [n for n, _ in entries]
+        todo += [os.path.join(rel, n) if rel else n for n, is_dir in entries if is_dir]
     return out
 
 
