@@ -29,6 +29,12 @@ class SnapshotError(GymForkError):
     """Taking a snapshot failed. The running env is unchanged and no snapshot was created."""
 
 
+class UnpicklableEnvError(UnsupportedEnvError, SnapshotError):
+    """The pickle backend cannot pickle this env at all (it holds an open file, a lock, a
+    process handle, ...): it is refused, not copied wrongly.  Use the default backend, whose
+    snapshots are whole processes (``backend="criu"``)."""
+
+
 class UncapturableStateError(SnapshotError):
     """The env holds something no available snapshot mechanism captures exactly (a connection to
     another machine, a file open for writing, a listening address without a network namespace of

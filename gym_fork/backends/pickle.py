@@ -22,7 +22,7 @@ import numpy as np
 
 from gym_fork.backends.base import Backend, Handle, LocalHandle
 from gym_fork.backends.exactness import copies_diverge
-from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, SnapshotError, UnsupportedEnvError
+from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, UnpicklableEnvError, UnsupportedEnvError
 from gym_fork.snapshots.bundle import check_field
 from gym_fork.snapshots.set_order import copy_problem, str_hash_probe
 from gym_fork.snapshots.files import read_bounded
@@ -122,7 +122,7 @@ class PickleBackend(Backend):
         try:
             blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
         except Exception as e:  # noqa: BLE001
-            raise SnapshotError(
+            raise UnpicklableEnvError(
                 f"cloudpickle cannot capture this env ({type(e).__name__}: {e}); use backend='criu'"
             ) from e
         if not handle.verified:
@@ -142,14 +142,16 @@ class PickleBackend(Backend):
                 f"{where}, so a restore could continue differently; {fix}. Nothing was snapshotted.")
 
     def check_exact(self, handle: Handle) -> None:
-        """Raise (UnsupportedEnvError / SnapshotError) unless this env pickles exactly right now.
-        Does not mark the handle verified: its first snapshot checks again (after reset())."""
+        """Raise UnsupportedEnvError (UnpicklableEnvError when it does not pickle at all) unless this
+        env pickles exactly right now. Does not mark the handle verified: its first snapshot
+        checks again (after reset())."""
         assert isinstance(handle, _PickleHandle)
         s = handle.server
         try:
             blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
         except Exception as e:  # noqa: BLE001
-            raise SnapshotError(f"cloudpickle cannot capture this env ({type(e).__name__}: {e})") from e
+            raise UnpicklableEnvError(f"cloudpickle cannot capture this env ({type(e).__name__}: {e}); "
+                                      "use backend='criu'") from e
         self._check_copy(s.env, blob)
 
     @staticmethod

@@ -179,3 +179,28 @@ def test_the_reseed_row_says_whether_branches_get_randomness_of_their_own(factor
     row = report.rows[-1]
     assert row.check == "rng='reseed'" and row.verdict == verdict and says in row.detail, row
     assert report.ok
+
+
+def test_an_env_the_pickle_backend_cannot_pickle_is_refused_there_not_failed():
+    """An env holding a child process over pipes cannot be pickled at all: the pickle backend
+    refuses it (UnpicklableEnvError, an UnsupportedEnvError and a SnapshotError), nothing is
+    copied wrongly, and the verdict rests on the backends that capture it (CRIU: exact). It was
+    a FAIL, so the verdict of every such agent env read FAILED."""
+    import agent_envs
+
+    from gym_fork.errors import SnapshotError, UnpicklableEnvError, UnsupportedEnvError
+
+    report = gym_fork.check_env(agent_envs.pipe_child, backends=["criu", "pickle"], steps=6, verbose=False)
+    rows = {r.check: r for r in report.rows}
+    assert rows["exact: CRIU dumps"].verdict == PASS
+    assert rows["exact: pickle"].verdict == REFUSES and "cannot capture" in rows["exact: pickle"].detail
+    assert report.ok and "verdict: OK" in str(report)
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child, backend="pickle")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(UnpicklableEnvError, match="use backend='criu'") as e:
+            env.snapshot()
+        assert isinstance(e.value, UnsupportedEnvError) and isinstance(e.value, SnapshotError)
+        env.step(1)  # runs on
+    finally:
+        env.close()
