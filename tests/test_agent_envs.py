@@ -788,18 +788,23 @@ def test_a_log_the_env_holds_open_is_appended_to_by_every_copy(tmp_path, fork_ti
     assert lines == ["step 1 action 1", "step 2 action 2", *after, *after, "step 3 action 0", "step 6 action 1"]
 
 
+def _logging_env_at_step_2(tmp_path, fork_tier, factory, *args):
+    """An env logging a line per step to ``agent.log`` (declared untracked), stepped with actions
+    1 and 2, and a snapshot there: ``(the log's path, env, snapshot)``."""
+    path = str(tmp_path / "agent.log")
+    env = gym_fork.ForkableEnv(functools.partial(factory, path, *args), untracked_paths=[path], fork_tier=fork_tier)
+    env.reset(seed=0)
+    for a in (1, 2):
+        env.step(a)
+    return path, env, env.snapshot()
+
+
 @pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
 def test_lines_still_in_pythons_buffer_reach_a_log_once(tmp_path, fork_tier):
     """Lines the env wrote to its log but Python had not flushed were part of the memory every
     copy got: the original and each copy flushed them, and the log held each line written before
     the snapshot once per copy. The worker now flushes a log's buffer before a copy is made."""
-    path = str(tmp_path / "agent.log")
-    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path, "a", False), untracked_paths=[path],
-                               fork_tier=fork_tier)
-    env.reset(seed=0)
-    for a in (1, 2):
-        env.step(a)
-    snap = env.snapshot()
+    path, env, snap = _logging_env_at_step_2(tmp_path, fork_tier, agent_envs.log_to, "a", False)
     kids = env.fork(snap, 2)
     for i, kid in enumerate(kids):
         kid.step(3 + i)
@@ -818,13 +823,7 @@ def test_an_abandoned_branchs_lines_still_reach_its_log(tmp_path, fork_tier):
     """A restore stops the worker it replaces (CRIU's are killed): the lines that branch had
     written but Python had not flushed were lost with it, where an env dropped in the learner's
     process flushes them when collected. Its log now holds them."""
-    path = str(tmp_path / "agent.log")
-    env = gym_fork.ForkableEnv(functools.partial(agent_envs.log_to, path, "a", False), untracked_paths=[path],
-                               fork_tier=fork_tier)
-    env.reset(seed=0)
-    for a in (1, 2):
-        env.step(a)
-    snap = env.snapshot()
+    path, env, snap = _logging_env_at_step_2(tmp_path, fork_tier, agent_envs.log_to, "a", False)
     env.step(3)  # the branch the restore abandons
     env.restore(snap)
     env.step(0)
@@ -840,13 +839,7 @@ def test_records_a_memory_handler_buffers_for_a_log_reach_it_once(tmp_path, fork
     restore abandoned. Each record now reaches the log once."""
     from collections import Counter
 
-    path = str(tmp_path / "agent.log")
-    env = gym_fork.ForkableEnv(functools.partial(agent_envs.memory_log_to, path), untracked_paths=[path],
-                               fork_tier=fork_tier)
-    env.reset(seed=0)
-    for a in (1, 2):
-        env.step(a)
-    snap = env.snapshot()
+    path, env, snap = _logging_env_at_step_2(tmp_path, fork_tier, agent_envs.memory_log_to)
     for i, kid in enumerate(env.fork(snap, 2)):
         kid.step(3 + i)
         kid.close()
