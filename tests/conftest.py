@@ -81,29 +81,21 @@ def process_alive(pid: int) -> bool:
 
 def process_states(pid: int, *, tree: bool = False) -> dict[int, str]:
     """``{pid: state letter}`` of ``pid``'s children (``tree``: of all its descendants), host
-    pids as /proc names them. A thread that ends, or a child reaped, while this reads is skipped."""
+    pids as /proc names them. A child reaped while this reads is skipped."""
+    from gym_fork.criu.status import children_by_parent  # (not the per-thread children files: see there)
+
     out: dict[int, str] = {}
+    parents = children_by_parent()
     todo = [pid]
     while todo:
-        p = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
+        for kid in parents.get(todo.pop(), ()):
             try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
+                with open(f"/proc/{kid}/stat") as s:
+                    out[kid] = s.read().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            for kid in kids:
-                try:
-                    with open(f"/proc/{kid}/stat") as s:
-                        out[kid] = s.read().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    continue
-                if tree:
-                    todo.append(kid)
+            if tree:
+                todo.append(kid)
     return out
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gym_fork.criu.status import criu_status, criu_timeout, new_client
+from gym_fork.criu.status import children_by_parent, criu_status, criu_timeout, new_client
 
 
 def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[str] = (),
@@ -263,20 +263,9 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-def _proc_children(pid: int) -> list[str]:
-    """Children of every thread of ``pid`` (each child is listed under the thread that made it)."""
-    out: list[str] = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += f.read().split()
-        except OSError:  # that thread ended since the listing: the others' children still count
-            continue
-    return out
+def _proc_children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (see :func:`children_by_parent`: whichever thread made them)."""
+    return children_by_parent().get(pid, [])
 
 
 def _comm(pid: int | str) -> str:

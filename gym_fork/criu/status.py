@@ -315,11 +315,32 @@ def log_tail(path: str, lines: int = 8) -> str:
     return "\n".join((errs or text)[-lines:])
 
 
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, by their parent's pid (``/proc/*/stat``; one pass).
+
+    Not the per-thread ``/proc/PID/task/TID/children`` files: a child is listed under the thread
+    that made it and moves to another thread of its parent when that one ends, so reading those
+    files one by one across such a move can miss it (a test saw a worker "gone" that was still
+    exiting). The parent's pid in ``stat`` is the process's, whichever of its threads holds it."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # (gone meanwhile)
+            continue
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
 def dump_size_bound(pid: int, *, tree: bool = False) -> int:
     """An upper bound on the CRIU images of ``pid`` (``tree``: and all its descendants): resident
     memory (CRIU dumps at most the resident private pages; no swap here) plus 32 MiB of
     metadata. Announced to a receiving agent before images are streamed while they are dumped."""
     total, todo, seen = 0, [pid], set()
+    kids = children_by_parent() if tree else {}
     while todo:
         p = todo.pop()
         if p in seen:
@@ -328,15 +349,7 @@ def dump_size_bound(pid: int, *, tree: bool = False) -> int:
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:")), 0)
-            if not tree:
-                break
-            tids = os.listdir(f"/proc/{p}/task")
         except OSError:
             continue
-        for t in tids:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:  # a thread that just ended: its siblings' children still count
-                continue
+        todo.extend(kids.get(p, ()))
     return total + (32 << 20)

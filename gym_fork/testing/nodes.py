@@ -73,21 +73,12 @@ class AgentProcess:
         return out
 
     def children(self) -> list[int]:
-        """The agent's child processes (each is listed under the thread that started it)."""
-        out: list[int] = []
-        try:
-            tasks = os.listdir(f"/proc/{self.pid}/task")
-        except OSError:  # the agent is gone
-            return out
-        for t in tasks:
-            try:
-                with open(f"/proc/{self.pid}/task/{t}/children") as f:
-                    out += [int(x) for x in f.read().split()]
-            except OSError:
-                # That thread ended since the listing (e.g. the one that just stopped a worker):
-                # skip it, not the threads after it, whose children would go unseen.
-                continue
-        return out
+        """The agent's child processes, whichever of its threads started them (a worker restored
+        by a connection thread moves to another thread when that one ends: see
+        :func:`gym_fork.criu.status.children_by_parent`)."""
+        from gym_fork.criu.status import children_by_parent
+
+        return sorted(children_by_parent().get(self.pid, []))
 
     def log(self) -> str:
         try:

@@ -1,6 +1,9 @@
-"""Child-process scans over /proc/PID/task/*/children skip a thread that ended since the listing
-instead of giving up on the threads after it (a CI flake: the agent's connection thread ended
-while a test looked for the worker it had just stopped, so the worker went unseen, then seen)."""
+"""Child-process scans find a process's children whichever of its threads made them, also while
+threads end (CI flakes: the agent's connection thread ended while a test looked for the worker it
+had just stopped, so the worker went unseen, then seen). They read each process's parent in
+/proc/*/stat (``gym_fork.criu.status.children_by_parent``), not the per-thread children files: a
+child moves to another thread when the one that made it ends, and a scan of those files across
+the move could miss it; a listing of threads led by one already gone is harmless too."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def child(monkeypatch):
 
 
 def test_criu_client_sees_children_past_an_ended_thread(child):
-    assert str(child.pid) in criu_client._proc_children(os.getpid())
+    assert child.pid in criu_client._proc_children(os.getpid())
 
 
 def test_the_test_agent_sees_children_past_an_ended_thread(child):
@@ -48,3 +51,24 @@ def test_dump_size_bound_counts_children_past_an_ended_thread(child):
         rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
     alone = dump_size_bound(os.getpid())
     assert dump_size_bound(os.getpid(), tree=True) >= alone + rss
+
+
+def test_a_child_made_by_a_thread_that_ended_is_still_found():
+    import threading
+
+    from conftest import process_states
+
+    made = []
+    t = threading.Thread(target=lambda: made.append(subprocess.Popen(["sleep", "60"])))
+    t.start()
+    t.join()  # the thread that made it is gone: the child now hangs under another thread
+    try:
+        kid = made[0].pid
+        assert kid in criu_client._proc_children(os.getpid())
+        assert kid in process_states(os.getpid())
+        agent = AgentProcess.__new__(AgentProcess)
+        agent.proc = types.SimpleNamespace(pid=os.getpid())
+        assert kid in agent.children()
+    finally:
+        made[0].kill()
+        made[0].wait()
