@@ -330,7 +330,10 @@ class ForkableEnv(gym.Wrapper):
         *in the worker* for ``steps`` steps, choosing each action from the observation it sees.
         The policy is cloudpickled and the worker steps its own copy of it (the object here is
         not changed); it must not need anything of this process (a model on a GPU, a lock, a
-        counter shared with other branches).
+        counter shared with other branches). Its random generators are copied as they are: the
+        same stochastic policy rolled out in several ``fork()`` children draws the same numbers
+        in each (:func:`gym_fork.explore` with ``policy_in_worker=True`` reseeds each branch's
+        copy from the branch's seed).
 
         Returns ``{"rewards", "terminated", "truncated", "final_obs", "final_info", "steps",
         "actions"}``; it stops at the first episode end, or (``stop_at_done=False``) resets and
