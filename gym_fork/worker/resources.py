@@ -904,10 +904,10 @@ def _resolve_ptys(ptys: list[Resource], tree: list[int]) -> None:
         key, index = (r.detail["dev"], r.detail["index"]), r.detail["index"]
         if key in masters and not outside.get(key):
             r.capture = "criu"
-            r.what = f"pty {index} ({r.detail['end']} end) between processes of the env"
+            r.what = f"{index} ({r.detail['end']} end) between processes of the env"  # ("pty 0 (master end) ...")
         elif key in masters:
             r.capture = "none"
-            r.what = f"pty {index}, also open in process(es) {outside[key]} outside the env"
+            r.what = f"{index}, also open in process(es) {outside[key]} outside the env"
             r.fix = ("a process outside the env's process tree holds this terminal, and it is not snapshotted: "
                      "open the terminal only in the env's own processes")
         else:
