@@ -163,7 +163,9 @@ def _reorder(d: str, want: list[str]) -> bool:
                 for n in want:
                     os.rename(os.path.join(d, n), os.path.join(aside, n))
         return False
-    finally:
+    finally:  # whatever happened, every entry ends up back in d (only their order may differ)
+        for n in os.listdir(aside):
+            os.rename(os.path.join(aside, n), os.path.join(d, n))
         os.rmdir(aside)
 
 def copy_tree(src: str, dst: str) -> None:
