@@ -390,6 +390,24 @@ def test_an_order_the_file_system_does_not_keep_is_said(tmp_path):
         assert os.listdir(dst) == listed and sorted(os.listdir(dst)) == sorted(os.listdir(src))
 
 
+def test_a_malformed_signed_listing_order_is_refused(tmp_path):
+    """The listing order a bundle signs is checked like its file list: a malformed one (a name
+    with a slash, a path out of the capture) refuses the load, and nothing is left behind."""
+    from gym_fork.errors import SnapshotCorruptedError
+    from gym_fork.snapshots import workspace as wsmod
+
+    src = tmp_path / "packed"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    manifest = wsmod.pack(str(src), str(tmp_path / "bundle-ws"))
+    assert manifest.get("order") is None  # (no capture beside it: nothing recorded)
+    for bad in ({"": ["../a.txt"]}, {"../up": ["a.txt"]}, {"": "a.txt"}):
+        dst = str(tmp_path / "loaded")
+        with pytest.raises(SnapshotCorruptedError):
+            wsmod.unpack(str(tmp_path / "bundle-ws"), {**manifest, "order": bad}, "test bundle", dst)
+        assert not os.path.exists(dst) and not os.path.exists(dst + wsmod.ORDER)
+
+
 def _digests(root: str) -> dict:
     import hashlib
 
