@@ -131,6 +131,9 @@ class ForkableEnv(gym.Wrapper):
     _store: Any = None  # a gym_fork.SnapshotStore: budgets, persistence
     _workspace: Any = None  # a Workspace whose files every snapshot captures
     _origin: Any = None  # (env, env_kwargs, wrappers) it was built from: gym_fork.check_env builds more
+    # forked with rng="reseed": a policy rolled out here (rollout(policy=...)) is reseeded from
+    # the copy's seed too, as explore() does for its branches
+    _policy_reseed: bool = False
     _untracked: tuple[str, ...] = ()  # untracked_paths: patterns of files whose content is not restored
     _private: Any = None  # a PrivateDirs: directories every worker of this env sees a copy of its own
 
@@ -323,17 +326,23 @@ class ForkableEnv(gym.Wrapper):
         return self._handle.receive()
 
     def rollout(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
-                steps: int | None = None, stop_at_done: bool = True) -> dict:
+                steps: int | None = None, stop_at_done: bool = True, reseed_policy: bool | None = None) -> dict:
         """Step a whole branch inside the worker, in one round trip.
 
         Either open loop, through ``actions``, or closed loop: ``policy(obs) -> action`` runs
         *in the worker* for ``steps`` steps, choosing each action from the observation it sees.
         The policy is cloudpickled and the worker steps its own copy of it (the object here is
         not changed); it must not need anything of this process (a model on a GPU, a lock, a
-        counter shared with other branches). Its random generators are copied as they are: the
-        same stochastic policy rolled out in several ``fork()`` children draws the same numbers
-        in each (:func:`gym_fork.explore` with ``policy_in_worker=True`` reseeds each branch's
-        copy from the branch's seed).
+        counter shared with other branches). Its random generators are copied as they are, except
+        in an env made by ``fork(..., rng="reseed")``: there the policy's copy is reseeded from
+        that copy's seed (``reseed_policy=None``, the default; ``False`` keeps the policy's own), as
+        :func:`gym_fork.explore` does for its branches, so one stochastic policy rolled out in
+        several reseeded children draws differently in each, and the same ``seeds`` repeat them.
+        The reseed reaches the generators the policy holds (attributes, closure, defaults,
+        ``functools.partial`` arguments, the object a method is bound to, module globals its code
+        names) and process-wide ones its unpickling created (torch's); see
+        :func:`gym_fork.worker.reseed.reseed_policy`. Each call starts from the policy as it is
+        here, so two calls in one child draw the same numbers again.
 
         Returns ``{"rewards", "terminated", "truncated", "final_obs", "final_info", "steps",
         "actions"}``; it stops at the first episode end, or (``stop_at_done=False``) resets and
@@ -341,7 +350,8 @@ class ForkableEnv(gym.Wrapper):
         round trip per step costs more than a cheap env's step itself.
 
         Raises:
-            ValueError: neither or both of ``actions`` and ``policy``; ``policy`` without ``steps``.
+            ValueError: neither or both of ``actions`` and ``policy``; ``policy`` without ``steps``;
+                ``reseed_policy`` with ``actions``, or ``True`` in an env not forked with ``rng="reseed"``.
             TypeError: ``policy`` is not callable or cannot be pickled.
             PolicyError: the policy raised in the worker (a :class:`WorkerError` too; the env
                 raising is a WorkerError as for :meth:`step`). The steps taken before it count:
@@ -356,11 +366,11 @@ class ForkableEnv(gym.Wrapper):
             (41, 41.0, True, 41)
             >>> env.close()
         """
-        self.rollout_send(actions, policy=policy, steps=steps, stop_at_done=stop_at_done)
+        self.rollout_send(actions, policy=policy, steps=steps, stop_at_done=stop_at_done, reseed_policy=reseed_policy)
         return self.rollout_receive()
 
     def rollout_send(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
-                     steps: int | None = None, stop_at_done: bool = True) -> None:
+                     steps: int | None = None, stop_at_done: bool = True, reseed_policy: bool | None = None) -> None:
         """First half of :meth:`rollout`: the worker starts; collect with :meth:`rollout_receive`."""
         if self._closed:
             raise EnvClosedError("rollout() on a closed ForkableEnv; create a new one")
@@ -370,12 +380,19 @@ class ForkableEnv(gym.Wrapper):
         if policy is None:
             if steps is not None:
                 raise ValueError("`steps` goes with a `policy`; open-loop `actions` run len(actions) steps")
+            if reseed_policy is not None:
+                raise ValueError("`reseed_policy` goes with a `policy`; open-loop `actions` draw nothing")
             self._pending_rollout = list(actions)
             self._handle.send("rollout", self._pending_rollout, stop_at_done)
         else:
             if steps is None:
                 raise ValueError("rollout(policy=...) needs steps=N: how many steps to run at most")
-            self._policy_rollout_send(pickle_policy(policy), capacity.count(steps, "steps"), stop_at_done)
+            if reseed_policy and not self._policy_reseed:
+                raise ValueError("reseed_policy=True needs an env made by fork(..., rng='reseed'): this one has no "
+                                 "seed of its own to reseed the policy from")
+            reseed = self._policy_reseed if reseed_policy is None else bool(reseed_policy)
+            self._policy_rollout_send(pickle_policy(policy), capacity.count(steps, "steps"), stop_at_done,
+                                      reseed=reseed, shared=reseed)
 
     def _policy_rollout_send(self, policy_blob: bytes | int, steps: int, stop_at_done: bool, *,
                              reseed: bool = False, shared: bool = False) -> None:
@@ -762,6 +779,7 @@ class ForkableEnv(gym.Wrapper):
             if rng == "reseed":  # sent to all, then answered: the copies reseed side by side
                 seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
                 child._handle.send("reseed", seed)
+                child._policy_reseed = True
         if rng == "reseed":
             try:
                 for child in children:

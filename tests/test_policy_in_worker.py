@@ -612,3 +612,42 @@ def test_a_policy_whose_import_brings_torch_is_reproducible_from_the_branch_seed
         assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("kind", list(_KINDS))
+def test_rollout_in_reseeded_fork_children_draws_as_explores_branches(kind):
+    """``fork(..., rng="reseed")`` then ``child.rollout(policy=...)``: each child's copy of the one
+    stochastic policy is reseeded from the child's seed, exactly as explore() reseeds its branches
+    (the children drew the same numbers before); ``reseed_policy=False`` keeps the policy's own."""
+    env = gym_fork.make("CartPole-v1", **_KINDS[kind])
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        seeds = [11, 12, 13]
+        branches = gym_fork.explore(env, root, Noisy(7), n_branches=3, horizon=40, seeds=seeds,
+                                    policy_in_worker=True, stop_at_done=False)
+        kids = env.fork(root, 3, rng="reseed", seeds=seeds)
+        try:
+            outs = [k.rollout(policy=Noisy(7), steps=40, stop_at_done=False) for k in kids]
+            assert [o["actions"] for o in outs] == [b.actions for b in branches.branches]
+            assert len({tuple(o["actions"]) for o in outs}) == 3
+            for k in kids:
+                k.restore(root)
+            kept = [k.rollout(policy=Noisy(7), steps=40, stop_at_done=False, reseed_policy=False) for k in kids]
+            same = env.fork(root, 1)[0]
+            try:
+                ref = same.rollout(policy=Noisy(7), steps=40, stop_at_done=False)
+                with pytest.raises(ValueError, match="rng='reseed'"):
+                    same.rollout(policy=Noisy(7), steps=5, reseed_policy=True)
+            finally:
+                same.close()
+            # the policy's own draws in every child; only the envs' resets (reseeded) tell them apart
+            first_episode = [o["actions"][:10] for o in kept]
+            assert first_episode == [ref["actions"][:10]] * 3
+        finally:
+            for k in kids:
+                k.close()
+        with pytest.raises(ValueError, match="goes with a `policy`"):
+            env.rollout([0, 1], reseed_policy=True)
+    finally:
+        env.close()
