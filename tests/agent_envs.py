@@ -803,6 +803,50 @@ def app_dir(root: str, hold: bool = True, shell: bool = True) -> AppDirEnv:
     return AppDirEnv(root, hold, shell)
 
 
+def _pool_work(x: int) -> int:
+    """Runs in the pool's process: a module-level running sum and the process's own ``random``
+    (each pool process keeps state between tasks, as a tool server would)."""
+    global _POOL_TOTAL
+    _POOL_TOTAL = (globals().get("_POOL_TOTAL", 0) * 31 + x + random.randrange(1000)) % 1000003
+    return _POOL_TOTAL
+
+
+class ProcessPoolEnv(_Base):
+    """Tool calls run in a ``concurrent.futures.ProcessPoolExecutor`` of one process, started at
+    reset with the given multiprocessing start method: its process, the executor's threads, pipes
+    and semaphores are the env's."""
+
+    def __init__(self, start_method: str = "fork") -> None:
+        super().__init__()
+        self.start_method = start_method
+        self.pool = None
+
+    def reset(self, *, seed=None, options=None):
+        import concurrent.futures
+        import multiprocessing
+
+        out = super().reset(seed=seed)
+        if self.pool is None:
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context(self.start_method))
+            self.pool.submit(random.seed, int(self.np_random.integers(1 << 30))).result()
+        return out
+
+    def step(self, action):
+        self.t += 1
+        value = float(self.pool.submit(_pool_work, int(action)).result())
+        return self._obs(value), value % 7, *self._done(), {}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+
+def process_pool(start_method: str = "fork"):
+    return ProcessPoolEnv(start_method)
+
+
 # Module-level factories (the worker imports this module to build the envs).
 def pipe_child():
     return PipeChildEnv()

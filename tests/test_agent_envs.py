@@ -1050,3 +1050,28 @@ def test_without_root_a_pty_of_the_envs_own_is_refused_with_the_reason():
     with pytest.raises(UncapturableStateError, match="only by CRIU as root"):
         check_tree(scan, criu_ok=True, private_network=False, root=False)
     assert check_tree(scan, criu_ok=True, private_network=False) == [r.what for r in scan.resources]
+
+
+def test_a_process_pool_of_the_fork_start_method():
+    """Tool calls in a ``ProcessPoolExecutor`` ('fork' context): its process with its own state,
+    the executor's threads, pipes and unlinked semaphores are one tree, which a CRIU dump
+    captures (exact and isolated: each copy has its own pool process)."""
+    check_exact_and_isolated(agent_envs.process_pool)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_pools_with_semaphores_in_dev_shm_are_refused_with_the_fix(method):
+    """The 'spawn' and 'forkserver' start methods keep their semaphores in /dev/shm, where any
+    process may open them and a restored copy would share them: refused, saying to use the 'fork'
+    context; the env runs on."""
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.process_pool, method))
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=r"/dev/shm/sem\.mp-\S+ \(a multiprocessing semaphore\).*"
+                                                         r"get_context\('fork'\)") as info:
+            env.snapshot()
+        assert "shared-memory shared memory" not in str(info.value)
+        env.step(2)
+    finally:
+        env.close()

@@ -112,6 +112,11 @@ def dump_options(scan: Scan | None, private_network: bool) -> dict:
     return opts
 
 
+#: how a summary counts resources of a kind whose name is not a noun plus "s"
+_PLURAL = {"shared-memory": "shared memory mappings", "shared-mapping": "shared file mappings",
+           "anon-inode": "anonymous-inode descriptors", "udp-socket": "UDP sockets"}
+
+
 def summary(resources: list[Resource]) -> str:
     """``"2 child processes (python, redis-server), 3 pipes, 1 thread"``: what a scan found, by kind."""
     kinds: dict[str, list[Resource]] = {}
@@ -130,7 +135,7 @@ def summary(resources: list[Resource]) -> str:
         elif len(rs) == 1:
             parts.append(rs[0].what)
         else:
-            parts.append(f"{len(rs)} {kind}s")
+            parts.append(f"{len(rs)} {_PLURAL.get(kind) or kind.replace('-', ' ') + 's'}")
     return ", ".join(parts)
 
 

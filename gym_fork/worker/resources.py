@@ -86,7 +86,8 @@ class Resource:
 
     def describe(self) -> str:
         where = f"pid {self.pid}" + (f" fd {self.fd}" if self.fd is not None else "")
-        return f"{self.kind} {self.what} ({where})"
+        words = self.kind.replace("-", " ")  # ("shared memory /dev/shm/x", not "shared-memory shared memory ...")
+        return f"{self.what} ({where})" if words in self.what else f"{self.kind} {self.what} ({where})"
 
 
 @dataclass
@@ -843,6 +844,13 @@ def _scan_maps(proc: str, pid: int) -> list[Resource]:
             out.append(Resource("shared-memory", pid, f"anonymous shared memory {text}", "criu"))
         elif not writable:
             continue  # read-only mapping of a file (e.g. a locale cache): the same in every copy
+        elif text.startswith("/dev/shm/sem.mp-"):
+            out.append(Resource("shared-memory", pid, f"shared memory {text} (a multiprocessing semaphore)", "none",
+                                fix="multiprocessing's 'spawn' and 'forkserver' start methods (forkserver is "
+                                    "Python 3.14's default) keep their locks and queues' semaphores in /dev/shm, "
+                                    "shared with any process that opens them; give the env's pool or queue the "
+                                    "'fork' context (multiprocessing.get_context('fork'), or mp_context= for a "
+                                    "ProcessPoolExecutor), whose semaphores a CRIU dump of the tree captures"))
         elif text.startswith("/dev/shm/"):
             out.append(Resource("shared-memory", pid, f"shared memory {text}", "none",
                                 fix="POSIX shared memory is shared with any process that opens it and not "
