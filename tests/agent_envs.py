@@ -285,6 +285,29 @@ class GlobalRNGEnv(_Base):
         return self._obs(value + int(action)), 0.0, *self._done(), {}
 
 
+class LevelAtResetEnv(_Base):
+    """Steps are a pure function of the env's attributes; only ``reset()`` draws the next
+    episode's level from the global ``random`` (procedurally generated levels often do), so a
+    pickled copy goes on exactly until its next episode starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.level = 0.0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.level = 0, random.random()
+        return self._obs(self.level), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(self.level + int(action)), 1.0, self.t >= 6, False, {}
+
+
+def level_at_reset():
+    return LevelAtResetEnv()
+
+
 class TempScriptEnv(_Base):
     """Like an agent's code tool: each step writes a throwaway script with ``tempfile`` (deleted
     again) and observes its name, as a traceback or a tool's log would show it. ``tempfile``

@@ -486,6 +486,38 @@ def test_global_rng_env_refused_by_pickle(factory):
         env.close()
 
 
+def test_an_env_drawing_its_next_level_from_the_global_rng_at_reset():
+    """Every step is a function of the pickle, but reset() draws the next level from the global
+    ``random``: the pickle backend's check stepped its copies to the episode's end and passed, and
+    a restored copy silently started another level at its next reset. The check now ends with a
+    reset() of both copies (refused, the env runs on); a CRIU dump holds the global RNG (exact
+    across episodes)."""
+    env = gym_fork.ForkableEnv(agent_envs.level_at_reset, backend="pickle")
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(gym_fork.errors.UnsupportedEnvError, match=r"at the reset\(\) after 5 step\(s\).*global RNGs"):
+            env.snapshot()
+        env.step(0)
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(agent_envs.level_at_reset, backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+
+        def on() -> list:
+            out = [step(env, a) for a in (1, 0, 1, 1, 0)]
+            return out + [env.reset(), step(env, 1)]
+
+        first = on()
+        env.restore(snap)
+        assert_same_traj(first, on())
+    finally:
+        env.close()
+
+
 def test_an_armed_timer_makes_snapshots_process_dumps():
     """A ``fork()`` child starts with no interval timer: a fork-tier copy of an env whose timer is
     armed between steps (an episode's wall-clock budget) would never get its signal. The scan

@@ -4,7 +4,8 @@ A pickle holds the env object's attributes.  What it does not hold -- the global
 ``random``, ``numpy`` and ``torch``, module-level counters, a C library's hidden state -- can
 still decide what ``step()`` returns, and then a restored copy silently continues differently.
 Comparing the copy's attributes with the original's cannot see that.  So two copies are
-unpickled from the same bytes and stepped one after the other with the same actions: a copy
+unpickled from the same bytes and stepped one after the other with the same actions (to the
+episode's end at most), then reset without a seed: a copy
 whose future lives entirely in the pickle answers exactly like its twin; one that draws from
 state outside it (the second copy finds the global RNG where the first one left it) does not.
 
@@ -79,7 +80,14 @@ class _Raised(tuple):
     """A step that raised: (exception type name, message)."""
 
 
+class _Reset(tuple):
+    """What ``reset()`` (no seed) returned after the steps: (observation, info)."""
+
+
 def _run(env: Any, actions: list) -> list:
+    """The copy's answers to ``actions`` (up to an episode's end), then to one ``reset()``
+    without a seed: a pickled copy's next episode must start as the original's would (an env
+    that draws its next level from the global RNG at reset passes every step, then diverges)."""
     out: list = []
     for a in actions:
         try:
@@ -90,6 +98,10 @@ def _run(env: Any, actions: list) -> list:
         out.append(tuple(res))
         if res[2] or res[3]:
             break
+    try:
+        out.append(_Reset(env.reset()))
+    except Exception as e:  # noqa: BLE001
+        out.append(_Raised((type(e).__name__, str(e))))
     return out
 
 
@@ -153,16 +165,17 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
             raise UnsupportedEnvError(
                 f"{x[1]} (a pickled copy, stepped in a copy of the workspace as a fork() child is, reached "
                 "into the original's directory; nothing was snapshotted)")
-    compared = sum(1 for x in a if not isinstance(x, _Raised))
+    compared = sum(1 for x in a[:-1] if not isinstance(x, _Raised))  # steps (not the final reset)
     if len(a) != len(b):
-        return f"one copy's episode ended after {len(a)} steps, the other's after {len(b)}", compared
+        return f"one copy's episode ended after {len(a) - 1} steps, the other's after {len(b) - 1}", compared
     for i, (x, y) in enumerate(zip(a, b)):
+        when = f"at step {i + 1}" if i < len(a) - 1 else f"at the reset() after {i} step(s)"
         if isinstance(x, _Raised) or isinstance(y, _Raised):
             if not (isinstance(x, _Raised) and isinstance(y, _Raised) and tuple(x) == tuple(y)):
                 raised = x if isinstance(x, _Raised) else y
-                return f"at step {i + 1} one copy raised {raised[0]}: {raised[1]}", i
+                return f"{when} one copy raised {raised[0]}: {raised[1]}", i
             continue
-        for name, u, v in zip(_FIELDS, x, y):
+        for name, u, v in zip(("observation", "info") if isinstance(x, _Reset) else _FIELDS, x, y):
             if not _same(u, v):
-                return f"at step {i + 1} their {name}s differ", i
+                return f"{when} their {name}s differ", i
     return None, compared
