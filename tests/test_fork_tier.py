@@ -14,7 +14,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import assert_same_traj, eventually, process_states, run_actions
+from conftest import assert_same_traj, eventually, process_alive, process_states, run_actions
 
 import gym_fork
 from gym_fork.errors import BackendUnavailableError
@@ -804,3 +804,30 @@ def test_explores_root_and_the_branch_ends_it_keeps_fork_no_ready_copies():
             b.snapshot.release()
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_envs_left_open_until_the_interpreter_exits_end_quietly(tmp_path, fork_tier):
+    """A script that never closes its envs (nor their forks and snapshots): at exit their workers
+    are stopped by finalizers, without a traceback (Python 3.12 refuses to start a thread at
+    interpreter shutdown, which the reaping of a retired worker did) and without a process left."""
+    script = tmp_path / "leave_open.py"
+    script.write_text(
+        "import gym_fork\n"
+        f"env = gym_fork.make('CartPole-v1', fork_tier={fork_tier})\n"
+        "env.reset(seed=0)\n"
+        "snap = env.snapshot()\n"
+        "env.step(0)\n"
+        "kids = env.fork(snap, 2)\n"  # (the first worker runs on: its namespace's init)
+        "other = gym_fork.make('CartPole-v1')\n"
+        "other.reset(seed=1)\n"
+        "other.restore(other.snapshot())\n"  # (a copy in that one)
+        "print('pids', env._handle.pid, other._handle.pid, *[k._handle.pid for k in kids], flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr
+    pids = {int(p) for p in out.stdout.split()[1:]}
+    deadline = time.monotonic() + 10
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(process_alive(p) for p in pids)

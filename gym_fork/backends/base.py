@@ -463,7 +463,10 @@ def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -
             pass
 
     if popen is not None or child_pid is not None:
-        threading.Thread(target=wait, daemon=True, name="gym_fork-reap").start()
+        try:
+            threading.Thread(target=wait, daemon=True, name="gym_fork-reap").start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python >= 3.12):
+            pass  # an env left open until exit; it is ending, and this process too, which nobody waits for
 
 
 def _describe_returncode(rc: int) -> str:
