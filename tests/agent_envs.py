@@ -870,6 +870,43 @@ def process_pool(start_method: str = "fork"):
     return ProcessPoolEnv(start_method)
 
 
+# A tool server that logs each request to its stderr (unbuffered) and answers on stdout.
+_LOGGING_CHILD = r"""
+import random, sys
+rng = random.Random(int(sys.argv[1]))
+total = 0
+for line in sys.stdin:
+    total = total * 31 % 1000003 + int(line) + rng.randrange(1000)
+    sys.stderr.write(f"request {line.strip()} -> {total}\n")
+    sys.stdout.write(f"{total}\n")
+    sys.stdout.flush()
+"""
+
+
+class ServerLogEnv(PipeChildEnv):
+    """A child started with its stderr in a log file opened with ``"w"`` (not append) that the env
+    does not keep open itself: only the child holds the log (``with open(...) as log: Popen(...)``)."""
+
+    def __init__(self, log_path: str) -> None:
+        super().__init__()
+        self.log_path = log_path
+
+    def reset(self, *, seed=None, options=None):
+        gym.Env.reset(self, seed=seed)
+        self._stop()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-u", "-c", _LOGGING_CHILD,
+                                          str(int(self.np_random.integers(1 << 30)))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         text=True, bufsize=1)
+        self.t = 0
+        return self._obs(0.0), {}
+
+
+def server_log(log_path: str):
+    return ServerLogEnv(log_path)
+
+
 # Module-level factories (the worker imports this module to build the envs).
 def pipe_child():
     return PipeChildEnv()

@@ -1107,3 +1107,16 @@ def test_process_pools_with_semaphores_in_dev_shm_are_refused_with_the_fix(metho
         env.step(2)
     finally:
         env.close()
+
+
+def test_a_server_child_whose_log_was_opened_without_append(tmp_path):
+    """A tool server started with its output in a log opened with "w" (not append), which only the
+    child holds (the env's ``with open(...)`` closed its own): declared untracked, it was refused
+    ("a restored copy would write over what was written after the snapshot"). The worker now
+    switches the child's file description to append mode (a copy of its descriptor through
+    ``pidfd_getfd``), so every copy appends: exact, isolated, and no line overwritten."""
+    log = str(tmp_path / "server.log")
+    check_exact_and_isolated(functools.partial(agent_envs.server_log, log), untracked_paths=[log])
+    with open(log) as f:
+        lines = f.read().splitlines()
+    assert lines and all(line.startswith("request ") and " -> " in line for line in lines), lines

@@ -723,16 +723,23 @@ def _log_resource(proc: str, pid: int, fd: int, path: str, flags: int, st: os.st
     file description it shares, a CRIU-restored one by reopening the path -- which is right only
     when it is opened write-only and in append mode: a CRIU restore would otherwise write at the
     offset of the dump, over what was written since (and criu refuses a file whose size changed).
-    The worker's own log opened without ``O_APPEND`` and written only at its end (SB3's Monitor
-    opens with ``"w"``) is switched to append mode here; nothing it writes changes place."""
+    A log opened without ``O_APPEND`` and written only at its end (SB3's Monitor opens with
+    ``"w"``; so does a server started with ``stdout=open(log, "w")``) is switched to append mode
+    here -- the worker's own descriptor, or a child's through a copy of it (``pidfd_getfd``), whose
+    file description the child shares; nothing it writes changes place."""
     access = flags & os.O_ACCMODE
-    if access == os.O_WRONLY and not flags & os.O_APPEND and proc == "self":
-        try:
-            if os.lseek(fd, 0, os.SEEK_CUR) == os.fstat(fd).st_size:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    if access == os.O_WRONLY and not flags & os.O_APPEND:
+        if proc == "self":
+            if _append_at_end(fd):
                 flags |= os.O_APPEND
-        except OSError:
-            pass
+        else:  # a child's (a server started with its output in a log the env did not keep open)
+            dup = _dup_from_child(proc, fd)
+            if dup is not None:
+                try:  # the copy shares the child's file description, and so its flags
+                    if os.fstat(dup).st_ino == st.st_ino and _append_at_end(dup):
+                        flags |= os.O_APPEND
+                finally:
+                    os.close(dup)
     if access == os.O_WRONLY and flags & os.O_APPEND:
         return None
     how = ("open for reading too: the env may read back what it wrote" if access == os.O_RDWR else
@@ -743,6 +750,46 @@ def _log_resource(proc: str, pid: int, fd: int, path: str, flags: int, st: os.st
                     fix="a log that every copy appends to must be opened write-only in append mode "
                         "(open(path, 'a')); a file the env reads back is state: keep it in the env's "
                         "workspace (workspace=DIR) or a private directory (private_dirs=[DIR])")
+
+
+def _append_at_end(fd: int) -> bool:
+    """Switch ``fd``'s file description to ``O_APPEND`` when it was written only at its end (its
+    offset is the file's size): nothing written through it changes place."""
+    try:
+        if os.lseek(fd, 0, os.SEEK_CUR) == os.fstat(fd).st_size:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+            return True
+    except OSError:
+        pass
+    return False
+
+
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture (Linux >= 5.6)
+
+
+def _dup_from_child(proc: str, fd: int) -> int | None:
+    """A descriptor here for the child ``proc``'s ``fd`` (``pidfd_getfd``: the same open file
+    description), or None (gone, not ours to take, or a kernel without it)."""
+    try:
+        with open(f"/proc/{proc}/status", "rb") as f:
+            local = next(int(line.split()[-1]) for line in f if line.startswith(b"NSpid:"))
+        pidfd = os.pidfd_open(local)  # (its pid in our namespace: the last NSpid entry)
+    except (OSError, StopIteration, ValueError, AttributeError):
+        return None
+    try:
+        if _libc is None:
+            return None
+        dup = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        return dup if dup >= 0 else None
+    finally:
+        os.close(pidfd)
+
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.syscall.restype = ctypes.c_long
+except (OSError, AttributeError):
+    _libc = None
 
 
 def _is_sqlite(proc: str, fd: str) -> bool:
