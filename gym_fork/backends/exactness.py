@@ -98,10 +98,13 @@ def _run(env: Any, actions: list) -> list:
         out.append(tuple(res))
         if res[2] or res[3]:
             break
-    try:
-        out.append(_Reset(env.reset()))
-    except Exception as e:  # noqa: BLE001
-        out.append(_Raised((type(e).__name__, str(e))))
+    # Only an env that was reset and has its generator: before the first reset(), or before the
+    # first draw, a reset without a seed seeds np_random afresh in the original as in any copy
+    if out and not isinstance(out[0], _Raised) and getattr(getattr(env, "unwrapped", env), "_np_random", 0) is not None:
+        try:
+            out.append(_Reset(env.reset()))
+        except Exception as e:  # noqa: BLE001
+            out.append(_Raised((type(e).__name__, str(e))))
     return out
 
 
@@ -165,11 +168,12 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
             raise UnsupportedEnvError(
                 f"{x[1]} (a pickled copy, stepped in a copy of the workspace as a fork() child is, reached "
                 "into the original's directory; nothing was snapshotted)")
-    compared = sum(1 for x in a[:-1] if not isinstance(x, _Raised))  # steps (not the final reset)
-    if len(a) != len(b):
-        return f"one copy's episode ended after {len(a) - 1} steps, the other's after {len(b) - 1}", compared
+    steps = lambda run: [x for x in run if not isinstance(x, _Reset)]  # noqa: E731
+    compared = sum(1 for x in steps(a) if not isinstance(x, _Raised))
+    if len(steps(a)) != len(steps(b)):
+        return f"one copy's episode ended after {len(steps(a))} steps, the other's after {len(steps(b))}", compared
     for i, (x, y) in enumerate(zip(a, b)):
-        when = f"at step {i + 1}" if i < len(a) - 1 else f"at the reset() after {i} step(s)"
+        when = f"at the reset() after {i} step(s)" if isinstance(x, _Reset) else f"at step {i + 1}"
         if isinstance(x, _Raised) or isinstance(y, _Raised):
             if not (isinstance(x, _Raised) and isinstance(y, _Raised) and tuple(x) == tuple(y)):
                 raised = x if isinstance(x, _Raised) else y
