@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, CI): set everything up (venv, gym_fork + extras, CRIU 4.x), then check
 # the import contracts (setup.cfg [importlinter]), build the docs strictly, run the whole suite, and
-# (without arguments) its core on Python 3.12 and 3.13 too (scripts/test_pythons.sh).
+# (without arguments) its core on Python 3.13 too (scripts/test_pythons.sh; GYM_FORK_PYTHONS picks).
 # Every step runs; the exit status is non-zero when any failed.  Extra arguments go to pytest,
 # e.g.  scripts/test.sh -k exactness
 set -euo pipefail
@@ -20,7 +20,7 @@ rm -rf "$site"
 rc=0
 "$VENV"/bin/python -m pytest -p no:cacheprovider -q "$@" || rc=$?
 if [ "$#" -eq 0 ]; then  # the whole suite: also its core on the other supported Pythons
-  echo "[test] other Pythons: scripts/test_pythons.sh (${GYM_FORK_PYTHONS-3.12 3.13})"
+  echo "[test] other Pythons: scripts/test_pythons.sh (${GYM_FORK_PYTHONS-3.13})"
   bash scripts/test_pythons.sh || failed+=("other Pythons (scripts/test_pythons.sh, see above)")
 fi
 for f in "${failed[@]}"; do echo "[test] FAILED: $f" >&2; done

@@ -2,7 +2,7 @@
 # The core of the suite on the other Pythons gym_fork supports (setup.cfg: python_requires and its
 # classifiers), beside the full suite that scripts/test.sh runs on the machine's python3.
 #
-# For each version in $GYM_FORK_PYTHONS (default "3.12 3.13"): find its interpreter (python3.X on
+# For each version in $GYM_FORK_PYTHONS (default "3.13", the newest here; "3.12 3.13" for both): find its interpreter (python3.X on
 # PATH, or pyenv's /root/.pyenv/versions/3.X.*), make a venv .venv-3.X with gym_fork and what the
 # core tests need (no torch, SB3 or Ray: those tests run on python3 only), install pycriu into it
 # (scripts/install_criu.sh; CRIU itself is the machine's), and run the unit tests, the fork tier
@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-versions=${GYM_FORK_PYTHONS-3.12 3.13}
+versions=${GYM_FORK_PYTHONS-3.13}
 tests=(tests/unit tests/test_fork_tier.py tests/test_agent_envs.py)
 deselect="not torch"  # the tests that need torch (installed in .venv only)
 failed=()
