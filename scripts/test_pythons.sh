@@ -2,13 +2,14 @@
 # The core of the suite on the other Pythons gym_fork supports (setup.cfg: python_requires and its
 # classifiers), beside the full suite that scripts/test.sh runs on the machine's python3.
 #
-# For each version in $GYM_FORK_PYTHONS (default "3.13", the newest here; "3.12 3.13" for both): find its interpreter (python3.X on
-# PATH, or pyenv's /root/.pyenv/versions/3.X.*), make a venv .venv-3.X with gym_fork and what the
-# core tests need (no torch, SB3 or Ray: those tests run on python3 only), install pycriu into it
-# (scripts/install_criu.sh; CRIU itself is the machine's), and run the unit tests, the fork tier
-# and the agent envs (CRIU dumps of process trees) there.  A version whose interpreter is not on
-# this machine is said loudly and not tested; a version whose tests fail makes the exit status 1.
-# Usage: scripts/test_pythons.sh [pytest args]      GYM_FORK_PYTHONS="3.13" scripts/test_pythons.sh
+# For each version in $GYM_FORK_PYTHONS (default "3.13", the newest on this machine; "3.12 3.13"
+# for both, ~1.5 min each): find its interpreter (pyenv's /root/.pyenv/versions/3.X.*, or
+# python3.X on PATH), make a venv .venv-3.X with gym_fork and what the core tests need (no torch,
+# SB3 or Ray: those tests run on python3 only), install pycriu into it (scripts/install_criu.sh;
+# CRIU itself is the machine's), and run the unit tests, the fork tier and the agent envs (CRIU
+# dumps of process trees) there.  A version whose interpreter is not on this machine is said
+# loudly and not tested; a version whose tests fail makes the exit status 1.
+# Usage: scripts/test_pythons.sh [pytest args]      GYM_FORK_PYTHONS="3.12 3.13" scripts/test_pythons.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
