@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import re
 import stat
 import subprocess
 import sys
@@ -224,5 +226,26 @@ def test_incompatible_bundles_are_refused_before_restoring(tmp_path):
                 other.restore(loaded)
         finally:
             other.close()
+    finally:
+        env.close()
+
+
+def test_a_pickle_bundle_from_another_python_minor_version_is_refused(tmp_path):
+    """cloudpickle keeps code defined in a script as bytecode of the Python that saved it; another
+    minor version ran it with other meanings (a Python 3.11 bundle of a script's env, loaded by
+    3.13, raised "unsupported operand type(s) for +: 'Walk' and 'int'" from a step that adds two
+    floats). Such a bundle is refused before anything is unpickled; another patch release loads."""
+    env, snap = _take("CartPole-v1", "pickle")
+    try:
+        path = snap.save(str(tmp_path / "b"))
+        ours = platform.python_version()
+        major, minor = (int(x) for x in ours.split(".")[:2])
+        _resign(path, python_version=f"{major}.{minor - 1}.4")
+        with pytest.raises(BundleError, match=rf"saved by Python {major}\.{minor - 1}\.4, and this is Python "
+                                              rf"{re.escape(ours)}.*Nothing was loaded"):
+            gym_fork.load_snapshot(path)
+        _resign(path, python_version=f"{major}.{minor}.999")
+        loaded = gym_fork.load_snapshot(path)
+        env.restore(loaded)
     finally:
         env.close()

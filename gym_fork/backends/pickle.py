@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import platform
 from typing import Any
 
 import cloudpickle
@@ -234,7 +235,18 @@ class PickleBackend(Backend):
         return payload, len(payload)
 
     def check_compatible(self, meta: dict, path: str) -> None:
-        """The pickle fields' types (BundleDamagedError)."""
+        """The pickle fields' types (BundleDamagedError); a payload pickled by another Python
+        minor version (BundleError: cloudpickle keeps code defined in ``__main__`` or a notebook
+        as that version's bytecode, which this interpreter would run with other meanings)."""
+        theirs = check_field(meta, "python_version", (str,), path, optional=True)
+        ours = platform.python_version()
+        if theirs is not None and theirs.split(".")[:2] != ours.split(".")[:2]:
+            raise BundleError(
+                f"{path}: this pickle snapshot was saved by Python {theirs}, and this is Python {ours}: "
+                "cloudpickle keeps the code of classes and functions defined in a script or notebook as "
+                f"Python {'.'.join(theirs.split('.')[:2])} bytecode, which another minor version would run "
+                "with other meanings (or fail on). Load it with that Python version, or save the env with "
+                "backend='criu' (a bundle of the whole process, interpreter included). Nothing was loaded.")
         check_field(meta, "payload_sha256", (str,), path)
         check_field(meta, "str_hash_probe", (int,), path, optional=True)
         size = check_field(meta, "payload_size", (int,), path, optional=True)
