@@ -169,8 +169,12 @@ class ForkableEnv(gym.Wrapper):
                 private_dirs_mod.remove([root0])
             if not isinstance(e, (WorkerError, AttributeError)):
                 raise
-            # PicklingError in the worker, or "Can't get attribute" unpickling its answer here
-            if getattr(e, "remote_type", "") != "PicklingError" and "Can't get attribute" not in str(e):
+            # PicklingError in the worker (an AttributeError "Can't pickle local object" / 3.13's
+            # "Can't get local object" for a class defined in a function), or "Can't get
+            # attribute" unpickling its answer here
+            if (getattr(e, "remote_type", "") != "PicklingError"
+                    and not any(words in str(e) for words in ("Can't get attribute", "Can't pickle local object",
+                                                              "Can't get local object"))):
                 raise
             raise EnvNotShippableError(
                 f"the env was built in the worker, but what it answered cannot be sent back ({e}). A class "

@@ -21,6 +21,12 @@ class EnvNotShippableError(GymForkError):
     """An env instance could not be sent to the worker process."""
 
 
+class NotSendableError(GymForkError, TypeError):
+    """An argument for the env's worker (a value set on ``env.unwrapped``, an action, a call's
+    arguments) does not pickle, so it cannot cross to the worker's process.  Nothing was sent; the
+    env is unchanged and goes on."""
+
+
 class UnsupportedEnvError(GymForkError):
     """The chosen backend cannot capture this env's state exactly (e.g. pickle on Box2D)."""
 

@@ -308,6 +308,26 @@ def test_unshippable_instance():
         gym_fork.ForkableEnv(Local(), backend="criu")
 
 
+def _env_with_a_space_class_defined_in_a_function():
+    class LocalSpace(gym.spaces.Discrete):
+        pass
+
+    class Local(gym.Env):
+        observation_space = gym.spaces.Discrete(2)
+        action_space = LocalSpace(2)
+
+    return Local()
+
+
+def test_a_space_class_defined_in_a_function_is_named_as_the_cause():
+    """The worker builds the env, but its answer (the spaces) holds a class defined inside a
+    function, which pickle cannot send back: EnvNotShippableError with the fix, on every Python
+    (pickle says "Can't pickle local object" up to 3.12, "Can't get local object" from 3.13;
+    it was a bare WorkerError[AttributeError])."""
+    with pytest.raises(EnvNotShippableError, match="defined inside a function.*module level"):
+        gym_fork.ForkableEnv(_env_with_a_space_class_defined_in_a_function, backend="criu")
+
+
 def test_env_errors_keep_their_type(env):
     with pytest.raises(AssertionError) as ei:
         env.step(7)  # CartPole: invalid action

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from gym_fork.errors import BundleError, StoreError, WorkerDiedError, remote_exception
+from gym_fork.errors import BundleError, NotSendableError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
 from gym_fork.worker import ring_slots
@@ -239,10 +239,20 @@ class RemoteHandle(Handle):
         return self.chan.recv_reply()  # a worker sends nothing after a reply: read ahead safely
 
     def _send_plain(self, msg: Any) -> None:
-        """Send a pickled request on the socket (announced in the ring first, if any)."""
+        """Send a pickled request on the socket (announced in the ring first, if any). Pickled
+        before anything is announced or sent: a request that does not pickle leaves the channel
+        and the ring in step (announced but never sent, the worker's next read hung)."""
+        try:
+            frame = self.chan.encode(msg)
+        except Exception as e:  # noqa: BLE001 - whatever pickle raises (PicklingError, AttributeError, TypeError)
+            raise NotSendableError(
+                f"cannot send this call to the env's worker (pid {self.pid}): an argument does not pickle "
+                f"({type(e).__name__}: {e}); define what it refers to at module level (not inside a "
+                "function or as a lambda), or keep it in this process. Nothing was sent; the env goes on."
+            ) from e
         if self.ring is not None:
             self.ring.announce()
-        self.chan.send(msg)
+        self.chan.send_encoded(frame)
 
     def send(self, cmd: str, *args: Any) -> None:
         """First half of a request: send it, so several workers can compute at the same time

@@ -178,9 +178,18 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, obj: Any) -> None:
+        self.send_encoded(self.encode(obj))
+
+    @staticmethod
+    def encode(obj: Any) -> bytes:
+        """``obj`` as :meth:`send` frames it (pickling happens here: a sender that must announce
+        a message first, in a ring, encodes before it announces)."""
         data = pickle.dumps(obj, protocol=5)
+        return _HEADER.pack(len(data)) + data
+
+    def send_encoded(self, frame: bytes) -> None:
         # One sendall of header+payload: small messages (every step) cost one syscall.
-        self.sock.sendall(_HEADER.pack(len(data)) + data)
+        self.sock.sendall(frame)
 
     def send_step(self, action: Any) -> None:
         """Send ``("step", (action,))`` as a packed frame (the peer must read them)."""
