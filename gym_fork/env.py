@@ -24,7 +24,7 @@ from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle, RemoteHandle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
-                             UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
+                             NotSendableError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
@@ -312,7 +312,12 @@ class ForkableEnv(gym.Wrapper):
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
-        out = self._handle.request("step", action)
+        try:
+            out = self._handle.request("step", action)
+        except WorkerError as e:
+            if isinstance(e, NotSendableError):  # the step ran; only its result could not come back
+                self._record_step(action)
+            raise
         self._steps += 1  # _record_step(action), inline: this is every step's path
         if self._actions is not None:
             self._actions.append(action)
@@ -443,7 +448,12 @@ class ForkableEnv(gym.Wrapper):
         self._steps = out["steps"]
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
-        obs_info = self._request("reset", seed, options)
+        try:
+            obs_info = self._request("reset", seed, options)
+        except WorkerError as e:
+            if isinstance(e, NotSendableError):  # it reset; only its answer could not come back
+                self._record_reset()
+            raise
         self._record_reset()
         return obs_info
 

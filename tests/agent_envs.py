@@ -907,6 +907,24 @@ def server_log(log_path: str):
     return ServerLogEnv(log_path)
 
 
+class UnsendableInfo(gym.Wrapper):
+    """Puts a lambda into ``info`` while ``self.bad`` is set: a result the worker cannot send back."""
+
+    bad = False
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated, truncated, (dict(info, callback=lambda: None) if self.bad else info)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return obs, (dict(info, callback=lambda: None) if self.bad else info)
+
+
+def unsendable_info():
+    return UnsendableInfo(gym.make("CartPole-v1"))
+
+
 # Module-level factories (the worker imports this module to build the envs).
 def pipe_child():
     return PipeChildEnv()

@@ -53,6 +53,7 @@ os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 from gym_fork.worker.channel import (  # noqa: E402
     ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, SpinWait, recv_fds, reply_parts, send_fds, spin_cap)
+from gym_fork.errors import NotSendableError  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files, fswatch, reseed  # noqa: E402
@@ -78,6 +79,19 @@ REAPER = (
 
 def _error_reply(exc: BaseException) -> tuple:
     return (ERR, type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _unsendable_reply(cmd: str, exc: BaseException) -> tuple:
+    """The error reply for a request that ran but whose result does not pickle: a
+    ``NotSendableError`` that says the command ran, so the controller counts a step or a reset
+    that happened (its step count and action log stay the worker's)."""
+    try:
+        raise NotSendableError(
+            f"the env's {cmd}() ran, but what it returned does not pickle, so it cannot come back to your "
+            f"process ({type(exc).__name__}: {exc}); return plain values, arrays and classes defined at "
+            "module level (not lambdas, locks or open files) from step()/reset() and their info") from exc
+    except NotSendableError as e:
+        return _error_reply(e)
 
 
 # This worker's own fork-tier children (frozen snapshots): the env's child processes are the env's.
@@ -241,7 +255,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 _retire_or_exit()
                 return
             except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
-                chan.send(_error_reply(exc))
+                chan.send(_unsendable_reply(cmd, exc) if reply[0] == OK else _error_reply(exc))
             replied = clock()
             continue
         if cmd == "close":
@@ -343,7 +357,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
             _retire_or_exit()
             return
         except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
-            sink.send(_error_reply(exc))
+            sink.send(_unsendable_reply(cmd, exc) if reply[0] == OK else _error_reply(exc))
         if drop_ring and ring is not None:
             ring.close()
             ring = None

@@ -368,3 +368,30 @@ def test_the_spaces_generators_are_the_learners_a_restore_does_not_rewind_them(c
     finally:
         for k in kids:
             k.close()
+
+
+def test_a_step_whose_result_does_not_pickle_still_counts():
+    """The env's step() ran in the worker, but its info held a lambda, which cannot come back: a
+    NotSendableError saying the step ran -- and the step is counted, so ``env.steps``, the action
+    log and every snapshot agree with the worker (the count stayed behind by one, while the
+    env's TimeLimit had moved on). A reset likewise."""
+    import agent_envs
+
+    env = gym_fork.ForkableEnv(agent_envs.unsendable_info, backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        env.set_wrapper_attr("bad", True)
+        with pytest.raises(NotSendableError, match=r"step\(\) ran.*does not pickle"):
+            env.step(1)
+        env.set_wrapper_attr("bad", False)
+        assert env.steps == 2 == env.get_wrapper_attr("_elapsed_steps")
+        snap = env.snapshot()
+        assert snap.steps == 2 and list(snap.actions)[-2:] == [0, 1]
+        env.set_wrapper_attr("bad", True)
+        with pytest.raises(NotSendableError, match=r"reset\(\) ran"):
+            env.reset(seed=1)
+        env.set_wrapper_attr("bad", False)
+        assert env.steps == 0 == env.get_wrapper_attr("_elapsed_steps")
+    finally:
+        env.close()
