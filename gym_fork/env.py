@@ -332,7 +332,14 @@ class ForkableEnv(gym.Wrapper):
         self._record_step(action)
 
     def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
-        return self._handle.receive()
+        try:
+            return self._handle.receive()
+        except WorkerError as e:
+            if not isinstance(e, NotSendableError):  # the env's step raised: no step taken, as in step()
+                self._steps -= 1
+                if self._actions:
+                    self._actions.pop()
+            raise
 
     def rollout(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
                 steps: int | None = None, stop_at_done: bool = True, reseed_policy: bool | None = None) -> dict:

@@ -374,7 +374,8 @@ def test_a_step_whose_result_does_not_pickle_still_counts():
     """The env's step() ran in the worker, but its info held a lambda, which cannot come back: a
     NotSendableError saying the step ran -- and the step is counted, so ``env.steps``, the action
     log and every snapshot agree with the worker (the count stayed behind by one, while the
-    env's TimeLimit had moved on). A reset likewise."""
+    env's TimeLimit had moved on). A reset likewise; and ``step_send``/``step_receive`` count
+    like ``step()`` (they counted a step the env raised in)."""
     import agent_envs
 
     env = gym_fork.ForkableEnv(agent_envs.unsendable_info, backend="criu")
@@ -389,6 +390,14 @@ def test_a_step_whose_result_does_not_pickle_still_counts():
         snap = env.snapshot()
         assert snap.steps == 2 and list(snap.actions)[-2:] == [0, 1]
         env.set_wrapper_attr("bad", True)
+        env.step_send(0)  # the two halves (vector envs, explore()) count alike
+        with pytest.raises(NotSendableError):
+            env.step_receive()
+        assert env.steps == 3 == env.get_wrapper_attr("_elapsed_steps")
+        env.step_send(7)  # CartPole raises on an invalid action: no step taken, as step() counts
+        with pytest.raises(AssertionError):
+            env.step_receive()
+        assert env.steps == 3 == env.get_wrapper_attr("_elapsed_steps")
         with pytest.raises(NotSendableError, match=r"reset\(\) ran"):
             env.reset(seed=1)
         env.set_wrapper_attr("bad", False)
