@@ -6,15 +6,17 @@
 # for both, ~1.5 min each): find its interpreter (pyenv's /root/.pyenv/versions/3.X.*, or
 # python3.X on PATH), make a venv .venv-3.X with gym_fork and what the core tests need (no torch,
 # SB3 or Ray: those tests run on python3 only), install pycriu into it (scripts/install_criu.sh;
-# CRIU itself is the machine's), and run the unit tests, the fork tier and the agent envs (CRIU
-# dumps of process trees) there.  A version whose interpreter is not on this machine is said
+# CRIU itself is the machine's), and run the unit tests, the fork tier, the agent envs (CRIU
+# dumps of process trees), errors, bundles and the Gymnasium compatibility tests there.  A version whose interpreter is not on this machine is said
 # loudly and not tested; a version whose tests fail makes the exit status 1.
 # Usage: scripts/test_pythons.sh [pytest args]      GYM_FORK_PYTHONS="3.12 3.13" scripts/test_pythons.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 versions=${GYM_FORK_PYTHONS-3.13}
-tests=(tests/unit tests/test_fork_tier.py tests/test_agent_envs.py)
+tests=(tests/unit tests/test_fork_tier.py tests/test_agent_envs.py tests/test_errors.py tests/test_bundle.py
+       tests/compat/test_boundary.py tests/compat/test_copy.py tests/compat/test_check.py
+       tests/compat/test_wrappers.py tests/compat/test_vector.py)
 deselect="not torch"  # the tests that need torch (installed in .venv only)
 failed=()
 
