@@ -925,6 +925,35 @@ def unsendable_info():
     return UnsendableInfo(gym.make("CartPole-v1"))
 
 
+class LockedFileEnv(_Base):
+    """Takes a lock on a file at its first reset (``flock``, or ``lockf``: a POSIX lock) and keeps
+    it between steps, as a tool cache or a "this directory is mine" guard does."""
+
+    def __init__(self, path: str, how: str = "flock") -> None:
+        super().__init__()
+        self.path, self.how, self.f = path, how, None
+
+    def reset(self, *, seed=None, options=None):
+        import fcntl
+
+        out = super().reset(seed=seed)
+        if self.f is None:
+            self.f = open(self.path, "a+")
+            if self.how == "flock":
+                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            else:
+                fcntl.lockf(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return out
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(float(action)), 0.0, *self._done(), {}
+
+
+def locked_file(path: str, how: str = "flock"):
+    return LockedFileEnv(path, how)
+
+
 # Module-level factories (the worker imports this module to build the envs).
 def pipe_child():
     return PipeChildEnv()

@@ -1120,3 +1120,28 @@ def test_a_server_child_whose_log_was_opened_without_append(tmp_path):
     with open(log) as f:
         lines = f.read().splitlines()
     assert lines and all(line.startswith("request ") and " -> " in line for line in lines), lines
+
+
+@pytest.mark.parametrize("how", ["flock", "lockf"])
+@pytest.mark.parametrize("fork_tier", ["auto", False], ids=["auto", "criu-dumps"])
+def test_a_file_lock_held_between_steps_is_refused_by_name(tmp_path, how, fork_tier):
+    """A lock the env keeps between steps would be every copy's at once (a fork-tier copy shares a
+    flock; a POSIX lock is not inherited by fork at all), and CRIU refused the dump with its own
+    words ("Some file locks are hold by dumping tasks"). Refused by name, with the fix; the env
+    runs on and keeps its lock."""
+    import fcntl
+
+    path = str(tmp_path / "cache.lock")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.locked_file, path, how), fork_tier=fork_tier)
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=rf"{path} \(locked: {'FLOCK' if how == 'flock' else 'POSIX'} "
+                                                         r"WRITE\).*take the lock inside a step"):
+            env.snapshot()
+        env.step(2)
+        with open(path, "a+") as f:  # still the env's
+            with pytest.raises(OSError):
+                (fcntl.flock if how == "flock" else fcntl.lockf)(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        env.close()

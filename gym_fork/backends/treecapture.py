@@ -114,7 +114,7 @@ def dump_options(scan: Scan | None, private_network: bool) -> dict:
 
 #: how a summary counts resources of a kind whose name is not a noun plus "s"
 _PLURAL = {"shared-memory": "shared memory mappings", "shared-mapping": "shared file mappings",
-           "anon-inode": "anonymous-inode descriptors", "udp-socket": "UDP sockets"}
+           "anon-inode": "anonymous-inode descriptors", "udp-socket": "UDP sockets", "file-lock": "file locks"}
 
 
 def summary(resources: list[Resource]) -> str:

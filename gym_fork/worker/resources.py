@@ -348,6 +348,21 @@ def _fd_flags(proc: str, fd: str) -> int:
     return 0
 
 
+def _fd_lock(proc: str, fd: str) -> str | None:
+    """The kind of lock held through ``fd`` (its fdinfo's ``lock:`` lines: ``FLOCK``, ``POSIX``
+    or ``OFDLCK``, with the access), or None."""
+    try:
+        with open(f"/proc/{proc}/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"lock:"):
+                    words = line.split()
+                    # "lock:\t1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+                    return f"{words[2].decode()} {words[4].decode()}" if len(words) > 4 else "a lock"
+    except OSError:
+        pass
+    return None
+
+
 def _pty_index(proc: str, fd: str) -> int | None:
     """The number of the pty whose master ``fd`` is (``tty-index`` in its fdinfo)."""
     try:
@@ -683,6 +698,13 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
                             "during a step")
     deleted = target.endswith(" (deleted)")
     path = target[: -len(" (deleted)")] if deleted else target
+    lock = _fd_lock(proc, name)
+    if lock is not None:
+        return Resource("file-lock", pid, f"{path} (locked: {lock})", "none", fd, detail={"path": path},
+                        fix="a lock the env holds between steps would be held by every copy at once (a "
+                            "fork-tier copy shares it, a restored copy would have to take it again while the "
+                            "original holds it), and CRIU refuses to dump it: take the lock inside a step and "
+                            "release it before the step returns")
     if deleted or path.startswith("/memfd:"):
         if st.st_size > GHOST_LIMIT:
             return Resource("unlinked-file", pid, f"{path} ({st.st_size} bytes)", "none", fd,
