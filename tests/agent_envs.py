@@ -22,13 +22,17 @@ import zlib
 import gymnasium as gym
 import numpy as np
 
-# A child that keeps state of its own (a running sum and its own RNG) and answers over pipes.
+# A child that keeps state of its own (a running sum and its own RNG) and answers over pipes;
+# with a second argument it also logs each request to its stderr (a tool server's log).
 _COUNTER_CHILD = r"""
 import random, sys
 rng = random.Random(int(sys.argv[1]))
+log = len(sys.argv) > 2
 total = 0
 for line in sys.stdin:
     total = total * 31 % 1000003 + int(line) + rng.randrange(1000)
+    if log:
+        sys.stderr.write(f"request {line.strip()} -> {total}\n")
     sys.stdout.write(f"{total}\n")
     sys.stdout.flush()
 """
@@ -870,19 +874,6 @@ def process_pool(start_method: str = "fork"):
     return ProcessPoolEnv(start_method)
 
 
-# A tool server that logs each request to its stderr (unbuffered) and answers on stdout.
-_LOGGING_CHILD = r"""
-import random, sys
-rng = random.Random(int(sys.argv[1]))
-total = 0
-for line in sys.stdin:
-    total = total * 31 % 1000003 + int(line) + rng.randrange(1000)
-    sys.stderr.write(f"request {line.strip()} -> {total}\n")
-    sys.stdout.write(f"{total}\n")
-    sys.stdout.flush()
-"""
-
-
 class ServerLogEnv(PipeChildEnv):
     """A child started with its stderr in a log file opened with ``"w"`` (not append) that the env
     does not keep open itself: only the child holds the log (``with open(...) as log: Popen(...)``)."""
@@ -895,8 +886,8 @@ class ServerLogEnv(PipeChildEnv):
         gym.Env.reset(self, seed=seed)
         self._stop()
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-u", "-c", _LOGGING_CHILD,
-                                          str(int(self.np_random.integers(1 << 30)))],
+            self.proc = subprocess.Popen([sys.executable, "-u", "-c", _COUNTER_CHILD,
+                                          str(int(self.np_random.integers(1 << 30))), "log"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                          text=True, bufsize=1)
         self.t = 0
