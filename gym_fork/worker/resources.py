@@ -758,7 +758,8 @@ def _log_resource(proc: str, pid: int, fd: int, path: str, flags: int, st: os.st
             dup = _dup_from_child(proc, fd)
             if dup is not None:
                 try:  # the copy shares the child's file description, and so its flags
-                    if os.fstat(dup).st_ino == st.st_ino and _append_at_end(dup):
+                    same = os.fstat(dup)
+                    if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino) and _append_at_end(dup):
                         flags |= os.O_APPEND
                 finally:
                     os.close(dup)
