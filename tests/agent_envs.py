@@ -312,6 +312,20 @@ def level_at_reset():
     return LevelAtResetEnv()
 
 
+class LateGlobalRNGEnv(_Base):
+    """Pure until step 20; from then on each step draws from the global ``random`` (an event the
+    first steps never meet, as in an env whose weather starts to change after a while)."""
+
+    def step(self, action):
+        self.t += 1
+        noise = random.random() if self.t > 20 else 0.0
+        return self._obs(float(action) + noise), 0.0, *self._done(), {}
+
+
+def late_global_rng():
+    return LateGlobalRNGEnv()
+
+
 class TempScriptEnv(_Base):
     """Like an agent's code tool: each step writes a throwaway script with ``tempfile`` (deleted
     again) and observes its name, as a traceback or a tool's log would show it. ``tempfile``

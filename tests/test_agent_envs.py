@@ -518,6 +518,25 @@ def test_an_env_drawing_its_next_level_from_the_global_rng_at_reset():
         env.close()
 
 
+def test_an_env_reaching_for_the_global_rng_only_later_is_refused_at_a_later_snapshot():
+    """The pickle backend's first-snapshot check stepped 8 actions from step 1, and the env draws
+    from the global ``random`` only after step 20: the check passed, and a second snapshot at step
+    31 restored into a copy that silently went on with other numbers. The check now runs again at
+    the 2nd, 4th, 8th, ... snapshot, from that later state (refused, the env runs on)."""
+    env = gym_fork.ForkableEnv(agent_envs.late_global_rng, backend="pickle")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        env.snapshot()  # checked here: nothing outside the pickle within 8 steps
+        for _ in range(30):
+            env.step(1)
+        with pytest.raises(gym_fork.errors.UnsupportedEnvError, match="diverge.*global RNGs"):
+            env.snapshot()
+        env.step(0)
+    finally:
+        env.close()
+
+
 def test_an_armed_timer_makes_snapshots_process_dumps():
     """A ``fork()`` child starts with no interval timer: a fork-tier copy of an env whose timer is
     armed between steps (an episode's wall-clock budget) would never get its signal. The scan

@@ -95,6 +95,7 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
 #: what pickle's hash-order note says a user can do about it
 class _PickleHandle(LocalHandle):
     verified = False  # the exactness check ran (and could step the copies) for this env lineage
+    snapshots = 0  # taken through this handle (the check runs again at the 2nd, 4th, 8th, ...)
 
     def kill(self) -> None:
         if not self.closed:
@@ -126,9 +127,15 @@ class PickleBackend(Backend):
             raise UnpicklableEnvError(
                 f"cloudpickle cannot capture this env ({type(e).__name__}: {e}); use backend='criu'"
             ) from e
+        handle.snapshots += 1
         if not handle.verified:
             # verified once a check could step the copies (not before reset(): then again next time)
             handle.verified = self._check_copy(s.env, blob)
+        elif handle.snapshots & (handle.snapshots - 1) == 0:
+            # again from a later state, at the 2nd, 4th, 8th, ... snapshot: an env that reaches
+            # for state outside the pickle only later (a global RNG drawn from on some event)
+            # passed the first check, whose 8 steps never met that event
+            self._check_copy(s.env, blob)
         else:  # a set can start to lose its order later (it shrank): looked for at every snapshot
             self._check_copy_problems(s.env)
         return blob, len(blob)
