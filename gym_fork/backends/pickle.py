@@ -4,9 +4,10 @@ For machines without CRIU.  It is exact only for envs whose whole state is plain
 NumPy (classic control, toy text, most custom envs).  It *refuses* Gymnasium's ``EzPickle``
 envs (Box2D, MuJoCo, ALE): their pickle holds only constructor arguments, so a naive pickle
 "restores" a fresh, different env without any error.  Every first snapshot of an env is also
-checked: the copy must hold the original's state attribute by attribute, and two copies stepped
-with the same actions must answer identically (:mod:`gym_fork.backends.exactness`: state outside
-the pickle, such as the global RNGs of ``random``/``numpy``/``torch``, is caught).
+checked (and again its 2nd, 4th, 8th, ..., from those later states): the copy must hold the
+original's state attribute by attribute, and two copies stepped with the same actions, then reset,
+must answer identically (:mod:`gym_fork.backends.exactness`: state outside the pickle, such as the
+global RNGs of ``random``/``numpy``/``torch``, is caught).
 """
 
 from __future__ import annotations
