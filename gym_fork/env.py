@@ -368,7 +368,7 @@ class ForkableEnv(gym.Wrapper):
         Raises:
             ValueError: neither or both of ``actions`` and ``policy``; ``policy`` without ``steps``;
                 ``reseed_policy`` with ``actions``, or ``True`` in an env not forked with ``rng="reseed"``.
-            TypeError: ``policy`` is not callable or cannot be pickled.
+            TypeError: ``policy`` is not callable or cannot be pickled; ``reseed_policy`` is not a bool.
             PolicyError: the policy raised in the worker (a :class:`WorkerError` too; the env
                 raising is a WorkerError as for :meth:`step`). The steps taken before it count:
                 :attr:`steps` and the snapshots' action log match what the worker did.
@@ -403,6 +403,8 @@ class ForkableEnv(gym.Wrapper):
         else:
             if steps is None:
                 raise ValueError("rollout(policy=...) needs steps=N: how many steps to run at most")
+            if reseed_policy is not None and not isinstance(reseed_policy, bool):
+                raise TypeError(f"reseed_policy must be True, False or None, not {reseed_policy!r}")
             if reseed_policy and not self._policy_reseed:
                 raise ValueError("reseed_policy=True needs an env made by fork(..., rng='reseed'): this one has no "
                                  "seed of its own to reseed the policy from")

@@ -639,6 +639,8 @@ def test_rollout_in_reseeded_fork_children_draws_as_explores_branches(kind):
                 ref = same.rollout(policy=Noisy(7), steps=40, stop_at_done=False)
                 with pytest.raises(ValueError, match="rng='reseed'"):
                     same.rollout(policy=Noisy(7), steps=5, reseed_policy=True)
+                with pytest.raises(TypeError, match="reseed_policy must be True, False or None"):
+                    kids[0].rollout(policy=Noisy(7), steps=5, reseed_policy="yes")
             finally:
                 same.close()
             # the policy's own draws in every child; only the envs' resets (reseeded) tell them apart
