@@ -800,19 +800,14 @@ def _dup_from_child(proc: str, fd: int) -> int | None:
     except (OSError, StopIteration, ValueError, AttributeError):
         return None
     try:
-        if _libc is None:
-            return None
-        dup = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        syscall = _c_library().syscall
+        syscall.restype = ctypes.c_long
+        dup = syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
         return dup if dup >= 0 else None
+    except (OSError, AttributeError):
+        return None
     finally:
         os.close(pidfd)
-
-
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.syscall.restype = ctypes.c_long
-except (OSError, AttributeError):
-    _libc = None
 
 
 def _is_sqlite(proc: str, fd: str) -> bool:
@@ -842,17 +837,25 @@ _libc: ctypes.CDLL | None = None
 _name_buf = _query = None
 
 
+def _c_library() -> ctypes.CDLL:
+    """This process's C library, loaded once (``PROCMAP_QUERY``'s ioctl, ``pidfd_getfd``)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 def _shared_maps_fast() -> list[tuple[bytes, bool]] | None:
     """(name, writable) of this process's shared mappings through PROCMAP_QUERY: tens of
     microseconds where reading ``/proc/self/maps`` (hundreds of VMAs: pygame, Box2D) takes a
     millisecond or more.  None where the kernel lacks the ioctl."""
     global _procmap_ok
-    global _libc, _name_buf, _query
+    global _name_buf, _query
     if not _procmap_ok:
         return None
-    if _libc is None:
-        _libc, _name_buf, _query = ctypes.CDLL(None, use_errno=True), ctypes.create_string_buffer(4096), _ProcmapQuery()
-    libc, name, q = _libc, _name_buf, _query
+    if _name_buf is None:
+        _name_buf, _query = ctypes.create_string_buffer(4096), _ProcmapQuery()
+    libc, name, q = _c_library(), _name_buf, _query
     out: list[tuple[bytes, bool]] = []
     fd = os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC)
     try:
