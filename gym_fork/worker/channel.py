@@ -178,7 +178,9 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, obj: Any) -> None:
-        self.send_encoded(self.encode(obj))
+        data = pickle.dumps(obj, protocol=5)  # (encode() + send_encoded(), inline: replies take this path)
+        # One sendall of header+payload: small messages (every step) cost one syscall.
+        self.sock.sendall(_HEADER.pack(len(data)) + data)
 
     @staticmethod
     def encode(obj: Any) -> bytes:
@@ -188,7 +190,6 @@ class Channel:
         return _HEADER.pack(len(data)) + data
 
     def send_encoded(self, frame: bytes) -> None:
-        # One sendall of header+payload: small messages (every step) cost one syscall.
         self.sock.sendall(frame)
 
     def send_step(self, action: Any) -> None:
