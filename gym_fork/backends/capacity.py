@@ -73,7 +73,10 @@ def _anonymous_bytes(pid: int) -> int | None:
 def copy_cost(payload: Any) -> CopyCost:
     """The cost of one restored copy of ``payload`` (a payload of any backend)."""
     from gym_fork.backends.criu import CriuPayload, ForkPayload
+    from gym_fork.backends.pickle import PickleFile
 
+    if isinstance(payload, PickleFile):
+        return CopyCost(0, 0, max(3 * payload.size, 64 << 10), "an unpickled copy in this process")
     if isinstance(payload, (bytes, bytearray)):
         return CopyCost(0, 0, max(3 * len(payload), 64 << 10), "an unpickled copy in this process")
     if isinstance(payload, ForkPayload) and payload.chan is not None:

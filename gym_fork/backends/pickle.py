@@ -8,6 +8,11 @@ checked (and again its 2nd, 4th, 8th, ..., from those later states): the copy mu
 original's state attribute by attribute, and two copies stepped with the same actions, then reset,
 must answer identically (:mod:`gym_fork.backends.exactness`: state outside the pickle, such as the
 global RNGs of ``random``/``numpy``/``torch``, is caught).
+
+A snapshot's payload is the pickle's bytes while it is only in memory, and a :class:`PickleFile`
+once it is on disk (``Snapshot.persist()``, or a :class:`~gym_fork.SnapshotStore` that spilled or
+keeps it): the same bytes as ``payload.pkl`` in a private directory, with their sha256, which
+is checked before anything unpickles them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import hashlib
 import hmac
 import os
 import platform
+import shutil
 from typing import Any
 
 import cloudpickle
@@ -27,6 +33,7 @@ from gym_fork.backends.exactness import copies_diverge
 from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, UnpicklableEnvError, UnsupportedEnvError
 from gym_fork.snapshots.bundle import check_field
 from gym_fork.snapshots.set_order import copy_problem, str_hash_probe
+from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.files import read_bounded
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
 
@@ -93,7 +100,63 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
     return None
 
 
-#: what pickle's hash-order note says a user can do about it
+class PickleFile:
+    """A pickle snapshot on disk: ``payload.pkl`` in the private directory ``path``.
+
+    Args:
+        path: the directory (the session directory's, a store's entry or its reassembled copy).
+        sha256: the payload's digest (hex), checked before the file's bytes are unpickled.
+        size: the payload's size in bytes.
+        str_hash_probe: the saving process's string-hash probe (see :func:`str_hash_probe`).
+        blob: the bytes, while the snapshot is also kept in memory (``persist()`` without eviction).
+        owned: whether releasing the snapshot deletes ``path`` (a store's entry is the store's).
+    """
+
+    __slots__ = ("path", "sha256", "size", "str_hash_probe", "blob", "owned", "__weakref__")
+
+    def __init__(self, path: str, sha256: str, size: int, str_hash_probe: int | None,
+                 blob: bytes | None = None, owned: bool = False):
+        self.path, self.sha256, self.size, self.str_hash_probe = path, sha256, size, str_hash_probe
+        self.blob, self.owned = blob, owned
+
+    def read(self) -> bytes:
+        """The payload's bytes, from memory or from the file (at most ``size`` bytes, checked
+        against ``sha256``). Raises SnapshotCorruptedError, and then nothing was unpickled."""
+        if self.blob is not None:
+            return self.blob
+        try:
+            data = read_bounded(os.path.join(self.path, PAYLOAD), self.size, what=self.path)
+        except SnapshotCorruptedError as e:
+            raise SnapshotCorruptedError(f"{e}; it was not unpickled") from None
+        if len(data) != self.size or not hmac.compare_digest(hashlib.sha256(data).hexdigest(), self.sha256):
+            raise SnapshotCorruptedError(f"{self.path}/{PAYLOAD} fails its sha256 check (changed since it was "
+                                         "written); it was not unpickled")
+        return data
+
+
+def payload_bytes(payload: bytes | PickleFile) -> bytes:
+    """The pickle bytes of a pickle snapshot's payload, wherever it is kept."""
+    return payload.read() if isinstance(payload, PickleFile) else payload
+
+
+def _hash_order_problem(payload: bytes, where: str) -> None:
+    """Raise BundleError when a pickle saved by a process whose string hashes differ from this
+    one's holds a set that would iterate in another order here (the payload is authentic: its
+    sha256 was checked, so it may be unpickled to look)."""
+    try:
+        state = cloudpickle.loads(payload)
+    except Exception as e:  # noqa: BLE001
+        raise SnapshotCorruptedError(f"{where}: the pickle snapshot does not load: {type(e).__name__}: {e}") from e
+    found = copy_problem(state[0], cross_process=True)
+    if found is not None:
+        raise BundleError(
+            f"{where}: this pickle snapshot was saved by a process whose string hashes differ from this "
+            f"one's, and the env holds {found[0]}: here it would iterate in another order, so the env could "
+            "continue differently. Start both processes with the same PYTHONHASHSEED (e.g. "
+            "PYTHONHASHSEED=0), keep that set in a fixed order in the env (sorted(...), a dict or a "
+            "list), or save it with backend='criu'. Nothing was restored.")
+
+
 class _PickleHandle(LocalHandle):
     verified = False  # the exactness check ran (and could step the copies) for this env lineage
     snapshots = 0  # taken through this handle (the check runs again at the 2nd, 4th, 8th, ...)
@@ -108,6 +171,7 @@ class _PickleHandle(LocalHandle):
 
 class PickleBackend(Backend):
     name = "pickle"
+    storable = True  # a persisted payload is a file (PickleFile) that a SnapshotStore can keep
 
     def start(self, source: EnvSource) -> tuple[Handle, dict]:
         env = build_env(source)
@@ -188,9 +252,14 @@ class PickleBackend(Backend):
             )
         return stepped > 0
 
-    def restore(self, payload: bytes, binds: Any = None) -> Handle:
+    def restore(self, payload: bytes | PickleFile, binds: Any = None) -> Handle:
         if binds:
             raise UnsupportedEnvError("private directories need the criu backend (mount namespaces), not pickle")
+        if isinstance(payload, PickleFile):
+            data = payload.read()  # sha256 checked first
+            if payload.blob is None and payload.str_hash_probe != str_hash_probe():
+                _hash_order_problem(data, payload.path)  # a store entry another process wrote
+            payload = data
         try:
             env, obs, info, steps = cloudpickle.loads(payload)
         except Exception as e:  # noqa: BLE001
@@ -201,11 +270,57 @@ class PickleBackend(Backend):
         h.verified = True
         return h
 
-    def release(self, payload: bytes) -> None:
-        pass  # plain bytes: the garbage collector frees them
+    def release(self, payload: bytes | PickleFile) -> None:
+        if isinstance(payload, PickleFile) and payload.owned:
+            shutil.rmtree(payload.path, ignore_errors=True)
+        # plain bytes: the garbage collector frees them
 
-    def bundle_write(self, payload: bytes, dest_dir: str) -> dict:
+    # --- on disk: Snapshot.persist(), SnapshotStore --------------------------------------------
+    def persist(self, payload: bytes | PickleFile) -> PickleFile:
+        """The bytes written as ``payload.pkl`` into a new private directory of this process's
+        session directory (kept in memory too until :meth:`evict`)."""
+        if isinstance(payload, PickleFile):
+            return payload
+        path = os.path.join(sessiondir.session_dir(), f"pk-{os.urandom(6).hex()}")
+        os.mkdir(path, 0o700)
+        try:
+            fd = os.open(os.path.join(path, PAYLOAD), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            sessiondir.write_manifest(path, {"backend": "pickle"}, hashed=False)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return PickleFile(path, hashlib.sha256(payload).hexdigest(), len(payload), str_hash_probe(),
+                          blob=payload, owned=True)
+
+    def evict(self, payload: bytes | PickleFile) -> None:
+        if isinstance(payload, PickleFile):
+            payload.blob = None  # restores read (and check) the file from now on
+
+    def is_persisted(self, payload: bytes | PickleFile) -> bool:
+        return isinstance(payload, PickleFile)
+
+    def persisted_bytes(self, payload: bytes | PickleFile) -> int | None:
+        return payload.size if isinstance(payload, PickleFile) else None
+
+    def memory_bytes(self, payload: bytes | PickleFile) -> int | None:
+        """The pickle's bytes while it is held in memory (a store's ``max_memory`` counts them)."""
+        if isinstance(payload, PickleFile):
+            return len(payload.blob) if payload.blob is not None else 0
+        return len(payload)
+
+    def store_images(self, payload: bytes | PickleFile) -> tuple[str, dict]:
+        assert isinstance(payload, PickleFile), "persist() first"
+        return payload.path, {"payload_sha256": payload.sha256, "payload_size": payload.size,
+                              "str_hash_probe": payload.str_hash_probe}
+
+    def payload_at(self, path: str, meta: dict) -> PickleFile:
+        return PickleFile(path, meta["payload_sha256"], meta["payload_size"], meta.get("str_hash_probe"))
+
+    def bundle_write(self, payload: bytes | PickleFile, dest_dir: str) -> dict:
         """``payload.pkl``; its size and sha256 go into the signed metadata."""
+        payload = payload_bytes(payload)
         with open(os.path.join(dest_dir, PAYLOAD), "wb") as f:
             f.write(payload)
         return {"payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_size": len(payload),
@@ -225,21 +340,8 @@ class PickleBackend(Backend):
             raise SnapshotCorruptedError(f"{bundle_dir}/{PAYLOAD} fails its sha256 check; it was not unpickled")
         if meta.get("str_hash_probe") != str_hash_probe():
             # Saved where strings hashed differently (or before the probe was signed): a set whose
-            # order follows the hashes would iterate differently here. The payload is authentic
-            # (signed metadata, sha256 above), so it may be unpickled to look.
-            try:
-                state = cloudpickle.loads(payload)
-            except Exception as e:  # noqa: BLE001
-                raise SnapshotCorruptedError(f"{bundle_dir}: the pickle snapshot does not load: {type(e).__name__}: {e}") from e
-            found = copy_problem(state[0], cross_process=True)
-            if found is not None:
-                where = found[0]
-                raise BundleError(
-                    f"{bundle_dir}: this pickle snapshot was saved by a process whose string hashes differ from this "
-                    f"one's, and the env holds {where}: here it would iterate in another order, so the env could "
-                    "continue differently. Start both processes with the same PYTHONHASHSEED (e.g. "
-                    "PYTHONHASHSEED=0), keep that set in a fixed order in the env (sorted(...), a dict or a "
-                    "list), or save it with backend='criu'. Nothing was restored.")
+            # order follows the hashes would iterate differently here.
+            _hash_order_problem(payload, bundle_dir)
         return payload, len(payload)
 
     def check_compatible(self, meta: dict, path: str) -> None:

@@ -171,10 +171,15 @@ class Snapshot:
         self._payload = None
 
     def persist(self, *, keep_in_memory: bool = True) -> "Snapshot":
-        """Make sure the snapshot is on disk as CRIU images (a copy-on-write snapshot is only in
-        memory until then). With ``keep_in_memory=False`` the frozen process is then released, so
-        the snapshot costs no memory and later restores come from the images."""
-        self._payload = self._backend.persist(self.payload())
+        """Make sure the snapshot is on disk: CRIU images (a copy-on-write snapshot is only in
+        memory until then), or the pickle backend's bytes as a private file. With
+        ``keep_in_memory=False`` the frozen process (or the bytes) is then released, so the
+        snapshot costs no memory and later restores come from the disk."""
+        payload = self._backend.persist(self.payload())
+        if payload is not self._payload:  # another object stands for it now (pickle: its file)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, self._backend.release, payload)
+            self._payload = payload
         if not self.size_bytes:  # copy-on-write snapshots have no size until their images exist
             measure = getattr(self._backend, "persisted_bytes", None)
             self.size_bytes = (measure(self._payload) if measure is not None else None) or self.size_bytes
