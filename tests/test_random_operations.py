@@ -1,0 +1,324 @@
+"""Random sequences of operations, each result checked against an in-process model.
+
+Single envs: ``step``, ``step_send``/``step_receive``, ``rollout``, ``reset``, ``snapshot``,
+``restore``, ``fork``, ``close``, ``persist``, ``release``, ``save``/``load_snapshot``,
+``explore`` and ``from_snapshot``, on any live env or snapshot, in any order.  The model is the
+env's event history (resets with their seeds, then actions): every observation gym_fork returns
+must equal, bit for bit, what a fresh in-process env gives after replaying that history.  Each
+seed is one reproducible sequence; a failure prints the operations that led to it.
+
+Vector envs: ``ForkableVectorEnv`` against ``SyncVectorEnv`` in each autoreset mode, with
+``snapshot(i)``, ``restore(i, snap)`` and ``fork_into`` modelled by deep copies of the in-process
+sub-env and its pending-autoreset flag.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+import gym_fork
+from gym_fork import ForkableEnv, SnapshotStore
+from gym_fork.vector import ForkableVectorEnv
+
+from conftest import same
+import random_envs
+
+MAX_ENVS = 4
+
+
+def cartpole() -> gym.Env:
+    return gym.make("CartPole-v1", max_episode_steps=40)  # short episodes: resets come often
+
+
+def lunar() -> gym.Env:
+    return gym.make("LunarLander-v3", max_episode_steps=60)
+
+
+def global_random() -> gym.Env:
+    """Draws from ``random``'s global generator: only a whole-process snapshot keeps that."""
+    return gym.wrappers.TimeLimit(random_envs.GlobalRandomEnv(), 40)
+
+
+def replay(factory, history: list) -> tuple:
+    """What an in-process env answers last after ``history`` (``("reset", seed)``, ``("step", a)``)."""
+    env = factory()
+    out: tuple = ()
+    for kind, arg in history:
+        out = env.reset(seed=arg) if kind == "reset" else env.step(arg)
+    env.close()
+    return out
+
+
+@dataclass
+class _Saved:
+    snap: gym_fork.Snapshot
+    history: list
+    done: bool  # the episode had ended: the next event must be a reset
+    owner: int | None  # the env that took it (closing that env releases it); None: loaded
+
+
+@dataclass
+class _Run:
+    """One random sequence: the live envs and snapshots with their histories, and a log."""
+
+    factory: object
+    rng: random.Random
+    n_actions: int
+    seeded_resets_only: bool
+    envs: dict = field(default_factory=dict)  # id -> [ForkableEnv, history, done]
+    saved: list = field(default_factory=list)
+    log: list = field(default_factory=list)
+    next_id: int = 0
+
+    def add(self, env: ForkableEnv, history: list, done: bool) -> None:
+        self.envs[self.next_id] = [env, history, done]
+        self.next_id += 1
+
+    def check(self, got_obs, history: list, what: str) -> tuple:
+        if not history:  # a snapshot taken before the first reset: nothing was observed yet
+            assert got_obs is None, f"{what}: {got_obs!r} before any reset"
+            return ()
+        want = replay(self.factory, history)
+        assert same(np.asarray(got_obs), np.asarray(want[0])), (
+            f"{what}: gym_fork {got_obs} vs in-process {want[0]}\nops so far (last 12): {self.log[-12:]}")
+        return want
+
+    def restorable(self, env: ForkableEnv) -> list[_Saved]:
+        return [s for s in self.saved if s.snap.lineage in (None, env._lineage)]
+
+
+def _one_op(run: _Run, tmp_path, i: int) -> None:
+    rng = run.rng
+    eid = rng.choice(sorted(run.envs))
+    entry = run.envs[eid]
+    env, history, done = entry
+    act = lambda: rng.randrange(run.n_actions)  # noqa: E731
+    r = rng.random()
+    if r < 0.55:
+        if done:
+            # the first reset is seeded (unseeded, it draws fresh entropy); later ones go on from
+            # the env's generator half of the time
+            seeded = run.seeded_resets_only or not history or rng.random() < 0.5
+            seed = rng.randrange(1000) if seeded else None
+            run.log.append((eid, "reset", seed))
+            obs, _ = env.reset(seed=seed)
+            history.append(("reset", seed))
+            run.check(obs, history, f"reset of env {eid}")
+            entry[2] = False
+            return
+        a = act()
+        split = rng.random() < 0.2
+        run.log.append((eid, "step_send/receive" if split else "step", a))
+        if split:
+            env.step_send(a)
+            got = env.step_receive()
+        else:
+            got = env.step(a)
+        history.append(("step", a))
+        want = run.check(got[0], history, f"step {i} of env {eid}")
+        assert got[1:4] == tuple(want[1:4]), f"step {i}: reward/flags {got[1:4]} vs {want[1:4]}"
+        entry[2] = bool(got[2] or got[3])
+    elif r < 0.62 and not done:
+        actions = [act() for _ in range(rng.randrange(1, 6))]
+        run.log.append((eid, "rollout", actions))
+        res = env.rollout(actions)
+        n = len(res["rewards"])  # stops at an episode end
+        history.extend(("step", a) for a in actions[:n])
+        assert res["actions"] == actions[:n] and res["steps"] == env.steps
+        want = run.check(res["final_obs"], history, f"rollout {i} of env {eid}")
+        assert same(res["rewards"][-1], want[1]), f"rollout {i}: last reward"
+        entry[2] = bool(want[2] or want[3])
+    elif r < 0.72:
+        restore_soon = rng.choice([None, True, False])
+        run.log.append((eid, "snapshot", restore_soon))
+        run.saved.append(_Saved(env.snapshot(restore_soon=restore_soon), list(history), done, eid))
+    elif r < 0.80:
+        options = run.restorable(env)
+        if options:
+            s = rng.choice(options)
+            run.log.append((eid, "restore", run.saved.index(s)))
+            obs, _ = env.restore(s.snap)
+            entry[1] = list(s.history)
+            entry[2] = s.done
+            run.check(obs, entry[1], f"restore {i} into env {eid}")
+    elif r < 0.85 and len(run.envs) < MAX_ENVS:
+        options = run.restorable(env)
+        if options:
+            s = rng.choice(options)
+            n = rng.randrange(1, 3)
+            run.log.append((eid, "fork", run.saved.index(s), n))
+            for kid in env.fork(s.snap, n):
+                run.add(kid, list(s.history), s.done)
+    elif r < 0.88 and len(run.envs) > 1:
+        run.log.append((eid, "close"))
+        env.close()
+        del run.envs[eid]
+        run.saved = [s for s in run.saved if s.owner != eid]  # released with their env
+    elif r < 0.91 and run.saved:
+        s = rng.choice(run.saved)
+        keep = rng.random() < 0.5
+        run.log.append(("persist", run.saved.index(s), keep))
+        s.snap.persist(keep_in_memory=keep)
+    elif r < 0.93 and run.saved:
+        s = rng.choice(run.saved)
+        run.log.append(("release", run.saved.index(s)))
+        s.snap.release()
+        run.saved.remove(s)
+    elif r < 0.95 and run.saved:
+        s = rng.choice(run.saved)
+        path = os.path.join(tmp_path, f"bundle-{i}")
+        run.log.append(("save+load", run.saved.index(s)))
+        s.snap.save(path)
+        run.saved.append(_Saved(gym_fork.load_snapshot(path), list(s.history), s.done, None))
+    elif r < 0.97:
+        options = [s for s in run.restorable(env) if not s.done]
+        if options:
+            s = rng.choice(options)
+            actions = [[act() for _ in range(5)] for _ in range(2)]
+            keep = rng.random() < 0.5
+            run.log.append((eid, "explore", run.saved.index(s), actions, keep))
+            res = gym_fork.explore(env, s.snap, None, n_branches=2, horizon=5, rng="same", actions=actions,
+                                   return_snapshots=keep)
+            for b in res.branches:
+                h = s.history + [("step", a) for a in b.actions]
+                want = run.check(b.final_obs, h, f"explore {i}, branch {b.index}")
+                if keep:
+                    run.saved.append(_Saved(b.snapshot, h, bool(want[2] or want[3]), eid))
+    elif run.saved and len(run.envs) < MAX_ENVS:
+        s = rng.choice(run.saved)
+        run.log.append(("from_snapshot", run.saved.index(s)))
+        new = ForkableEnv.from_snapshot(s.snap)
+        assert new.steps == s.snap.steps
+        run.add(new, list(s.history), s.done)  # its next step is checked like any other
+
+
+def _random_run(factory, seed: int, n_ops: int, tmp_path, *, n_actions: int = 2,
+                seeded_resets_only: bool = False, **env_kwargs) -> None:
+    run = _Run(factory, random.Random(seed), n_actions, seeded_resets_only)
+    first = ForkableEnv(factory, **env_kwargs)
+    run.add(first, [], True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. steps after an episode's end in a branch
+            for i in range(n_ops):
+                _one_op(run, tmp_path, i)
+    finally:
+        for env, _h, _d in run.envs.values():
+            env.close()
+        for s in run.saved:
+            s.snap.release()
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_fork_tier(seed, tmp_path):
+    _random_run(cartpole, seed, 250, tmp_path)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("seed", range(2))
+def test_random_operations_fork_tier_box2d_with_a_store(seed, tmp_path):
+    store = SnapshotStore(tmp_path / "store", max_in_memory=2)
+    _random_run(lunar, seed, 150, tmp_path, n_actions=4, store=store)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("seed", range(2))
+def test_random_operations_global_rng_env(seed, tmp_path):
+    # a reset without a seed reseeds `random` from fresh entropy: not reproducible by replay
+    _random_run(global_random, seed, 200, tmp_path, seeded_resets_only=True)
+
+
+@pytest.mark.criu
+def test_random_operations_criu_dumps(tmp_path):
+    _random_run(cartpole, 10, 60, tmp_path, fork_tier=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_pickle(seed, tmp_path):
+    store = SnapshotStore(tmp_path / "store", max_in_memory=2) if seed % 2 else None
+    _random_run(cartpole, seed, 300, tmp_path, backend="pickle", store=store)
+
+
+def _vector_run(mode: AutoresetMode, seed: int, n_ops: int, backend: str) -> None:
+    rng = random.Random(seed)
+    n = 3
+    ref = SyncVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=12)] * n, autoreset_mode=mode)
+    fv = ForkableVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=12)] * n,
+                           autoreset_mode=mode, backend=backend)
+    saved: list = []  # (snapshot, sub-env copy, pending autoreset, observation)
+    log: list = []
+
+    def put(j: int, env: gym.Env, pending: bool, obs) -> None:
+        ref.envs[j] = copy.deepcopy(env)
+        ref._autoreset_envs[j] = pending
+        ref._env_obs[j] = obs
+        ref._observations[j] = obs
+
+    try:
+        assert same(ref.reset(seed=seed)[0], fv.reset(seed=seed)[0])
+        for i in range(n_ops):
+            r = rng.random()
+            if r < 0.6:
+                if mode == AutoresetMode.DISABLED and ref._autoreset_envs.any():
+                    mask = ref._autoreset_envs.copy()
+                    log.append(("reset", mask.tolist()))
+                    want, got = ref.reset(options={"reset_mask": mask})[0], fv.reset(options={"reset_mask": mask})[0]
+                    assert same(want, got), f"partial reset {i}: {log[-8:]}"
+                    continue
+                actions = np.array([rng.randrange(2) for _ in range(n)])
+                log.append(("step", actions.tolist()))
+                want, got = ref.step(actions), fv.step(actions)
+                for k in range(4):
+                    assert same(np.asarray(want[k]), np.asarray(got[k])), f"step {i}, field {k}: {log[-8:]}"
+                if "_final_obs" in want[4]:
+                    assert same(want[4]["_final_obs"], got[4]["_final_obs"])
+                    for j in np.flatnonzero(want[4]["_final_obs"]):
+                        assert same(want[4]["final_obs"][j], got[4]["final_obs"][j]), f"final_obs {i}"
+            elif r < 0.75:
+                j = rng.randrange(n)
+                log.append(("snapshot", j))
+                # SAME_STEP: the ended episode was reset within the step (the flag is only a record)
+                pending = bool(ref._autoreset_envs[j]) and mode != AutoresetMode.SAME_STEP
+                saved.append((fv.snapshot(j, restore_soon=rng.choice([None, True, False])),
+                              copy.deepcopy(ref.envs[j]), pending, ref._env_obs[j].copy()))
+            elif r < 0.9 and saved:
+                j, k = rng.randrange(n), rng.randrange(len(saved))
+                log.append(("restore", j, k))
+                snap, env, pending, obs = saved[k]
+                got, _ = fv.restore(j, snap)
+                put(j, env, pending, obs)
+                assert same(np.asarray(got), obs), f"restore {i}: {log[-8:]}"
+            elif saved:
+                k = rng.randrange(len(saved))
+                slots = rng.sample(range(n), rng.randrange(1, n + 1))
+                log.append(("fork_into", k, slots))
+                snap, env, pending, obs = saved[k]
+                got, _ = fv.fork_into(snap, slots)
+                for j in slots:
+                    put(j, env, pending, obs)
+                    assert same(np.asarray(got[j]), obs), f"fork_into {i}: {log[-8:]}"
+    finally:
+        fv.close()
+        ref.close()
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.name)
+def test_random_vector_operations(mode):
+    for seed in range(2):
+        _vector_run(mode, seed, 150, "criu")
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.name)
+def test_random_vector_operations_pickle(mode):
+    _vector_run(mode, 7, 150, "pickle")
