@@ -16,7 +16,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 versions=${GYM_FORK_PYTHONS-3.13}
 tests=(tests/unit tests/test_fork_tier.py tests/test_agent_envs.py tests/test_errors.py tests/test_bundle.py
        tests/compat/test_boundary.py tests/compat/test_copy.py tests/compat/test_check.py
-       tests/compat/test_wrappers.py tests/compat/test_vector.py)
+       tests/compat/test_wrappers.py tests/compat/test_vector.py tests/test_random_operations.py
+       tests/test_pickle_store.py)
 deselect="not torch"  # the tests that need torch (installed in .venv only)
 failed=()
 
