@@ -711,12 +711,19 @@ class ForkableEnv(gym.Wrapper):
         except BaseException:
             private_dirs_mod.remove(roots)
             raise
+        return self._adopt_restored(new, snapshot, roots[0] if roots else None)
+
+    def _adopt_restored(self, new: Handle, snapshot: Snapshot, private_root: str | None) -> tuple[Any, dict]:
+        """Run on ``new``, a worker the backend restored from ``snapshot``, with everything else
+        the snapshot holds put back too: the workspace's files (restore() and a vector env's
+        fork_into() alike: a worker without them would read its old trajectory's files) and
+        the private directories' copy ``private_root``. Returns the snapshot's ``(obs, info)``."""
         if snapshot._store is not None:
             snapshot._store.touch(snapshot)
         snapshot._note_restored()
         self._switch_to(new, snapshot)
         if self._private is not None:
-            self._private.switch(roots[0])
+            self._private.switch(private_root)
         if self._workspace is not None and getattr(snapshot, "workspace", None):
             self._workspace.restore_from(snapshot.workspace)
             if snapshot.workspace_path != self._workspace.path:  # taken by another branch / process

@@ -405,30 +405,26 @@ class ForkableVecEnv(VecEnv):
             raise ValueError(f"indices must be distinct slots in 0..{self.num_envs - 1}, got {idx}")
         check_rng(rng, seeds, len(idx), "len(indices)")
         targets = self._idle_envs(idx, "fork_into")
-        payload = None
-        for env in targets:  # every target slot must accept it (lineage, backend, not released)
-            payload = env._check_snapshot(snapshot)
+        for env in targets:  # every target slot must accept it (lineage, backend, workspace, not released)
+            env._check_snapshot(snapshot)
+        for env in targets:
+            env._end_live("fork_into() replaces the worker")
         roots, binds = targets[0]._private_copies(snapshot, len(targets))  # private_dirs: a copy each
-        snapshot._note_restored()
         try:
-            handles = (targets[0]._backend.restore_many(payload, len(targets), binds) if binds
-                       else targets[0]._backend.restore_many(payload, len(targets)))
+            with snapshot._open_payload() as payload:  # a stored snapshot's images, reassembled
+                handles = (targets[0]._backend.restore_many(payload, len(targets), binds) if binds
+                           else targets[0]._backend.restore_many(payload, len(targets)))
         except BaseException:
             private_dirs.remove(roots)
             raise
-        # Swap the new workers in exactly as ForkableEnv.restore does (the old ones are stopped).
-        for k, (env, handle) in enumerate(zip(targets, handles)):
-            env._switch_to(handle, snapshot)
-            if env._private is not None:
-                env._private.switch(roots[k])
-        if rng == "reseed":
+        # Each slot takes its new worker exactly as ForkableEnv.restore does: the old one is
+        # stopped, and the slot's workspace files and private directories are put back too.
+        for k, (i, env, handle) in enumerate(zip(idx, targets, handles)):
+            self._obs[i], self.reset_infos[i] = env._adopt_restored(handle, snapshot, roots[k] if roots else None)
+        if rng == "reseed":  # the simulated state, and so the observation, stays as it is
             seed_list = [int(s) for s in seeds] if seeds is not None else [
                 int(np.random.SeedSequence().entropy % (2**63)) for _ in targets]
             _run(targets, "reseed", [(s,) for s in seed_list])
-        lasts = _run(targets, "last")
-        for i, (obs, info, _steps) in zip(idx, lasts):
-            self._obs[i] = obs
-            self.reset_infos[i] = info
         return _stack_obs([self._obs[i] for i in idx], self.observation_space)
 
     # --- internals -------------------------------------------------------------------------------

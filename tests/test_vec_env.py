@@ -466,3 +466,56 @@ def test_from_envs_lineage():
 def test_docstring_example():
     failures, tried = doctest.testmod(gym_fork.vec_env, verbose=False)
     assert tried > 0 and failures == 0
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_fork_into_slots_with_workspaces_puts_their_files_back(tmp_path, fork_tier):
+    """An agent env's slots each work in a workspace: fork_into() must put the snapshot's files
+    back into every target slot's workspace, as restore() does (it brought back the process
+    only, and the slot went on reading its old trajectory's notes)."""
+    import functools
+
+    import agent_envs
+
+    ws = str(tmp_path / "ws")
+    os.mkdir(ws)
+    first = gym_fork.ForkableEnv(functools.partial(agent_envs.notes_in, ws), workspace=ws, fork_tier=fork_tier)
+    first.reset(seed=0)
+    for _ in range(3):
+        first.step(0)
+    snap = first.snapshot()
+    kids = first.fork(snap, 2)
+    venv = ForkableVecEnv.from_envs([first, *kids])
+    try:
+        venv.step(np.zeros(3, dtype=np.int64))
+        venv.step(np.zeros(3, dtype=np.int64))  # every slot's notes.txt holds 5 notes now
+        obs = venv.fork_into(snap, [1, 2])
+        assert obs[:, 0].tolist() == [3.0, 3.0]
+        for k in kids:
+            with open(os.path.join(k.unwrapped.workspace, "notes.txt")) as f:
+                assert len(f.read().splitlines()) == 3  # the snapshot's files, in the slot's own workspace
+        after, *_ = venv.step(np.zeros(3, dtype=np.int64))
+        assert after[:, 1].tolist() == [6.0, 4.0, 4.0]  # slot 0 went on; slots 1, 2 from the snapshot
+    finally:
+        venv.close()
+
+
+@pytest.mark.criu
+def test_fork_into_a_snapshot_kept_in_a_store(tmp_path):
+    store = gym_fork.SnapshotStore(tmp_path / "store", max_in_memory=1)
+    first = gym_fork.ForkableEnv("CartPole-v1", store=store)
+    venv = ForkableVecEnv.from_envs([first, *first.fork(n=1)])
+    try:
+        venv.seed(3)
+        venv.reset()
+        venv.step(np.array([0, 1]))
+        snap = venv.snapshot(0)
+        want = venv.step(np.array([1, 1]))[0][0]
+        venv.snapshot(1)  # over the budget: the first snapshot goes to disk
+        assert store.stats["spilled"] >= 1 and snap.persisted
+        venv.fork_into(snap, [0, 1])  # its images reassembled from the store's chunks
+        got = venv.step(np.array([1, 1]))[0]
+        assert same(got[0], want) and same(got[1], want)
+    finally:
+        venv.close()
