@@ -15,8 +15,10 @@ sub-env and its pending-autoreset flag.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import random
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ from gym_fork import ForkableEnv, SnapshotStore
 from gym_fork.vector import ForkableVectorEnv
 
 from conftest import same
+import agent_envs
 import random_envs
 
 MAX_ENVS = 4
@@ -74,6 +77,8 @@ class _Run:
     rng: random.Random
     n_actions: int
     seeded_resets_only: bool
+    replay_factory: object = None  # the model's env, when it differs (a fresh workspace each time)
+    workspaces: str | None = None  # where from_snapshot() makes workspaces (an env with one)
     envs: dict = field(default_factory=dict)  # id -> [ForkableEnv, history, done]
     saved: list = field(default_factory=list)
     log: list = field(default_factory=list)
@@ -87,7 +92,7 @@ class _Run:
         if not history:  # a snapshot taken before the first reset: nothing was observed yet
             assert got_obs is None, f"{what}: {got_obs!r} before any reset"
             return ()
-        want = replay(self.factory, history)
+        want = replay(self.replay_factory or self.factory, history)
         assert same(np.asarray(got_obs), np.asarray(want[0])), (
             f"{what}: gym_fork {got_obs} vs in-process {want[0]}\nops so far (last 12): {self.log[-12:]}")
         return want
@@ -196,14 +201,16 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
     elif run.saved and len(run.envs) < MAX_ENVS:
         s = rng.choice(run.saved)
         run.log.append(("from_snapshot", run.saved.index(s)))
-        new = ForkableEnv.from_snapshot(s.snap)
+        new = ForkableEnv.from_snapshot(
+            s.snap, workspace=tempfile.mkdtemp(dir=run.workspaces) if run.workspaces else None)
         assert new.steps == s.snap.steps
         run.add(new, list(s.history), s.done)  # its next step is checked like any other
 
 
 def _random_run(factory, seed: int, n_ops: int, tmp_path, *, n_actions: int = 2,
-                seeded_resets_only: bool = False, **env_kwargs) -> None:
-    run = _Run(factory, random.Random(seed), n_actions, seeded_resets_only)
+                seeded_resets_only: bool = False, replay_factory=None, workspaces: str | None = None,
+                **env_kwargs) -> None:
+    run = _Run(factory, random.Random(seed), n_actions, seeded_resets_only, replay_factory, workspaces)
     first = ForkableEnv(factory, **env_kwargs)
     run.add(first, [], True)
     try:
@@ -236,6 +243,21 @@ def test_random_operations_fork_tier_box2d_with_a_store(seed, tmp_path):
 def test_random_operations_global_rng_env(seed, tmp_path):
     # a reset without a seed reseeds `random` from fresh entropy: not reproducible by replay
     _random_run(global_random, seed, 200, tmp_path, seeded_resets_only=True)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_random_operations_on_an_agent_env_with_a_workspace(fork_tier, tmp_path):
+    """An agent env that appends a note per step to a file in its workspace and observes how
+    many there are: every restore, fork, explore branch, bundle and from_snapshot() must come
+    with the snapshot's files. The model replays in a fresh directory."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    models = tmp_path / "models"
+    models.mkdir()
+    _random_run(functools.partial(agent_envs.notes_in, str(ws)), 3, 150 if fork_tier else 50, tmp_path,
+                n_actions=4, workspace=str(ws), fork_tier=fork_tier, workspaces=str(tmp_path),
+                replay_factory=lambda: agent_envs.notes_in(tempfile.mkdtemp(dir=models)))
 
 
 @pytest.mark.criu
