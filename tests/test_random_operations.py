@@ -261,6 +261,21 @@ def test_random_operations_on_an_agent_env_with_a_workspace(fork_tier, tmp_path)
 
 
 @pytest.mark.criu
+@pytest.mark.parametrize("seed", range(2))
+def test_random_operations_on_step_rings_from_the_first_step(seed, tmp_path, monkeypatch):
+    """Every worker steps through its shared-memory ring from its first step (normally after
+    64), so each restored, forked and branched copy makes its own ring at once."""
+    from gym_fork.backends.base import RemoteHandle
+    from gym_fork.worker import ring as rings
+    from gym_fork.worker import ring_slots
+
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 0)
+    monkeypatch.setattr(rings, "wanted", lambda: True)
+    monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))  # whatever else runs
+    _random_run(cartpole, 20 + seed, 200, tmp_path)
+
+
+@pytest.mark.criu
 def test_random_operations_criu_dumps(tmp_path):
     _random_run(cartpole, 10, 60, tmp_path, fork_tier=False)
 
