@@ -519,3 +519,65 @@ def test_fork_into_a_snapshot_kept_in_a_store(tmp_path):
         assert same(got[0], want) and same(got[1], want)
     finally:
         venv.close()
+
+
+def _random_slot_operations(backend: str, seed: int, n_ops: int) -> None:
+    """Random steps, snapshots, restores and fork_into()s against DummyVecEnv, whose slots are
+    modelled by deep copies of its in-process sub-envs (CartPole copies exactly): every batch,
+    reward, done flag, TimeLimit.truncated and terminal observation must match bit for bit."""
+    import copy
+    import random
+
+    rng = random.Random(seed)
+    make = lambda: gym.make("CartPole-v1", max_episode_steps=15)  # noqa: E731 (episode ends often)
+    ref = DummyVecEnv([make] * 3)
+    venv = ForkableVecEnv(make, n_envs=3, backend=backend)
+    saved: list = []  # (snapshot, copy of the model's sub-env, its observation)
+    log: list = []
+    try:
+        ref.seed(seed)
+        venv.seed(seed)
+        assert same(ref.reset(), venv.reset())
+        for i in range(n_ops):
+            r = rng.random()
+            if r < 0.6:
+                actions = np.array([rng.randrange(2) for _ in range(3)])
+                log.append(("step", actions.tolist()))
+                want, got = ref.step(actions), venv.step(actions)
+                assert_same_step(want, got, f"at op {i}: {log[-8:]}")
+            elif r < 0.75:
+                j = rng.randrange(3)
+                log.append(("snapshot", j))
+                saved.append((venv.snapshot(j, restore_soon=rng.choice([None, True, False])),
+                               copy.deepcopy(ref.envs[j]), ref.buf_obs[None][j].copy()))
+            elif r < 0.9 and saved:
+                j, k = rng.randrange(3), rng.randrange(len(saved))
+                log.append(("restore", j, k))
+                snap, env, obs = saved[k]
+                assert same(venv.restore(j, snap), obs), f"restore at op {i}: {log[-8:]}"
+                ref.envs[j] = copy.deepcopy(env)
+                ref.buf_obs[None][j] = obs
+            elif saved:
+                k = rng.randrange(len(saved))
+                slots = rng.sample(range(3), rng.randrange(1, 4))
+                log.append(("fork_into", k, slots))
+                snap, env, obs = saved[k]
+                got = venv.fork_into(snap, slots)
+                for row, j in enumerate(slots):
+                    assert same(got[row], obs), f"fork_into at op {i}: {log[-8:]}"
+                    ref.envs[j] = copy.deepcopy(env)
+                    ref.buf_obs[None][j] = obs
+            assert same(venv.current_obs, ref.buf_obs[None]), f"current_obs at op {i}: {log[-8:]}"
+    finally:
+        venv.close()
+        ref.close()
+
+
+@pytest.mark.criu
+def test_random_slot_operations_match_dummy_vec_env():
+    for seed in range(2):
+        _random_slot_operations("criu", seed, 150)
+
+
+def test_random_slot_operations_match_dummy_vec_env_pickle():
+    _random_slot_operations("pickle", 5, 150)
