@@ -52,13 +52,24 @@ def global_random() -> gym.Env:
 
 
 def replay(factory, history: list) -> tuple:
-    """What an in-process env answers last after ``history`` (``("reset", seed)``, ``("step", a)``)."""
-    env = factory()
+    """What an in-process env answers last after ``history`` (``("reset", seed)``, ``("step", a)``).
+    ``factory`` may also be a :class:`_Reused` model env."""
+    env = factory.env if isinstance(factory, _Reused) else factory()
     out: tuple = ()
     for kind, arg in history:
         out = env.reset(seed=arg) if kind == "reset" else env.step(arg)
-    env.close()
+    if not isinstance(factory, _Reused):
+        env.close()
     return out
+
+
+class _Reused:
+    """One in-process model env for every replay, for an env that is costly to start (a server
+    child): a history always begins with a seeded reset, which must bring it back to the same
+    state whatever ran before (the env's own contract)."""
+
+    def __init__(self, env: gym.Env):
+        self.env = env
 
 
 @dataclass
@@ -79,6 +90,7 @@ class _Run:
     seeded_resets_only: bool
     replay_factory: object = None  # the model's env, when it differs (a fresh workspace each time)
     workspaces: str | None = None  # where from_snapshot() makes workspaces (an env with one)
+    private_dirs: list | None = None  # what from_snapshot() must be told (an env with some)
     envs: dict = field(default_factory=dict)  # id -> [ForkableEnv, history, done]
     saved: list = field(default_factory=list)
     log: list = field(default_factory=list)
@@ -202,7 +214,8 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
         s = rng.choice(run.saved)
         run.log.append(("from_snapshot", run.saved.index(s)))
         new = ForkableEnv.from_snapshot(
-            s.snap, workspace=tempfile.mkdtemp(dir=run.workspaces) if run.workspaces else None)
+            s.snap, workspace=tempfile.mkdtemp(dir=run.workspaces) if run.workspaces else None,
+            private_dirs=run.private_dirs)
         assert new.steps == s.snap.steps
         run.add(new, list(s.history), s.done)  # its next step is checked like any other
 
@@ -210,7 +223,8 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
 def _random_run(factory, seed: int, n_ops: int, tmp_path, *, n_actions: int = 2,
                 seeded_resets_only: bool = False, replay_factory=None, workspaces: str | None = None,
                 **env_kwargs) -> None:
-    run = _Run(factory, random.Random(seed), n_actions, seeded_resets_only, replay_factory, workspaces)
+    run = _Run(factory, random.Random(seed), n_actions, seeded_resets_only, replay_factory, workspaces,
+               env_kwargs.get("private_dirs"))
     first = ForkableEnv(factory, **env_kwargs)
     run.add(first, [], True)
     try:
@@ -273,6 +287,22 @@ def test_random_operations_on_step_rings_from_the_first_step(seed, tmp_path, mon
     monkeypatch.setattr(rings, "wanted", lambda: True)
     monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))  # whatever else runs
     _random_run(cartpole, 20 + seed, 200, tmp_path)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("seed", [0, 3])
+def test_random_operations_on_an_env_with_a_redis_server_child(seed, tmp_path):
+    """The agent use case: state in a real redis-server the env starts, reached over a unix
+    socket bound in a directory every copy has to itself (``private_dirs``). Every snapshot is
+    a CRIU dump of the process tree; each restored copy, fork and branch has its own server."""
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    model = _Reused(agent_envs.redis_unix())
+    try:
+        _random_run(functools.partial(agent_envs.redis_unix_in, str(sockets)), seed, 100, tmp_path, n_actions=4,
+                    replay_factory=model, fork_tier=False, private_dirs=[str(sockets)])
+    finally:
+        model.env.close()
 
 
 @pytest.mark.criu
