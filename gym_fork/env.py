@@ -9,6 +9,7 @@ plugins use instead of its fields.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -659,7 +660,8 @@ class ForkableEnv(gym.Wrapper):
         env's restore rate counts (those the user takes)."""
         self._check_open()
         sid = new_id()
-        payload, size = self._backend.snapshot(self._handle, sid, ready_copy=ready_copy)
+        with self._one_call("a snapshot was taken"):  # no other thread's step between its requests
+            payload, size = self._backend.snapshot(self._handle, sid, ready_copy=ready_copy)
         try:
             # after the backend: its scan's refusal (e.g. a file still open) names more precisely
             self._refuse_outside_writes()
@@ -704,14 +706,28 @@ class ForkableEnv(gym.Wrapper):
         self._check_open()
         self._check_snapshot(snapshot)
         self._end_live("restore() replaces the worker")
-        roots, binds = self._private_copies(snapshot, 1)
+        with self._one_call("a restore was made"):  # the worker it replaces takes no other call
+            roots, binds = self._private_copies(snapshot, 1)
+            try:
+                with snapshot._open_payload() as payload:
+                    new = self._backend.restore(payload, binds[0]) if binds else self._backend.restore(payload)
+            except BaseException:
+                private_dirs_mod.remove(roots)
+                raise
+            return self._adopt_restored(new, snapshot, roots[0] if roots else None)
+
+    @contextlib.contextmanager
+    def _one_call(self, what: str):
+        """Hold the worker's channel for this thread through a call made of several requests (a
+        snapshot, a restore): another thread's call meanwhile is refused (ConcurrentUseError),
+        not run between them."""
+        handle = self._handle
+        claimed = handle._claim(what)
         try:
-            with snapshot._open_payload() as payload:
-                new = self._backend.restore(payload, binds[0]) if binds else self._backend.restore(payload)
-        except BaseException:
-            private_dirs_mod.remove(roots)
-            raise
-        return self._adopt_restored(new, snapshot, roots[0] if roots else None)
+            yield
+        finally:
+            if claimed:
+                handle._release()
 
     def _adopt_restored(self, new: Handle, snapshot: Snapshot, private_root: str | None) -> tuple[Any, dict]:
         """Run on ``new``, a worker the backend restored from ``snapshot``, with everything else

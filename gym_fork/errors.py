@@ -94,6 +94,13 @@ class ForeignWorkspaceError(GymForkError, PermissionError):
     :class:`WorkerError` from a worker."""
 
 
+class ConcurrentUseError(GymForkError, RuntimeError):
+    """A second thread called an env (a step, a reset, any request) while another thread's call
+    to it was in flight. An env, like any Gymnasium env, takes one call at a time; its worker's
+    channel carries one request and its reply, so two at once would swap replies or hang. Nothing
+    was sent for the refused call; the other thread's call and the env go on."""
+
+
 class WorkerDiedError(GymForkError):
     """The worker process running the env died; the message says how (exit code or signal)."""
 

@@ -499,3 +499,77 @@ def _gym_fork_workers() -> list[int]:
             except OSError:
                 continue
     return out
+
+
+@pytest.mark.parametrize("backend", ["criu", "pickle"])
+def test_a_second_thread_calling_an_env_in_use_gets_a_clear_error(backend):
+    """Two threads calling one env swapped its replies (a reset's answer returned by a step:
+    "not enough values to unpack") and then hung. A call while another thread's is in flight
+    is now refused, nothing sent, and the first call and the env go on exactly."""
+    from gym_fork.errors import ConcurrentUseError
+
+    ref = gym.make("CartPole-v1")
+    ref.reset(seed=3)
+    env = gym_fork.ForkableEnv("CartPole-v1", backend=backend)
+    try:
+        env.reset(seed=3)
+        env.step_send(0)  # this thread's request is in flight until step_receive()
+        refused: list = []
+
+        def other() -> None:
+            for call in (lambda: env.step(1), lambda: env.reset(), lambda: env.snapshot(),
+                         lambda: env.unwrapped.gravity, lambda: env.step_send(1)):
+                try:
+                    call()
+                except ConcurrentUseError as e:
+                    refused.append(str(e))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+        assert not t.is_alive() and len(refused) == 5, refused
+        assert "one call at a time" in refused[0] and "Nothing was sent" in refused[0]
+        assert np.array_equal(env.step_receive()[0], ref.step(0)[0])  # its own reply
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(env.step(1)))  # free again: any thread may call
+        t.start()
+        t.join(30)
+        assert np.array_equal(out[0][0], ref.step(1)[0]) and env.steps == 2
+    finally:
+        env.close()
+
+
+def test_threads_racing_on_one_env_never_swap_replies_or_hang():
+    from gym_fork.errors import ConcurrentUseError
+
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    env.reset(seed=0)
+    done = {"steps": 0, "refused": 0}
+    other_errors: list = []
+    count = threading.Lock()
+
+    def work(action: int) -> None:
+        for _ in range(300):
+            try:
+                out = env.step(action)
+                assert len(out) == 5
+                with count:
+                    done["steps"] += 1
+            except ConcurrentUseError:
+                with count:
+                    done["refused"] += 1
+            except Exception as e:  # noqa: BLE001
+                other_errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=work, args=(a,)) for a in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "hung"
+        assert not other_errors, other_errors[:3]
+        assert done["steps"] + done["refused"] == 600 and env.steps == done["steps"]
+        assert env.step(0)[0].shape == (4,)
+    finally:
+        env.close()

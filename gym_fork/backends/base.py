@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from gym_fork.errors import BundleError, NotSendableError, StoreError, WorkerDiedError, remote_exception
+from gym_fork.errors import ConcurrentUseError, BundleError, NotSendableError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
 from gym_fork.worker import ring_slots
@@ -26,9 +26,59 @@ from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
 
 
+def _in_use_error(handle: "Handle", what: str) -> ConcurrentUseError:
+    who = f"its worker (pid {handle.pid})" if handle.pid else "it"
+    return ConcurrentUseError(
+        f"{what} from this thread while another thread's call to the same env is in flight: an env "
+        f"takes one call at a time (one request and its reply on the channel to {who}). Give each "
+        "thread its own env (env.fork() makes copies), or serialize the calls with a lock. Nothing "
+        "was sent for this call; the other thread's call and the env go on.")
+
+
 class Handle(abc.ABC):
+    """A running env: requests go to it one at a time.
+
+    One thread's request at a time, checked: ``_gate`` is held from a request's send to its
+    reply (across :meth:`send` and :meth:`receive` too), so a second thread's call is refused
+    with :class:`~gym_fork.errors.ConcurrentUseError` instead of reading the first one's reply (or
+    waiting forever for its own). A request made within one (a ring offered during a step) passes.
+    """
+
     pid: int | None = None
     closed: bool = False
+    _gate: threading.Lock
+    _holder = 0  # the thread whose request holds _gate (threading.get_ident())
+    _send_holds = False  # _gate was taken by send(): receive() (or the next request) lets it go
+
+    def _claim(self, what: str) -> bool:
+        """Take ``_gate`` for this thread's request: True when taken here (the caller lets it go),
+        False when this thread holds it already (a request within a request). Raises
+        ConcurrentUseError when another thread holds it."""
+        if self._gate.acquire(False):
+            self._holder = threading.get_ident()
+            return True
+        if self._holder != threading.get_ident():
+            raise _in_use_error(self, what)
+        if self._send_holds:  # this thread's send() whose reply it never read: this call takes over
+            self._send_holds = False
+            return True
+        return False
+
+    def _release(self) -> None:
+        self._holder = 0
+        self._send_holds = False
+        self._gate.release()
+
+    def _claim_for_send(self, cmd: str) -> None:
+        if self._claim(f"{cmd!r} was sent"):
+            self._send_holds = True  # until its reply is read
+        # else: within this thread's request, which lets _gate go
+
+    def _release_after_reply(self) -> None:
+        """The reply of a request sent with send() was read (or will never be): let go of
+        ``_gate`` where send() took it."""
+        if self._send_holds and self._holder == threading.get_ident():
+            self._release()
 
     @abc.abstractmethod
     def request(self, cmd: str, *args: Any) -> Any: ...
@@ -66,6 +116,7 @@ class LocalHandle(Handle):
     """The env lives in this process (pickle backend)."""
 
     def __init__(self, server: EnvServer):
+        self._gate = threading.Lock()
         self.server = server
         self._result: Any = None
         self._error: BaseException | None = None
@@ -75,12 +126,19 @@ class LocalHandle(Handle):
 
     def send(self, cmd: str, *args: Any) -> None:
         # In-process: do the work now, hand it over in receive() (keeps one code path for callers).
+        claimed = self._claim(f"{cmd!r} was sent")
         try:
             self._result, self._error = self.request(cmd, *args), None
         except Exception as e:  # noqa: BLE001
             self._result, self._error = None, e
+        finally:
+            # held until receive(): another thread's send would replace the result
+            self._send_holds = claimed
 
     def receive(self) -> Any:
+        if self._holder != threading.get_ident() and self._gate.locked():
+            raise _in_use_error(self, "a reply was read")
+        self._release_after_reply()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
@@ -89,11 +147,14 @@ class LocalHandle(Handle):
     def request(self, cmd: str, *args: Any) -> Any:
         if self.closed:
             raise WorkerDiedError("the in-process env was closed")
+        claimed = self._claim(repr(cmd))
         previous = files.track(self.written)
         try:
             return self.server.dispatch(cmd, args)
         finally:
             files.untrack(previous)
+            if claimed:
+                self._release()
 
     def kill(self) -> None:
         self.closed = True
@@ -112,6 +173,7 @@ class RemoteHandle(Handle):
 
     def __init__(self, chan: Channel, pid: int, ino: int, *, popen: subprocess.Popen | None = None,
                  child: bool = False, ns_root: bool = False, fork_tier: bool = False):
+        self._gate = threading.Lock()
         self.chan = chan
         self.pid = pid
         self.ino = ino
@@ -148,6 +210,22 @@ class RemoteHandle(Handle):
     RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "64"))
 
     def request(self, cmd: str, *args: Any) -> Any:
+        if self._gate.acquire(False):  # (Handle._claim, inline: this is every step's path)
+            self._holder = threading.get_ident()
+            try:
+                return self._request(cmd, args)
+            finally:
+                self._holder = 0
+                self._send_holds = False
+                self._gate.release()
+        if self._claim(repr(cmd)):  # after this thread's send() whose reply it never read
+            try:
+                return self._request(cmd, args)
+            finally:
+                self._release()
+        return self._request(cmd, args)  # a request within this thread's request
+
+    def _request(self, cmd: str, args: tuple) -> Any:
         if cmd == "step":
             if self._fast_steps and not (self._pending or self.closed):
                 return self._step(args[0])
@@ -259,10 +337,14 @@ class RemoteHandle(Handle):
         (and a new copy's ``hello`` can wait in its socket while the copy is being made)."""
         if self.closed:
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
+        self._claim_for_send(cmd)  # held until receive() has read the reply
         try:
             self._post(cmd, args)
-        except (ChannelClosed, OSError) as e:
-            raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
+        except BaseException as e:
+            self._release_after_reply()  # nothing is in flight for it
+            if isinstance(e, (ChannelClosed, OSError)):
+                raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
+            raise
 
     def begin_close(self) -> None:
         """Ask the worker to close its env without waiting, so that many workers close at once
@@ -279,6 +361,14 @@ class RemoteHandle(Handle):
 
     def receive(self) -> Any:
         """Second half of a request sent with :meth:`send`."""
+        if self._holder != threading.get_ident() and self._gate.locked():
+            raise _in_use_error(self, "a reply was read")
+        try:
+            return self._receive()
+        finally:
+            self._release_after_reply()
+
+    def _receive(self) -> Any:
         cmd = self._cmd
         try:
             if cmd == "step" and self.ring is None and self.POLLS:
@@ -318,8 +408,7 @@ class RemoteHandle(Handle):
         (one request in flight, always)."""
         chan = self.chan
         if self._pending:
-            self._read()
-            self._pending = False
+            self._drain()
         self._cmd, self._offered = cmd, False
         ring = self.ring
         if cmd == "step" and ring is None:
@@ -337,14 +426,27 @@ class RemoteHandle(Handle):
             self._send_plain((cmd, args))
         self._pending = True
 
+    def _drain(self) -> None:
+        """Read and drop the reply of a request whose caller never read it (interrupted, e.g.
+        by Ctrl-C; one request in flight, always)."""
+        self._read()
+        self._pending = False
+
     def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
         """A request that hands the worker one file descriptor (SCM_RIGHTS, right after it)."""
         if self.closed:
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
+        claimed = self._claim(repr(cmd))
+        try:
+            return self._request_with_fd(cmd, fd, args)
+        finally:
+            if claimed:
+                self._release()
+
+    def _request_with_fd(self, cmd: str, fd: int, args: tuple) -> Any:
         try:
             if self._pending:  # drain the reply of an interrupted request first
-                self._read()
-                self._pending = False
+                self._drain()
             self._send_plain((cmd, args))
             send_fds(self.chan.sock, b"F", [fd])
             reply = self._read()
