@@ -573,3 +573,30 @@ def test_threads_racing_on_one_env_never_swap_replies_or_hang():
         assert env.step(0)[0].shape == (4,)
     finally:
         env.close()
+
+
+def test_a_call_between_step_send_and_step_receive_is_refused_and_the_reply_kept():
+    """A snapshot (or any call) between step_send() and step_receive() read and dropped the
+    step's reply, and step_receive() then waited forever. It is refused now; the reply stays."""
+    from gym_fork.errors import ConcurrentUseError
+
+    ref = gym.make("CartPole-v1")
+    ref.reset(seed=0)
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        env.step_send(1)
+        for call in (env.snapshot, env.reset, lambda: env.step(0), lambda: env.unwrapped.gravity):
+            with pytest.raises(ConcurrentUseError, match="step_receive"):
+                call()
+        assert np.array_equal(env.step_receive()[0], ref.step(1)[0])
+        env.rollout_send([0, 1])
+        with pytest.raises(ConcurrentUseError, match="rollout_receive"):
+            env.snapshot()
+        out = env.rollout_receive()
+        ref.step(0)
+        assert np.array_equal(out["final_obs"], ref.step(1)[0]) and env.steps == 3
+        snap = env.snapshot()  # free again
+        assert snap.steps == 3
+    finally:
+        env.close()

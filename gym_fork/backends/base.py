@@ -59,8 +59,13 @@ class Handle(abc.ABC):
             return True
         if self._holder != threading.get_ident():
             raise _in_use_error(self, what)
-        if self._send_holds:  # this thread's send() whose reply it never read: this call takes over
-            self._send_holds = False
+        if self._send_holds:  # after this thread's send() whose reply it has not read
+            if getattr(self, "_pending", False):  # still in the channel: a request now would drop it
+                raise ConcurrentUseError(
+                    f"{what} while this thread's {getattr(self, '_cmd', '')!r} request, sent with step_send() or "
+                    "rollout_send(), waits for its reply: read it first (step_receive() / rollout_receive()), "
+                    "which returns it as it was. Nothing was sent for this call.")
+            self._send_holds = False  # its reply was read or dropped: this call takes over
             return True
         return False
 
