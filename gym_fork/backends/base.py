@@ -35,6 +35,9 @@ def _in_use_error(handle: "Handle", what: str) -> ConcurrentUseError:
         "was sent for this call; the other thread's call and the env go on.")
 
 
+_get_ident = threading.get_ident
+
+
 class Handle(abc.ABC):
     """A running env: requests go to it one at a time.
 
@@ -55,9 +58,9 @@ class Handle(abc.ABC):
         False when this thread holds it already (a request within a request). Raises
         ConcurrentUseError when another thread holds it."""
         if self._gate.acquire(False):
-            self._holder = threading.get_ident()
+            self._holder = _get_ident()
             return True
-        if self._holder != threading.get_ident():
+        if self._holder != _get_ident():
             raise _in_use_error(self, what)
         if self._send_holds:  # after this thread's send() whose reply it has not read
             if getattr(self, "_pending", False):  # still in the channel: a request now would drop it
@@ -82,7 +85,7 @@ class Handle(abc.ABC):
     def _release_after_reply(self) -> None:
         """The reply of a request sent with send() was read (or will never be): let go of
         ``_gate`` where send() took it."""
-        if self._send_holds and self._holder == threading.get_ident():
+        if self._send_holds and self._holder == _get_ident():
             self._release()
 
     @abc.abstractmethod
@@ -141,7 +144,7 @@ class LocalHandle(Handle):
             self._send_holds = claimed
 
     def receive(self) -> Any:
-        if self._holder != threading.get_ident() and self._gate.locked():
+        if self._holder != _get_ident() and self._gate.locked():
             raise _in_use_error(self, "a reply was read")
         self._release_after_reply()
         if self._error is not None:
@@ -215,8 +218,16 @@ class RemoteHandle(Handle):
     RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "64"))
 
     def request(self, cmd: str, *args: Any) -> Any:
-        if self._gate.acquire(False):  # (Handle._claim, inline: this is every step's path)
-            self._holder = threading.get_ident()
+        if cmd == "step" and self._fast_steps and not (self._pending or self.closed):
+            # every step's path: Handle._claim inline (a step makes no request within itself,
+            # so no holder is noted: any other thread's call is refused while the gate is held)
+            if self._gate.acquire(False):
+                try:
+                    return self._step(args[0])
+                finally:
+                    self._gate.release()
+        if self._gate.acquire(False):
+            self._holder = _get_ident()
             try:
                 return self._request(cmd, args)
             finally:
@@ -250,8 +261,8 @@ class RemoteHandle(Handle):
                 elif self.packed and not (self._pending or self.closed):
                     # until the ring is offered, steps poll for their replies as fast steps do
                     return self._step(args[0])
-        self.send(cmd, *args)
-        return self.receive()
+        self._send(cmd, args)  # (send() and receive() without their gate: request() holds it)
+        return self._receive()
 
     def adopt_pace(self, other: Handle) -> None:
         """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a
@@ -344,12 +355,18 @@ class RemoteHandle(Handle):
             raise WorkerDiedError(f"worker {self.pid} was already stopped")
         self._claim_for_send(cmd)  # held until receive() has read the reply
         try:
-            self._post(cmd, args)
-        except BaseException as e:
+            self._send(cmd, args)
+        except BaseException:
             self._release_after_reply()  # nothing is in flight for it
-            if isinstance(e, (ChannelClosed, OSError)):
-                raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
             raise
+
+    def _send(self, cmd: str, args: tuple) -> None:
+        if self.closed:
+            raise WorkerDiedError(f"worker {self.pid} was already stopped")
+        try:
+            self._post(cmd, args)
+        except (ChannelClosed, OSError) as e:
+            raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
 
     def begin_close(self) -> None:
         """Ask the worker to close its env without waiting, so that many workers close at once
@@ -366,7 +383,7 @@ class RemoteHandle(Handle):
 
     def receive(self) -> Any:
         """Second half of a request sent with :meth:`send`."""
-        if self._holder != threading.get_ident() and self._gate.locked():
+        if self._holder != _get_ident() and self._gate.locked():
             raise _in_use_error(self, "a reply was read")
         try:
             return self._receive()
