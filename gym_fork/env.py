@@ -871,12 +871,15 @@ class ForkableEnv(gym.Wrapper):
 
             return migrate_env_live(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
                                     netns=netns, insecure=insecure)
-        if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
-            return target._gym_fork_migrate(self, token=token, timeout=max(timeout, 60.0))
-        from gym_fork.migration.client import migrate_env
+        # stop-and-copy: no other thread's step between the freeze and the switch (it would run
+        # on the worker left behind and be lost)
+        with self._one_call("a migration was made"):
+            if not isinstance(target, str) and hasattr(target, "_gym_fork_migrate"):
+                return target._gym_fork_migrate(self, token=token, timeout=max(timeout, 60.0))
+            from gym_fork.migration.client import migrate_env
 
-        return migrate_env(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
-                           netns=netns, insecure=insecure)
+            return migrate_env(self, target, token=token, token_file=token_file, tls=tls, timeout=timeout,
+                               netns=netns, insecure=insecure)
 
     # --- internals -----------------------------------------------------------------------------
     def _end_live(self, why: str) -> None:

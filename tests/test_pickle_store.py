@@ -146,3 +146,46 @@ def test_a_stored_pickle_changed_in_the_store_is_not_unpickled(tmp_path, verify)
         assert np.asarray(env.step(1)[0]).shape == (4,)
     finally:
         env.close()
+
+
+STORE_SET_CHILD = """
+import sys
+import gym_fork, agent_envs
+store = gym_fork.SnapshotStore(sys.argv[2])
+if sys.argv[1] == "save":
+    env = gym_fork.ForkableEnv(agent_envs.items_in_view, backend="pickle", store=store)
+    env.reset(seed=0)
+    for a in (0, 1, 2):
+        env.step(a)
+    print(env.snapshot().pin().id)
+else:
+    try:
+        env = gym_fork.ForkableEnv.from_snapshot(store.load(sys.argv[3]))
+    except gym_fork.errors.BundleError as e:
+        print("refused:", e)
+        sys.exit(0)
+print(" ".join(env.step(0)[4]["first"] for _ in range(3)))
+env.close()
+"""
+
+
+def test_a_stored_pickle_whose_set_order_follows_the_string_hash_seed(tmp_path, monkeypatch):
+    """As for bundles: a stored pickle of an env holding a set of strings continues exactly in a
+    process with the same PYTHONHASHSEED and is refused, naming the set, under another."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("GYM_FORK_KEY_FILE", str(tmp_path / "key"))
+
+    def run(seed: int, *args: str) -> list[str]:
+        env = {**os.environ, "PYTHONHASHSEED": str(seed),
+               "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, "-c", STORE_SET_CHILD, *args], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()
+
+    store = str(tmp_path / "store")
+    sid, saved = run(1, "save", store)
+    assert run(1, "load", store, sid) == [saved]
+    (refused,) = run(2, "load", store, sid)
+    assert refused.startswith("refused:") and "string hashes differ" in refused
+    assert "env.items (a set of strs" in refused and "Nothing was restored" in refused
