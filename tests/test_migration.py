@@ -840,3 +840,46 @@ def test_bad_targets_fail_at_once_and_leave_the_env_alone():
         single.step(0)
     finally:
         single.close()
+
+
+def test_a_step_from_another_thread_during_a_migration_is_refused_not_lost(lo):
+    """A stop-and-copy move freezes the worker, ships it (a second or so) and switches over: a
+    step another thread made meanwhile ran on the worker left behind and was lost (the moved env
+    went on from before it). Such steps are refused now; those before and after are exact."""
+    import threading
+
+    from gym_fork.errors import ConcurrentUseError
+
+    env, ref = _pair(_actions(30))
+    done, refused, took = threading.Event(), [0], []
+    acts = iter(_actions(100000, seed=4))
+
+    def stepper() -> None:
+        while not done.is_set():
+            a = next(acts)
+            try:
+                env.step(a)
+                took.append(a)
+            except ConcurrentUseError:
+                refused[0] += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=stepper)
+    try:
+        t.start()
+        time.sleep(0.1)
+        rep = env.migrate(lo.target["B"], token=lo.token)
+        time.sleep(0.1)
+        done.set()
+        t.join(30)
+        assert rep["node"] == "B" and refused[0] > 0, (rep, refused)
+        assert env.steps == 30 + len(took)
+        for a in took:  # the reference takes the steps that were taken, in order
+            ref.step(a)
+        after = _actions(20, seed=5)
+        assert_same_traj(run_actions(env, after)[0], run_actions(ref, after)[0])
+    finally:
+        done.set()
+        env.close()
+        ref.close()
+    _clean(lo.agents["B"])
