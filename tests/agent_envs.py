@@ -1172,3 +1172,33 @@ class ForeignTerminalEnv(_Base):
 
 def foreign_terminal(slave_name: str):
     return ForeignTerminalEnv(slave_name)
+
+
+#: A process that saves a pickle snapshot of :func:`items_in_view` after three steps (``save
+#: DIR``: a bundle at DIR; ``save DIR store``: pinned in the SnapshotStore at DIR, its id printed)
+#: or restores it (``load DIR`` / ``load DIR ID``), then prints what the env observes next; a
+#: refused load prints ``refused: <why>``. Run it under different PYTHONHASHSEEDs.
+HASH_ORDER_CHILD = """
+import sys
+import gym_fork, agent_envs
+mode, path, sid = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else None)
+store = gym_fork.SnapshotStore(path) if sid else None
+if mode == "save":
+    env = gym_fork.ForkableEnv(agent_envs.items_in_view, backend="pickle", store=store)
+    env.reset(seed=0)
+    for a in (0, 1, 2):
+        env.step(a)
+    snap = env.snapshot()
+    if store is None:
+        snap.save(path)
+    else:
+        print(snap.pin().id)
+else:
+    try:
+        env = gym_fork.ForkableEnv.from_snapshot(store.load(sid) if store else gym_fork.load_snapshot(path))
+    except gym_fork.errors.BundleError as e:
+        print("refused:", e)
+        sys.exit(0)
+print(" ".join(env.step(0)[4]["first"] for _ in range(3)))
+env.close()
+"""

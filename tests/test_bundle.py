@@ -16,6 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import agent_envs
 import gym_fork
 from gym_fork import keys
 from gym_fork.errors import BundleError
@@ -78,28 +79,6 @@ def _private_key(tmp_path, monkeypatch):
     monkeypatch.delenv("GYM_FORK_KEY", raising=False)
 
 
-SET_CHILD = textwrap.dedent(
-    """
-    import sys
-    import gym_fork, agent_envs
-    if sys.argv[1] == "save":
-        env = gym_fork.ForkableEnv(agent_envs.items_in_view, backend="pickle")
-        env.reset(seed=0)
-        for a in (0, 1, 2):
-            env.step(a)
-        env.snapshot().save(sys.argv[2])
-    else:
-        try:
-            env = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(sys.argv[2]))
-        except gym_fork.errors.BundleError as e:
-            print("refused:", e)
-            sys.exit(0)
-    print(" ".join(env.step(0)[4]["first"] for _ in range(3)))
-    env.close()
-    """
-)
-
-
 def test_a_pickle_bundle_whose_set_order_follows_the_string_hash_seed(tmp_path):
     """A set of strings iterates in an order that follows the process's string hashes
     (PYTHONHASHSEED): a pickle bundle saved under one seed continues exactly under the same seed
@@ -109,7 +88,7 @@ def test_a_pickle_bundle_whose_set_order_follows_the_string_hash_seed(tmp_path):
     def run(seed: int, *args: str) -> str:
         env = {**os.environ, "GYM_FORK_KEY_FILE": keys.key_file(), "PYTHONHASHSEED": str(seed),
                "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-        out = subprocess.run([sys.executable, "-c", SET_CHILD, *args], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", agent_envs.HASH_ORDER_CHILD, *args], capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.strip().splitlines()[-1]

@@ -12,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+import agent_envs
 import gym_fork
 from gym_fork import SnapshotStore
 from gym_fork.errors import SnapshotCorruptedError
@@ -148,27 +149,6 @@ def test_a_stored_pickle_changed_in_the_store_is_not_unpickled(tmp_path, verify)
         env.close()
 
 
-STORE_SET_CHILD = """
-import sys
-import gym_fork, agent_envs
-store = gym_fork.SnapshotStore(sys.argv[2])
-if sys.argv[1] == "save":
-    env = gym_fork.ForkableEnv(agent_envs.items_in_view, backend="pickle", store=store)
-    env.reset(seed=0)
-    for a in (0, 1, 2):
-        env.step(a)
-    print(env.snapshot().pin().id)
-else:
-    try:
-        env = gym_fork.ForkableEnv.from_snapshot(store.load(sys.argv[3]))
-    except gym_fork.errors.BundleError as e:
-        print("refused:", e)
-        sys.exit(0)
-print(" ".join(env.step(0)[4]["first"] for _ in range(3)))
-env.close()
-"""
-
-
 def test_a_stored_pickle_whose_set_order_follows_the_string_hash_seed(tmp_path, monkeypatch):
     """As for bundles: a stored pickle of an env holding a set of strings continues exactly in a
     process with the same PYTHONHASHSEED and is refused, naming the set, under another."""
@@ -178,13 +158,13 @@ def test_a_stored_pickle_whose_set_order_follows_the_string_hash_seed(tmp_path, 
     def run(seed: int, *args: str) -> list[str]:
         env = {**os.environ, "PYTHONHASHSEED": str(seed),
                "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-        out = subprocess.run([sys.executable, "-c", STORE_SET_CHILD, *args], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", agent_envs.HASH_ORDER_CHILD, *args], capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.strip().splitlines()
 
     store = str(tmp_path / "store")
-    sid, saved = run(1, "save", store)
+    sid, saved = run(1, "save", store, "store")
     assert run(1, "load", store, sid) == [saved]
     (refused,) = run(2, "load", store, sid)
     assert refused.startswith("refused:") and "string hashes differ" in refused
