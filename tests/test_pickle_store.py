@@ -169,3 +169,23 @@ def test_a_stored_pickle_whose_set_order_follows_the_string_hash_seed(tmp_path, 
     (refused,) = run(2, "load", store, sid)
     assert refused.startswith("refused:") and "string hashes differ" in refused
     assert "env.items (a set of strs" in refused and "Nothing was restored" in refused
+
+
+def test_snapshots_at_an_episode_end_do_not_warn_from_the_pickle_check():
+    """The pickle backend steps two copies to check a snapshot; stepping a copy of an env whose
+    episode had ended made Gymnasium warn "step() ... already returned terminated" in the user's
+    process at each such snapshot (46 times in a short PPO run with branch exploration)."""
+    import warnings
+
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="pickle")
+    try:
+        env.reset(seed=0)
+        while not env.step(1)[2]:
+            pass
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            snaps = [env.snapshot() for _ in range(4)]  # the check runs at the 1st, 2nd and 4th
+        assert not [w for w in seen if "terminated" in str(w.message)], [str(w.message) for w in seen]
+        assert len(snaps) == 4
+    finally:
+        env.close()

@@ -30,6 +30,7 @@ import random
 import shutil
 import sys
 import tempfile
+import warnings
 from typing import Any, Callable
 
 import cloudpickle
@@ -151,7 +152,10 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
             rec = files.Record()  # as in a fork() child: the original's directory is not the copy's
             rec.workspace, rec.foreign = private, (os.path.normpath(os.path.abspath(original)) if private else None)
             try:
-                with files.tracking(rec):
+                # the copies' own warnings are not the user's (Gymnasium's "step() after
+                # terminated", for a snapshot taken at an episode's end), nor is what they print
+                with files.tracking(rec), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     runs.append(_run(env, actions))
             finally:
                 try:
