@@ -153,7 +153,7 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
             rec.workspace, rec.foreign = private, (os.path.normpath(os.path.abspath(original)) if private else None)
             try:
                 # the copies' own warnings are not the user's (Gymnasium's "step() after
-                # terminated", for a snapshot taken at an episode's end), nor is what they print
+                # terminated", for a snapshot taken at an episode's end)
                 with files.tracking(rec), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     runs.append(_run(env, actions))
