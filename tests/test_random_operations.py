@@ -2,7 +2,8 @@
 
 Single envs: ``step``, ``step_send``/``step_receive``, ``rollout``, ``reset``, ``snapshot``,
 ``restore``, ``fork``, ``close``, ``persist``, ``release``, ``save``/``load_snapshot``,
-``explore`` and ``from_snapshot``, on any live env or snapshot, in any order.  The model is the
+``explore`` (open loop, a closed-loop policy here or in the workers) and ``from_snapshot``, on
+any live env or snapshot, in any order.  The model is the
 env's event history (resets with their seeds, then actions): every observation gym_fork returns
 must equal, bit for bit, what a fresh in-process env gives after replaying that history.  Each
 seed is one reproducible sequence; a failure prints the operations that led to it.
@@ -113,6 +114,13 @@ class _Run:
         return [s for s in self.saved if s.snap.lineage in (None, env._lineage)]
 
 
+def _policy(n_actions: int):
+    """A deterministic closed-loop policy (a closure: cloudpickle ships it to workers by value)."""
+    def policy(obs) -> int:
+        return int(abs(float(np.asarray(obs, dtype=np.float64).ravel()[0])) * 1e4) % n_actions
+    return policy
+
+
 def _one_op(run: _Run, tmp_path, i: int) -> None:
     rng = run.rng
     eid = rng.choice(sorted(run.envs))
@@ -200,13 +208,20 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
         options = [s for s in run.restorable(env) if not s.done]
         if options:
             s = rng.choice(options)
-            actions = [[act() for _ in range(5)] for _ in range(2)]
             keep = rng.random() < 0.5
-            run.log.append((eid, "explore", run.saved.index(s), actions, keep))
-            res = gym_fork.explore(env, s.snap, None, n_branches=2, horizon=5, rng="same", actions=actions,
-                                   return_snapshots=keep)
+            how = rng.choice(["actions", "policy", "policy_in_worker"])
+            policy = _policy(run.n_actions)
+            actions = [[act() for _ in range(5)] for _ in range(2)] if how == "actions" else None
+            run.log.append((eid, "explore", how, run.saved.index(s), actions, keep))
+            res = gym_fork.explore(env, s.snap, None if actions else policy, n_branches=2, horizon=5, rng="same",
+                                   actions=actions, return_snapshots=keep,
+                                   policy_in_worker=how == "policy_in_worker")
             for b in res.branches:
                 h = s.history + [("step", a) for a in b.actions]
+                if actions is None:  # closed loop: each action is the policy's answer to what it saw
+                    seen = [replay(run.replay_factory or run.factory, s.history + [("step", a) for a in b.actions[:t]])[0]
+                            for t in range(b.length)]
+                    assert [policy(o) for o in seen] == [int(a) for a in b.actions], f"explore {i}: {run.log[-6:]}"
                 want = run.check(b.final_obs, h, f"explore {i}, branch {b.index}")
                 if keep:
                     run.saved.append(_Saved(b.snapshot, h, bool(want[2] or want[3]), eid))
