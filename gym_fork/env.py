@@ -326,7 +326,8 @@ class ForkableEnv(gym.Wrapper):
 
     def step_send(self, action: Any) -> None:
         """First half of :meth:`step`: the worker starts stepping; collect with :meth:`step_receive`.
-        Lets many ForkableEnvs step in parallel from one thread."""
+        Lets many ForkableEnvs step in parallel from one thread. Until its reply is read, this env
+        takes no other call (:class:`~gym_fork.errors.ConcurrentUseError`: it would drop the reply)."""
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
         self._handle.send("step", action)
