@@ -351,8 +351,6 @@ class RemoteHandle(Handle):
     def send(self, cmd: str, *args: Any) -> None:
         """First half of a request: send it, so several workers can compute at the same time
         (and a new copy's ``hello`` can wait in its socket while the copy is being made)."""
-        if self.closed:
-            raise WorkerDiedError(f"worker {self.pid} was already stopped")
         self._claim_for_send(cmd)  # held until receive() has read the reply
         try:
             self._send(cmd, args)

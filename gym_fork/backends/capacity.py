@@ -75,10 +75,9 @@ def copy_cost(payload: Any) -> CopyCost:
     from gym_fork.backends.criu import CriuPayload, ForkPayload
     from gym_fork.backends.pickle import PickleFile
 
-    if isinstance(payload, PickleFile):
-        return CopyCost(0, 0, max(3 * payload.size, 64 << 10), "an unpickled copy in this process")
-    if isinstance(payload, (bytes, bytearray)):
-        return CopyCost(0, 0, max(3 * len(payload), 64 << 10), "an unpickled copy in this process")
+    if isinstance(payload, (bytes, bytearray, PickleFile)):
+        size = payload.size if isinstance(payload, PickleFile) else len(payload)
+        return CopyCost(0, 0, max(3 * size, 64 << 10), "an unpickled copy in this process")
     if isinstance(payload, ForkPayload) and payload.chan is not None:
         anon = _anonymous_bytes(payload.pid)
         anon = 64 << 20 if anon is None else anon

@@ -184,15 +184,8 @@ class PickleBackend(Backend):
         return _PickleHandle(server), server.cmd_meta()
 
     def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[bytes, int]:
+        # (ForkableEnv.snapshot holds the handle's gate: no other thread steps the env meanwhile)
         assert isinstance(handle, _PickleHandle)
-        claimed = handle._claim("a snapshot was taken")  # not while another thread steps the env
-        try:
-            return self._snapshot(handle)
-        finally:
-            if claimed:
-                handle._release()
-
-    def _snapshot(self, handle: _PickleHandle) -> tuple[bytes, int]:
         s = handle.server
         try:
             blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
