@@ -660,6 +660,8 @@ class ForkableEnv(gym.Wrapper):
         :class:`~gym_fork.snapshots.snapshot.RestoreRate`); ``counted``: one of the snapshots the
         env's restore rate counts (those the user takes)."""
         self._check_open()
+        # a snapshot copies the local worker, which the target of a live migration cannot replay
+        self._end_live("a snapshot was taken (snapshot(), or fork()/explore() from the current state)")
         sid = new_id()
         with self._one_call("a snapshot was taken"):  # no other thread's step between its requests
             payload, size = self._backend.snapshot(self._handle, sid, ready_copy=ready_copy)

@@ -604,6 +604,45 @@ def test_live_migration_result_switches_without_further_steps(netnodes):
     _clean(netnodes.agents["B"])
 
 
+@pytest.mark.parametrize("call", ["snapshot", "fork", "explore"])
+def test_a_snapshot_during_a_live_migration_cancels_it(lo, call):
+    """The live module's promise: a snapshot (also fork()/explore() from the current state) cancels
+    the migration and the env runs on here (it raised a bare AssertionError: the backend was
+    handed the migration's recording handle)."""
+    from gym_fork.migration import MigrationError
+
+    env, ref = _pair(_actions(30))
+    try:
+        mig = env.migrate(lo.target["B"], token=lo.token, live=True)
+        acts = _actions(5, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        if call == "snapshot":
+            snap = env.snapshot()
+        elif call == "fork":
+            [kid], [ref_kid] = env.fork(), ref.fork()
+            assert_same_traj(run_actions(kid, acts)[0], run_actions(ref_kid, acts)[0])
+            kid.close()
+            ref_kid.close()
+        else:
+            res = gym_fork.explore(env, None, None, actions=[acts], n_branches=1, horizon=5)
+            assert res.branches[0].length == 5
+        assert mig.state == "cancelled" and env._live is None
+        with pytest.raises(MigrationError, match=r"cancelled: a snapshot was taken"):
+            mig.result()
+        assert not isinstance(env._handle, NetworkHandle)  # local, and exact
+        acts = _actions(40, seed=3)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        if call == "snapshot":
+            env.restore(snap)
+            ref.reset(seed=3)
+            run_actions(ref, _actions(30) + _actions(5, seed=2))
+            assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(lo.agents["B"])
+
+
 def test_live_migration_of_an_env_that_reads_the_clock_is_refused(netnodes):
     from gym_fork.errors import DivergedError
 
