@@ -12,15 +12,32 @@ session's unprivileged user + mount namespace, ``--unprivileged``; see :mod:`gym
 
 from __future__ import annotations
 
+import errno
 import os
+import random
+import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gym_fork.criu.status import children_by_parent, criu_status, criu_timeout, new_client
+
+
+#: CRIU's parasite, inside every process it dumps whose ``/proc`` is not its own PID namespace's
+#: (a worker is PID 1 of a namespace of its own), makes a directory of this name in that process's
+#: working directory, mounts a proc there for a moment and removes it.  Two dumps at once of
+#: processes with one working directory (two learners started in one project directory, a live
+#: migration's dump beside a snapshot's) collide on it: one fails with "Can't create a directory
+#: (-17)" -- 3 in 120 dumps of two learners here.  :func:`dump` tries again.
+PARASITE_PROC_DIR = "proc.crtools"
+#: how long :func:`dump` tries again while another dump holds :data:`PARASITE_PROC_DIR` (it holds it
+#: for milliseconds); still there after that, and empty, it is a leftover of a dump that was killed
+PARASITE_DIR_WAIT_S = 5.0
+_PARASITE_MKDIR = "Can't create a directory ("  # parasite.c, followed by -errno
 
 
 def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[str] = (),
@@ -40,10 +57,47 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
         timeout: seconds before criu is killed (default ``$GYM_FORK_CRIU_TIMEOUT``, 60).
         options: further pycriu ``opts`` fields, e.g. ``{"tcp_established": True, "ghost_limit": N}``.
 
+    A dump that meets another one's :data:`PARASITE_PROC_DIR` in a working directory is tried
+    again (the failed try left the tree running); an empty one older than
+    :data:`PARASITE_DIR_WAIT_S` is a leftover and removed.
+
     Raises:
         TimeoutError: the dump took longer than ``timeout``; criu was killed.
+        OSError: CRIU could not make its temporary directory in the working directory of a
+            process of the tree (read-only, or a :data:`PARASITE_PROC_DIR` that stays); the
+            message names it.
         Exception: pycriu's own errors for a failed dump (see the log).
     """
+    before = set(os.listdir(images_dir))
+    # (a directory made just before the first try is a leftover once PARASITE_DIR_WAIT_S old)
+    deadline = time.monotonic() + 2 * PARASITE_DIR_WAIT_S
+    while True:
+        try:
+            _dump_once(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options)
+            return
+        except TimeoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - pycriu's errors: read the log for the parasite's
+            err = _parasite_mkdir_errno(os.path.join(images_dir, log_file))
+            if err is None:
+                raise
+            if err != errno.EEXIST:
+                raise OSError(err, f"CRIU's parasite could not make its temporary directory "
+                                   f"{PARASITE_PROC_DIR!r} in the working directory of a process it dumps "
+                                   f"({_cwds(pid)}): {os.strerror(err)}. Start the env in a directory it "
+                                   f"may write to") from e
+            if not _remove_leftover_proc_dirs(pid) and time.monotonic() > deadline:
+                raise OSError(err, f"CRIU's temporary directory {PARASITE_PROC_DIR!r} stays in the working "
+                                   f"directory of a process it dumps ({_cwds(pid)}) and is not an empty "
+                                   f"leftover of an earlier dump; remove it") from e
+            for name in set(os.listdir(images_dir)) - before:  # the failed attempt's images and log
+                path = os.path.join(images_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+            time.sleep(random.uniform(0.002, 0.02))  # apart from the other dump's next try
+
+
+def _dump_once(pid: int, images_dir: str, leave_running: bool, external: Sequence[str], mode: str,
+               binary: str | None, log_file: str, timeout: float | None, options: Mapping[str, Any] | None) -> None:
     dfd = os.open(images_dir, os.O_DIRECTORY)
     try:
         c = _client(mode, binary, dfd, None)
@@ -57,6 +111,65 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
         _call(c, "dump", f"CRIU dump of process {pid}", timeout)
     finally:
         os.close(dfd)
+
+
+def _parasite_mkdir_errno(log: str) -> int | None:
+    """The errno of the parasite's failed ``mkdir(PARASITE_PROC_DIR)`` in a dump's log, if that failed it."""
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                at = line.find(_PARASITE_MKDIR)
+                if at >= 0 and "parasite" in line:
+                    try:
+                        return -int(line[at + len(_PARASITE_MKDIR):].split(")", 1)[0])
+                    except ValueError:
+                        return None
+    except OSError:
+        pass
+    return None
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    kids = children_by_parent()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _cwds(pid: int) -> str:
+    """The working directories of the tree at ``pid`` (as their processes see them)."""
+    seen: list[str] = []
+    for p in _tree(pid):
+        try:
+            cwd = os.readlink(f"/proc/{p}/cwd")
+        except OSError:
+            continue
+        if cwd not in seen:
+            seen.append(cwd)
+    return ", ".join(seen) or "unknown"
+
+
+def _remove_leftover_proc_dirs(pid: int) -> bool:
+    """Remove each empty :data:`PARASITE_PROC_DIR` older than :data:`PARASITE_DIR_WAIT_S` in a
+    working directory of the tree at ``pid`` (reached through ``/proc/PID/cwd``: the process's own
+    mount namespace), the leftover of a dump killed between its mkdir and rmdir. Not a mount point
+    (a dump using it right now). Returns whether one was removed."""
+    removed = False
+    for p in _tree(pid):
+        path = f"/proc/{p}/cwd/{PARASITE_PROC_DIR}"
+        try:
+            st, parent = os.lstat(path), os.stat(f"/proc/{p}/cwd")
+            if (stat.S_ISDIR(st.st_mode) and st.st_dev == parent.st_dev
+                    and time.time() - st.st_mtime > PARASITE_DIR_WAIT_S):
+                os.rmdir(path)  # (only an empty one)
+                removed = True
+        except OSError:
+            continue
+    return removed
 
 
 def restore(images_dir: str, *, inherit_fd: Mapping[str, int] | None = None, rst_sibling: bool = True,
