@@ -18,7 +18,7 @@ tests=(tests/unit tests/test_fork_tier.py tests/test_agent_envs.py tests/test_er
        tests/compat/test_boundary.py tests/compat/test_copy.py tests/compat/test_check.py
        tests/compat/test_wrappers.py tests/compat/test_vector.py tests/test_random_operations.py
        tests/test_pickle_store.py)
-deselect="not torch"  # the tests that need torch (installed in .venv only)
+deselect="not torch and not atari"  # the tests that need torch or ALE (installed in .venv only)
 failed=()
 
 find_python() {  # $1 = 3.X -> the path of an interpreter that runs and is 3.X, or nothing

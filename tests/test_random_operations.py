@@ -31,6 +31,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 import gym_fork
 from gym_fork import ForkableEnv, SnapshotStore
 from gym_fork.vector import ForkableVectorEnv
+from gym_fork.worker import reseed
 
 from conftest import same
 import agent_envs
@@ -52,16 +53,57 @@ def global_random() -> gym.Env:
     return gym.wrappers.TimeLimit(random_envs.GlobalRandomEnv(), 40)
 
 
+class _ActionTable(gym.ActionWrapper):
+    """Actions by number from a fixed table: a continuous-action env in the harness, whose
+    actions are small ints."""
+
+    def __init__(self, env: gym.Env, table: list):
+        super().__init__(env)
+        self.table = [np.asarray(a, dtype=env.action_space.dtype) for a in table]
+        self.action_space = gym.spaces.Discrete(len(table))
+
+    def action(self, action: int) -> np.ndarray:
+        return self.table[int(action)]
+
+
+def half_cheetah() -> gym.Env:
+    """MuJoCo: native simulator state, which only a whole-process snapshot carries."""
+    env = gym.make("HalfCheetah-v5", max_episode_steps=40)
+    return _ActionTable(env, [np.zeros(6), np.full(6, 0.7), np.full(6, -0.7), [1, -1, 1, -1, 1, -1]])
+
+
+def pong_ram() -> gym.Env:
+    """ALE: the emulator and its sticky-action RNG (native); observed through the console's RAM."""
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return gym.make("ALE/Pong-v5", obs_type="ram", max_episode_steps=60)
+
+
 def replay(factory, history: list) -> tuple:
-    """What an in-process env answers last after ``history`` (``("reset", seed)``, ``("step", a)``).
-    ``factory`` may also be a :class:`_Reused` model env."""
+    """What an in-process env answers last after ``history`` (``("reset", seed)``, ``("step", a)``,
+    ``("reseed", (seed, process_wide))``: a copy made by ``fork(..., rng="reseed")``, whose
+    generators are reseeded as its worker reseeds them, with the process-wide ones when the copy
+    has a process to itself). ``factory`` may also be a :class:`_Reused` model env."""
     env = factory.env if isinstance(factory, _Reused) else factory()
     out: tuple = ()
     for kind, arg in history:
+        if kind == "reseed":
+            _reseed_like_a_copy(env, *arg)
+            continue
         out = env.reset(seed=arg) if kind == "reset" else env.step(arg)
     if not isinstance(factory, _Reused):
         env.close()
     return out
+
+
+def _reseed_like_a_copy(env: gym.Env, seed: int, process_wide: bool) -> None:
+    was = reseed._own_process
+    reseed._own_process = process_wide  # (this process's globals stand in for the worker's)
+    try:
+        reseed.reseed_env(env, seed)
+    finally:
+        reseed._own_process = was
 
 
 class _Reused:
@@ -92,6 +134,11 @@ class _Run:
     replay_factory: object = None  # the model's env, when it differs (a fresh workspace each time)
     workspaces: str | None = None  # where from_snapshot() makes workspaces (an env with one)
     private_dirs: list | None = None  # what from_snapshot() must be told (an env with some)
+    # fork(..., rng="reseed") too: whether a copy's reseed reaches process-wide generators (a
+    # worker's; not a pickle copy's, in this process); None: copies keep their snapshot's randomness
+    reseeds_process_wide: bool | None = None
+    agent: object = None  # a gym_fork.testing.nodes.Nodes: envs also migrate() to its agent "B"
+    migrations: list = field(default_factory=list)  # live migrations started (each must end)
     envs: dict = field(default_factory=dict)  # id -> [ForkableEnv, history, done]
     saved: list = field(default_factory=list)
     log: list = field(default_factory=list)
@@ -102,13 +149,23 @@ class _Run:
         self.next_id += 1
 
     def check(self, got_obs, history: list, what: str) -> tuple:
-        if not history:  # a snapshot taken before the first reset: nothing was observed yet
+        if all(kind == "reseed" for kind, _ in history):  # taken before the first reset: nothing observed yet
             assert got_obs is None, f"{what}: {got_obs!r} before any reset"
             return ()
         want = replay(self.replay_factory or self.factory, history)
         assert same(np.asarray(got_obs), np.asarray(want[0])), (
             f"{what}: gym_fork {got_obs} vs in-process {want[0]}\nops so far (last 12): {self.log[-12:]}")
         return want
+
+    def seeds(self, n: int) -> list[int] | None:
+        """Seeds for ``n`` reseeded copies, half of the time (when this run reseeds at all)."""
+        if self.reseeds_process_wide is None or self.rng.random() < 0.5:
+            return None
+        return [self.rng.randrange(2**32) for _ in range(n)]
+
+    def reseeded(self, seeds: list[int] | None, k: int) -> list:
+        """The event that starts copy ``k``'s history (none for a copy that was not reseeded)."""
+        return [] if seeds is None else [("reseed", (seeds[k], self.reseeds_process_wide))]
 
     def restorable(self, env: ForkableEnv) -> list[_Saved]:
         return [s for s in self.saved if s.snap.lineage in (None, env._lineage)]
@@ -121,6 +178,12 @@ def _policy(n_actions: int):
     return policy
 
 
+def _migrated(env: ForkableEnv) -> bool:
+    from gym_fork.migration.client import NetworkHandle
+
+    return isinstance(env._handle, NetworkHandle)
+
+
 def _one_op(run: _Run, tmp_path, i: int) -> None:
     rng = run.rng
     eid = rng.choice(sorted(run.envs))
@@ -128,6 +191,21 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
     env, history, done = entry
     act = lambda: rng.randrange(run.n_actions)  # noqa: E731
     r = rng.random()
+    if run.agent is not None and rng.random() < 0.1:
+        _migration_op(run, eid, i)
+        return
+    if _migrated(env) and 0.62 <= r < 0.85 and r >= 0.72:  # restore, fork: need a local worker
+        from gym_fork.errors import MigratedEnvError
+
+        options = run.restorable(env)
+        if options:
+            run.log.append((eid, "restore/fork on a migrated env"))
+            with pytest.raises(MigratedEnvError):
+                if r < 0.80:
+                    env.restore(rng.choice(options).snap)
+                else:
+                    env.fork(rng.choice(options).snap)
+        return
     if r < 0.55:
         if done:
             # the first reset is seeded (unseeded, it draws fresh entropy); later ones go on from
@@ -165,6 +243,12 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
     elif r < 0.72:
         restore_soon = rng.choice([None, True, False])
         run.log.append((eid, "snapshot", restore_soon))
+        if _migrated(env):
+            from gym_fork.errors import MigratedEnvError
+
+            with pytest.raises(MigratedEnvError):
+                env.snapshot(restore_soon=restore_soon)
+            return
         run.saved.append(_Saved(env.snapshot(restore_soon=restore_soon), list(history), done, eid))
     elif r < 0.80:
         options = run.restorable(env)
@@ -180,9 +264,11 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
         if options:
             s = rng.choice(options)
             n = rng.randrange(1, 3)
-            run.log.append((eid, "fork", run.saved.index(s), n))
-            for kid in env.fork(s.snap, n):
-                run.add(kid, list(s.history), s.done)
+            seeds = run.seeds(n)
+            run.log.append((eid, "fork", run.saved.index(s), n, seeds))
+            kids = env.fork(s.snap, n, rng="reseed" if seeds else "same", seeds=seeds)
+            for k, kid in enumerate(kids):
+                run.add(kid, s.history + run.reseeded(seeds, k), s.done)
     elif r < 0.88 and len(run.envs) > 1:
         run.log.append((eid, "close"))
         env.close()
@@ -206,20 +292,23 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
         run.saved.append(_Saved(gym_fork.load_snapshot(path), list(s.history), s.done, None))
     elif r < 0.97:
         options = [s for s in run.restorable(env) if not s.done]
-        if options:
+        if options and not _migrated(env):  # (explore() forks copies of env's worker)
             s = rng.choice(options)
             keep = rng.random() < 0.5
             how = rng.choice(["actions", "policy", "policy_in_worker"])
             policy = _policy(run.n_actions)
             actions = [[act() for _ in range(5)] for _ in range(2)] if how == "actions" else None
-            run.log.append((eid, "explore", how, run.saved.index(s), actions, keep))
-            res = gym_fork.explore(env, s.snap, None if actions else policy, n_branches=2, horizon=5, rng="same",
+            seeds = run.seeds(2)
+            run.log.append((eid, "explore", how, run.saved.index(s), actions, keep, seeds))
+            res = gym_fork.explore(env, s.snap, None if actions else policy, n_branches=2, horizon=5,
+                                   rng="reseed" if seeds else "same", seeds=seeds,
                                    actions=actions, return_snapshots=keep,
                                    policy_in_worker=how == "policy_in_worker")
             for b in res.branches:
-                h = s.history + [("step", a) for a in b.actions]
+                start = s.history + run.reseeded(seeds, b.index)
+                h = start + [("step", a) for a in b.actions]
                 if actions is None:  # closed loop: each action is the policy's answer to what it saw
-                    seen = [replay(run.replay_factory or run.factory, s.history + [("step", a) for a in b.actions[:t]])[0]
+                    seen = [replay(run.replay_factory or run.factory, start + [("step", a) for a in b.actions[:t]])[0]
                             for t in range(b.length)]
                     assert [policy(o) for o in seen] == [int(a) for a in b.actions], f"explore {i}: {run.log[-6:]}"
                 want = run.check(b.final_obs, h, f"explore {i}, branch {b.index}")
@@ -235,11 +324,41 @@ def _one_op(run: _Run, tmp_path, i: int) -> None:
         run.add(new, list(s.history), s.done)  # its next step is checked like any other
 
 
+def _migration_op(run: _Run, eid: int, i: int) -> None:
+    """Move env ``eid``'s worker to the agent: stop and copy, or live (it switches inside a later
+    step, or is cancelled by a later snapshot/restore/fork); its next answers are checked as any."""
+    from gym_fork.errors import MigratedEnvError
+
+    env = run.envs[eid][0]
+    live = run.rng.random() < 0.5
+    run.log.append((eid, "migrate", "live" if live else "stop-and-copy"))
+    if _migrated(env):
+        with pytest.raises(MigratedEnvError):
+            env.migrate(run.agent.target["B"], token=run.agent.token, live=live)
+        return
+    if env._live is not None and run.rng.random() < 0.5:  # finish the one in progress now
+        run.log[-1] = (eid, "live migration: result()")
+        report = env._live.result(timeout=60)
+        assert report["live"] and _migrated(env), report
+        return
+    steps = env.steps
+    out = env.migrate(run.agent.target["B"], token=run.agent.token, live=live)  # (cancels a live one)
+    if live:
+        run.migrations.append(out)
+    else:
+        assert out["node"] == "B" and _migrated(env) and env.steps == steps, out
+
+
 def _random_run(factory, seed: int, n_ops: int, tmp_path, *, n_actions: int = 2,
                 seeded_resets_only: bool = False, replay_factory=None, workspaces: str | None = None,
-                **env_kwargs) -> None:
+                reseeds: bool = True, reseed_model_reused: bool = False, agent=None, **env_kwargs) -> _Run:
+    """``reseeds``: forks and explore() branches reseed half of the time. The model env must then
+    be a fresh one per replay (a reseed reaches generators a reset may not), unless
+    ``reseed_model_reused``: a model env whose seeded reset sets every generator it draws from."""
+    assert not (reseeds and isinstance(replay_factory, _Reused) and not reseed_model_reused)
     run = _Run(factory, random.Random(seed), n_actions, seeded_resets_only, replay_factory, workspaces,
-               env_kwargs.get("private_dirs"))
+               env_kwargs.get("private_dirs"),
+               reseeds_process_wide=(env_kwargs.get("backend") != "pickle") if reseeds else None, agent=agent)
     first = ForkableEnv(factory, **env_kwargs)
     run.add(first, [], True)
     try:
@@ -247,6 +366,7 @@ def _random_run(factory, seed: int, n_ops: int, tmp_path, *, n_actions: int = 2,
             warnings.simplefilter("ignore")  # e.g. steps after an episode's end in a branch
             for i in range(n_ops):
                 _one_op(run, tmp_path, i)
+        return run
     finally:
         for env, _h, _d in run.envs.values():
             env.close()
@@ -315,9 +435,42 @@ def test_random_operations_on_an_env_with_a_redis_server_child(seed, tmp_path):
     model = _Reused(agent_envs.redis_unix())
     try:
         _random_run(functools.partial(agent_envs.redis_unix_in, str(sockets)), seed, 100, tmp_path, n_actions=4,
-                    replay_factory=model, fork_tier=False, private_dirs=[str(sockets)])
+                    replay_factory=model, fork_tier=False, private_dirs=[str(sockets)], reseeds=False)
     finally:
         model.env.close()
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
+def test_random_operations_mujoco(fork_tier, tmp_path):
+    # one model env for every replay (it is slow to start): its reset(seed) sets all its state
+    model = _Reused(half_cheetah())
+    try:
+        _random_run(half_cheetah, 5, 150 if fork_tier else 50, tmp_path, n_actions=4, replay_factory=model,
+                    fork_tier=fork_tier, reseed_model_reused=True)
+    finally:
+        model.env.close()
+
+
+@pytest.mark.criu
+def test_random_operations_atari(tmp_path):
+    pytest.importorskip("ale_py")  # (installed with the full suite's extras)
+    model = _Reused(pong_ram())
+    try:
+        _random_run(pong_ram, 6, 100, tmp_path, n_actions=6, replay_factory=model, reseed_model_reused=True)
+    finally:
+        model.env.close()
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("seed", [42, 44])  # (seeds whose live migrations both switch and are cancelled)
+def test_random_operations_with_migrations(seed, agent, tmp_path):
+    """Envs also move to a local ``gym-fork agent`` (stop and copy, or live: the switch comes in a
+    later step, or a snapshot/restore/fork cancels it). A moved env must go on exactly; what
+    needs a local worker (snapshot, restore, fork) is refused with MigratedEnvError, the env
+    untouched."""
+    run = _random_run(cartpole, seed, 150, tmp_path, agent=agent)
+    assert run.migrations and all(m.done() for m in run.migrations)  # (switched, cancelled or failed)
 
 
 @pytest.mark.criu
