@@ -319,6 +319,10 @@ class ForkableEnv(gym.Wrapper):
             if isinstance(e, NotSendableError):  # the step ran; only its result could not come back
                 self._record_step(action)
             raise
+        except BaseException as e:  # Ctrl-C while the worker stepped: counted when its reply comes
+            if not isinstance(e, Exception):
+                self._after_interrupt(lambda ok, _: ok and self._record_step(action))
+            raise
         self._steps += 1  # _record_step(action), inline: this is every step's path
         if self._actions is not None:
             self._actions.append(action)
@@ -338,9 +342,11 @@ class ForkableEnv(gym.Wrapper):
             return self._handle.receive()
         except WorkerError as e:
             if not isinstance(e, NotSendableError):  # the env's step raised: no step taken, as in step()
-                self._steps -= 1
-                if self._actions:
-                    self._actions.pop()
+                self._unrecord_step()
+            raise
+        except BaseException as e:  # Ctrl-C: counted at step_send(), uncounted if its reply is an error
+            if not isinstance(e, Exception):
+                self._after_interrupt(lambda ok, _: ok or self._unrecord_step())
             raise
 
     def rollout(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
@@ -384,8 +390,16 @@ class ForkableEnv(gym.Wrapper):
             (41, 41.0, True, 41)
             >>> env.close()
         """
-        self.rollout_send(actions, policy=policy, steps=steps, stop_at_done=stop_at_done, reseed_policy=reseed_policy)
-        return self.rollout_receive()
+        try:
+            self.rollout_send(actions, policy=policy, steps=steps, stop_at_done=stop_at_done,
+                              reseed_policy=reseed_policy)
+            return self.rollout_receive()
+        except BaseException as e:
+            if not isinstance(e, Exception):  # Ctrl-C: one call, not a send waiting for its receive
+                self._handle._send_holds = False
+                sent = self._pending_rollout
+                self._after_interrupt(lambda ok, out: ok and self._account_rollout_reply(out, sent))
+            raise
 
     def rollout_send(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
                      steps: int | None = None, stop_at_done: bool = True, reseed_policy: bool | None = None) -> None:
@@ -442,8 +456,16 @@ class ForkableEnv(gym.Wrapper):
             if progress is not None:
                 self._account_rollout(progress)
             raise
+        except BaseException as e:  # Ctrl-C while the worker rolled out: accounted when its reply comes
+            if not isinstance(e, Exception):
+                sent = self._pending_rollout
+                self._after_interrupt(lambda ok, out: ok and self._account_rollout_reply(out, sent))
+            raise
+        return self._account_rollout_reply(out, self._pending_rollout)
+
+    def _account_rollout_reply(self, out: dict, sent: list | None) -> dict:
         if "actions" not in out:  # an older worker's open-loop reply: the actions we sent
-            out["actions"] = (self._pending_rollout or [])[:len(out["rewards"])]
+            out["actions"] = (sent or [])[:len(out["rewards"])]
         self._account_rollout(out)
         return out
 
@@ -464,6 +486,10 @@ class ForkableEnv(gym.Wrapper):
         except WorkerError as e:
             if isinstance(e, NotSendableError):  # it reset; only its answer could not come back
                 self._record_reset()
+            raise
+        except BaseException as e:  # Ctrl-C while the worker reset: accounted when its reply comes
+            if not isinstance(e, Exception):
+                self._after_interrupt(lambda ok, _: ok and self._record_reset())
             raise
         self._record_reset()
         return obs_info
@@ -725,9 +751,14 @@ class ForkableEnv(gym.Wrapper):
         snapshot, a restore): another thread's call meanwhile is refused (ConcurrentUseError),
         not run between them."""
         handle = self._handle
-        claimed = handle._claim(what)
+        claimed = False
         try:
+            claimed = handle._claim(what)
             yield
+        except BaseException as e:
+            if not isinstance(e, Exception):  # Ctrl-C: no hold of this thread's may outlive it
+                handle.recover_gate()
+            raise
         finally:
             if claimed:
                 handle._release()
@@ -898,6 +929,10 @@ class ForkableEnv(gym.Wrapper):
         except WorkerError as e:
             if e.remote_type == "AttributeError" and args[0] == "getattr":
                 raise AttributeError(str(e)) from None
+            raise
+        except BaseException as e:
+            if not isinstance(e, Exception):  # Ctrl-C: the channel resyncs at the next request
+                self._after_interrupt(None)
             raise
 
     def _check_open(self) -> None:
@@ -1088,6 +1123,20 @@ class ForkableEnv(gym.Wrapper):
             self._parent_id, self._actions = parent, actions
         self._snapshots.pop(snap.id, None)
         return snap
+
+    def _after_interrupt(self, on_reply: Callable[[bool, Any], Any] | None) -> None:
+        """A request was interrupted (Ctrl-C): no hold on the handle's gate may outlive it, and if
+        the worker got the request it runs it all the same: ``on_reply(ok, result)`` accounts for
+        it when the next request drains its reply (a step the worker took and this env did not
+        count would leave ``steps`` and the recorded actions a step behind the env: a snapshot's
+        ``actions`` would replay elsewhere)."""
+        self._handle.interrupted(on_reply)
+
+    def _unrecord_step(self) -> None:
+        """Undo :meth:`_record_step` (a step sent with step_send() that the env refused)."""
+        self._steps -= 1
+        if self._actions:
+            self._actions.pop()
 
     def _record_step(self, action: Any) -> None:
         """Account for one step the worker took with ``action`` (step count, recorded actions)."""

@@ -49,7 +49,10 @@ class Handle(abc.ABC):
 
     pid: int | None = None
     closed: bool = False
-    _gate: threading.Lock
+    # an RLock: which thread holds it is known atomically with taking it (``_is_owned``), so a
+    # hold an interrupt left behind (Ctrl-C right after the gate was taken, before the code that
+    # lets it go was entered) is told apart from another thread's call and let go (recover_gate)
+    _gate: Any
     _holder = 0  # the thread whose request holds _gate (threading.get_ident())
     _send_holds = False  # _gate was taken by send(): receive() (or the next request) lets it go
 
@@ -57,11 +60,12 @@ class Handle(abc.ABC):
         """Take ``_gate`` for this thread's request: True when taken here (the caller lets it go),
         False when this thread holds it already (a request within a request). Raises
         ConcurrentUseError when another thread holds it."""
-        if self._gate.acquire(False):
+        gate = self._gate
+        if not gate._is_owned():
+            if not gate.acquire(False):
+                raise _in_use_error(self, what)
             self._holder = _get_ident()
             return True
-        if self._holder != _get_ident():
-            raise _in_use_error(self, what)
         if self._send_holds:  # after this thread's send() whose reply it has not read
             if getattr(self, "_pending", False):  # still in the channel: a request now would drop it
                 raise ConcurrentUseError(
@@ -75,7 +79,8 @@ class Handle(abc.ABC):
     def _release(self) -> None:
         self._holder = 0
         self._send_holds = False
-        self._gate.release()
+        if self._gate._is_owned():  # (recover_gate may have let it go already)
+            self._gate.release()
 
     def _claim_for_send(self, cmd: str) -> None:
         if self._claim(f"{cmd!r} was sent"):
@@ -85,11 +90,32 @@ class Handle(abc.ABC):
     def _release_after_reply(self) -> None:
         """The reply of a request sent with send() was read (or will never be): let go of
         ``_gate`` where send() took it."""
-        if self._send_holds and self._holder == _get_ident():
+        if self._send_holds and self._gate._is_owned():
             self._release()
+
+    def recover_gate(self) -> None:
+        """After an interrupt (Ctrl-C) came out of a call into this handle: let go of every hold
+        this thread still has on ``_gate`` -- none is a call in progress any more -- except the
+        one a send() keeps until its reply is read. Without this, an interrupt that fell right
+        after the gate was taken left it taken: every other thread's call was refused from then
+        on, for good."""
+        if self._send_holds and getattr(self, "_pending", False):
+            return
+        self._send_holds = False
+        self._holder = 0
+        gate = self._gate
+        while gate._is_owned():
+            gate.release()
 
     @abc.abstractmethod
     def request(self, cmd: str, *args: Any) -> Any: ...
+
+    def interrupted(self, on_drain: Any) -> bool:
+        """After the caller of a request was interrupted before its reply (:meth:`recover_gate`
+        first): whether the reply still waits in the channel (then ``on_drain(ok, result)`` gets
+        it when it is drained). An env in this process has no channel: nothing waits."""
+        self.recover_gate()
+        return False
 
     @abc.abstractmethod
     def kill(self) -> None:
@@ -124,7 +150,7 @@ class LocalHandle(Handle):
     """The env lives in this process (pickle backend)."""
 
     def __init__(self, server: EnvServer):
-        self._gate = threading.Lock()
+        self._gate = threading.RLock()
         self.server = server
         self._result: Any = None
         self._error: BaseException | None = None
@@ -144,8 +170,11 @@ class LocalHandle(Handle):
             self._send_holds = claimed
 
     def receive(self) -> Any:
-        if self._holder != _get_ident() and self._gate.locked():
-            raise _in_use_error(self, "a reply was read")
+        gate = self._gate
+        if not gate._is_owned():  # (not this thread's send: refused while another thread's call runs)
+            if not gate.acquire(False):
+                raise _in_use_error(self, "a reply was read")
+            gate.release()
         self._release_after_reply()
         if self._error is not None:
             err, self._error = self._error, None
@@ -181,7 +210,7 @@ class RemoteHandle(Handle):
 
     def __init__(self, chan: Channel, pid: int, ino: int, *, popen: subprocess.Popen | None = None,
                  child: bool = False, ns_root: bool = False, fork_tier: bool = False):
-        self._gate = threading.Lock()
+        self._gate = threading.RLock()
         self.chan = chan
         self.pid = pid
         self.ino = ino
@@ -190,6 +219,8 @@ class RemoteHandle(Handle):
         self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
+        # called with that reply when it is drained (ForkableEnv accounts for the step it was)
+        self._on_drain: Any = None
         self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policy)
         self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
         self.packed = False  # the worker reads packed step frames (learned from init/meta/hello)
@@ -218,22 +249,25 @@ class RemoteHandle(Handle):
     RING_AFTER = int(os.environ.get("GYM_FORK_RING_AFTER", "64"))
 
     def request(self, cmd: str, *args: Any) -> Any:
+        gate = self._gate
         if cmd == "step" and self._fast_steps and not (self._pending or self.closed):
             # every step's path: Handle._claim inline (a step makes no request within itself,
             # so no holder is noted: any other thread's call is refused while the gate is held)
-            if self._gate.acquire(False):
+            if gate.acquire(False):
                 try:
                     return self._step(args[0])
                 finally:
-                    self._gate.release()
-        if self._gate.acquire(False):
+                    gate.release()
+        if not gate._is_owned():
+            if not gate.acquire(False):
+                raise _in_use_error(self, repr(cmd))
             self._holder = _get_ident()
             try:
                 return self._request(cmd, args)
             finally:
                 self._holder = 0
                 self._send_holds = False
-                self._gate.release()
+                gate.release()
         if self._claim(repr(cmd)):  # after this thread's send() whose reply it never read
             try:
                 return self._request(cmd, args)
@@ -281,14 +315,14 @@ class RemoteHandle(Handle):
         chan, spin = self.chan, self._spin
         self._cmd = "step"
         t0 = time.perf_counter()
+        self._pending = True  # (before the send: see _resync)
         try:
             chan.send_step(action)
-            self._pending = True
             reply = chan.recv_reply(spin.budget)  # polls first where steps come back fast
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during 'step': {self.exit_status()}") from e
-        spin.observe(time.perf_counter() - t0)
         self._pending = False
+        spin.observe(time.perf_counter() - t0)
         if reply[0] == OK:
             return reply[1]
         _, type_name, message, tb = reply
@@ -344,6 +378,7 @@ class RemoteHandle(Handle):
                 f"({type(e).__name__}: {e}); define what it refers to at module level (not inside a "
                 "function or as a lambda), or keep it in this process. Nothing was sent; the env goes on."
             ) from e
+        self._pending = True  # (before the send: see _resync)
         if self.ring is not None:
             self.ring.announce()
         self.chan.send_encoded(frame)
@@ -381,8 +416,11 @@ class RemoteHandle(Handle):
 
     def receive(self) -> Any:
         """Second half of a request sent with :meth:`send`."""
-        if self._holder != _get_ident() and self._gate.locked():
-            raise _in_use_error(self, "a reply was read")
+        gate = self._gate
+        if not gate._is_owned():  # (not this thread's send: refused while another thread's call runs)
+            if not gate.acquire(False):
+                raise _in_use_error(self, "a reply was read")
+            gate.release()
         try:
             return self._receive()
         finally:
@@ -428,12 +466,13 @@ class RemoteHandle(Handle):
         (one request in flight, always)."""
         chan = self.chan
         if self._pending:
-            self._drain()
+            self._resync()
         self._cmd, self._offered = cmd, False
         ring = self.ring
         if cmd == "step" and ring is None:
             self._sent_at = time.perf_counter()  # receive() polls from here (a ring times itself)
         if cmd == "step" and self.packed:
+            self._pending = True  # (before the send: see _resync)
             if ring is None:
                 chan.send_step(args[0])
             elif not ring.post(chan, step_parts(args[0])):
@@ -444,13 +483,44 @@ class RemoteHandle(Handle):
             self._offered = True
         else:
             self._send_plain((cmd, args))
-        self._pending = True
 
-    def _drain(self) -> None:
-        """Read and drop the reply of a request whose caller never read it (interrupted, e.g.
-        by Ctrl-C; one request in flight, always)."""
-        self._read()
+    def _resync(self) -> None:
+        """Bring the channel back to one request, one reply, after a request whose caller was
+        interrupted (Ctrl-C, a signal handler that raised) between setting ``_pending`` and
+        reading the reply. Whether the request went out, and whether its reply was read, depends
+        on where the interrupt fell, and nothing here can tell: reading one reply blindly waited
+        forever for one that had been read, or (with ``_pending`` set after the send, as it was)
+        left one unread, and from then on every request got the previous one's reply, silently.
+
+        So: a request of a name no worker has, ``resync-<random>``; every worker (of any gym_fork
+        version) answers an unknown command with an error naming it. Replies ahead of that
+        answer are stale: the first is the interrupted request's (given to :meth:`interrupted`'s
+        function). A ring is dropped first (the worker takes requests that come on the socket
+        unannounced; a reply it put in the ring goes with it) and offered again later."""
+        self._drop_ring()
+        marker = f"resync-{os.urandom(8).hex()}"
+        self._send_plain((marker, ()))
+        stale = []
+        while True:
+            reply = self.chan.recv_reply()
+            if reply[0] != OK and len(reply) == 4 and marker in str(reply[2]):
+                break
+            stale.append(reply)
         self._pending = False
+        on_drain, self._on_drain = self._on_drain, None
+        if on_drain is not None and stale:
+            on_drain(stale[0][0] == OK, stale[0][1])
+
+    def interrupted(self, on_drain: Any) -> bool:
+        """After the caller of a request was interrupted (Ctrl-C) before its reply came: whether
+        the worker got the request (it runs it, and its reply waits in the channel). If so,
+        ``on_drain(ok, result)`` is called with that reply when the next request drains it
+        (``ok``: it succeeded; else ``result`` is the error's type name)."""
+        self.recover_gate()
+        if not self._pending or self.closed:
+            return False
+        self._on_drain = on_drain
+        return True
 
     def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:
         """A request that hands the worker one file descriptor (SCM_RIGHTS, right after it)."""
@@ -465,11 +535,12 @@ class RemoteHandle(Handle):
 
     def _request_with_fd(self, cmd: str, fd: int, args: tuple) -> Any:
         try:
-            if self._pending:  # drain the reply of an interrupted request first
-                self._drain()
+            if self._pending:  # after an interrupted request
+                self._resync()
             self._send_plain((cmd, args))
             send_fds(self.chan.sock, b"F", [fd])
             reply = self._read()
+            self._pending = False
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the process {self.pid} died during {cmd!r}: {self.exit_status()}") from e
         if reply[0] == OK:

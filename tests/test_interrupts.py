@@ -1,0 +1,229 @@
+"""Ctrl-C in the middle of a call (a notebook's "interrupt", a signal handler that raises).
+
+The worker got the request and runs it all the same; its reply waits in the channel and is read
+and dropped by the next request.  What the env accounts for must follow the worker: a step the
+worker took and the env did not count left ``steps`` and the recorded actions a step behind, so
+a snapshot's ``actions`` replayed elsewhere gave another state, silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import gym_fork
+
+from conftest import same
+
+SLOW = 99  # the action that takes a while: the alarm interrupts it
+
+
+class SlowStepEnv(gym.Env):
+    """Counts steps; action 99 (and a reset with options={"slow": True}) takes 0.6 s; action 98
+    raises."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (2,), np.float64)
+    action_space = gym.spaces.Discrete(100)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if options and options.get("slow"):
+            time.sleep(0.6)
+        self.t = 0
+        self.total = float(self.np_random.integers(1000))
+        return self._obs(), {}
+
+    def step(self, action):
+        if action == 98:
+            raise ValueError("action 98 is refused")
+        if action == SLOW:
+            time.sleep(0.6)
+        self.t += 1
+        self.total = self.total * 1.5 + action
+        return self._obs(), 1.0, False, self.t >= 50, {}
+
+    def _obs(self):
+        return np.array([self.t, self.total], dtype=np.float64)
+
+
+@contextlib.contextmanager
+def interrupt_after(seconds: float):
+    """Raise KeyboardInterrupt in this thread after ``seconds`` (as Ctrl-C does)."""
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _replayed(actions: list, seed: int = 3) -> np.ndarray:
+    env = SlowStepEnv()
+    obs, _ = env.reset(seed=seed)
+    for a in actions:
+        obs = env.step(a)[0]
+    return obs
+
+
+@pytest.fixture(params=[True, False], ids=["fork-tier", "criu-dumps"])
+def env(request):
+    e = gym_fork.ForkableEnv(SlowStepEnv, fork_tier=request.param, record_actions=True)
+    e.reset(seed=3)
+    yield e
+    e.close()
+
+
+@pytest.mark.criu
+def test_an_interrupted_step_is_counted_when_the_worker_took_it(env):
+    env.step(1)
+    with interrupt_after(0.2):
+        env.step(SLOW)
+    assert same(env.step(2)[0], _replayed([1, SLOW, 2]))  # the worker took it
+    snap = env.snapshot()
+    assert env.steps == snap.steps == 3 and snap.actions == [1, SLOW, 2]  # before: 2, [1, 2]
+    assert same(env.step(4)[0], _replayed(snap.actions + [4]))  # the actions replay the state
+
+
+@pytest.mark.criu
+def test_an_interrupted_step_that_the_env_refused_is_not_counted(env):
+    env.step(1)
+    env.step_send(98)
+    time.sleep(0.3)  # (its error reply is there; the interrupt comes while receive waits on a slow one)
+    with pytest.raises(gym_fork.errors.WorkerError):
+        env.step_receive()
+    assert env.steps == 1
+    env.step_send(SLOW)
+    with interrupt_after(0.2):
+        env.step_receive()
+    env.step(2)
+    assert env.steps == 3 and env.snapshot().actions == [1, SLOW, 2]
+
+
+@pytest.mark.criu
+def test_an_interrupted_reset_starts_a_new_timeline(env):
+    for a in (1, 2, 3):
+        env.step(a)
+    with interrupt_after(0.2):
+        env.reset(seed=5, options={"slow": True})
+    env.step(6)
+    snap = env.snapshot()
+    assert env.steps == snap.steps == 1 and snap.actions == [6]  # before: 4 steps, [1, 2, 3, 6]
+    assert same(env.step(7)[0], _replayed([6, 7], seed=5))
+
+
+@pytest.mark.criu
+def test_an_interrupted_rollout_is_accounted_when_its_reply_comes(env):
+    env.step(1)
+    with interrupt_after(0.2):
+        env.rollout([2, SLOW, 3])
+    env.step(4)
+    snap = env.snapshot()
+    assert env.steps == snap.steps == 5 and snap.actions == [1, 2, SLOW, 3, 4]
+    assert same(env.step(5)[0], _replayed(snap.actions + [5]))
+
+
+class EchoEnv(gym.Env):
+    """Each observation names the step it answers: ``[t, action, a running hash of the actions]``."""
+
+    observation_space = gym.spaces.Box(-1e12, 1e12, (3,), np.float64)
+    action_space = gym.spaces.Discrete(1000)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.h = 0, int(seed or 0)
+        return np.array([0, -1, self.h], dtype=np.float64), {}
+
+    def step(self, action):
+        self.t += 1
+        self.h = (self.h * 31 + int(action)) % 1_000_003
+        return np.array([self.t, action, self.h], dtype=np.float64), 0.0, False, False, {}
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])
+def test_interrupts_at_random_moments_never_hand_a_call_another_calls_reply(ring, monkeypatch):
+    """Steps, rollouts and resets interrupted at random moments (5 us - 3 ms in): every call that
+    returns must return its own answer -- the step it asked for, one past the last one seen
+    (plus any the interrupted calls took) -- never a reply left over from an interrupted one. Before:
+    one interrupt in a few hundred fell after the send and before the reply was marked pending,
+    and from then on every call got the previous call's reply."""
+    from gym_fork.backends.base import RemoteHandle
+    from gym_fork.worker import ring as rings
+    from gym_fork.worker import ring_slots
+
+    if ring:  # every step through the shared-memory ring, from the first
+        monkeypatch.setattr(RemoteHandle, "RING_AFTER", 0)
+        monkeypatch.setattr(rings, "wanted", lambda: True)
+        monkeypatch.setattr(ring_slots, "claim", lambda: ring_slots.Slot(None))
+    rng = np.random.default_rng(7)
+    env = gym_fork.ForkableEnv(EchoEnv)
+    interrupted = answered = 0
+    t = 0  # the last step count seen
+    unseen = 0  # how many interrupted steps may have run since
+    try:
+        env.reset(seed=1)
+        for i in range(600):
+            kind = rng.choice(["step", "step", "step", "rollout", "reset"])
+            a = int(rng.integers(1000))
+            # (with a ring: the first call after an interrupt opens a new one, ~1 ms)
+            # every other call is interrupted, somewhere from 5 us to 3 ms in (log-uniform)
+            delay = float(np.exp(rng.uniform(np.log(5e-6), np.log(3e-3)))) if i % 2 else 0.0
+            try:
+                with _alarm(delay):
+                    if kind == "step":
+                        out = env.step(a)[0]
+                    elif kind == "rollout":
+                        res = env.rollout([a, (a + 1) % 1000])
+                        out = res["final_obs"]
+                    else:
+                        out = env.reset(seed=a)[0]
+            except KeyboardInterrupt:
+                interrupted += 1
+                unseen += 2 if kind == "rollout" else 1
+                if kind == "reset":
+                    t, unseen = None, 0  # (it may or may not have run)
+                continue
+            answered += 1
+            if kind == "reset":
+                assert list(out) == [0, -1, a], f"call {i}: reset(seed={a}) answered {out}"
+                t, unseen = 0, 0
+                continue
+            want = (a + 1) % 1000 if kind == "rollout" else a
+            assert out[1] == want, f"call {i}: {kind} with action {want} answered {out} (another call's reply)"
+            steps = 2 if kind == "rollout" else 1
+            if t is not None:
+                assert t + steps <= out[0] <= t + steps + unseen, f"call {i}: {kind} answered step {out[0]} after {t}"
+            t, unseen = int(out[0]), 0
+        print(f"{interrupted} calls interrupted, {answered} answered")
+        assert interrupted > 50 and answered > 250, (interrupted, answered)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        env.close()
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    """KeyboardInterrupt in this thread after ``seconds``, unless the block ends first."""
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    if seconds > 0:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, old)
