@@ -38,11 +38,15 @@ PARASITE_PROC_DIR = "proc.crtools"
 #: for milliseconds); still there after that, and empty, it is a leftover of a dump that was killed
 PARASITE_DIR_WAIT_S = 5.0
 _PARASITE_MKDIR = "Can't create a directory ("  # parasite.c, followed by -errno
+# one dump at a time in this process: two of its threads (a live migration's dump beside a
+# snapshot's) never collide on that directory, and a dump whose images are read as they are
+# written (streamed: not tried again, see dump's ``retry``) meets another process's only
+_DUMP_LOCK = threading.Lock()
 
 
 def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[str] = (),
          mode: str = "root", binary: str | None = None, log_file: str = "dump.log",
-         timeout: float | None = None, options: Mapping[str, Any] | None = None) -> None:
+         timeout: float | None = None, options: Mapping[str, Any] | None = None, retry: bool = True) -> None:
     """Dump the process tree rooted at ``pid`` into the existing directory ``images_dir``.
 
     Args:
@@ -59,7 +63,9 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
 
     A dump that meets another one's :data:`PARASITE_PROC_DIR` in a working directory is tried
     again (the failed try left the tree running); an empty one older than
-    :data:`PARASITE_DIR_WAIT_S` is a leftover and removed.
+    :data:`PARASITE_DIR_WAIT_S` is a leftover and removed. Not with ``retry=False``: images
+    that someone reads while CRIU writes them (a migration streams them) must come from one try.
+    This process's dumps run one at a time.
 
     Raises:
         TimeoutError: the dump took longer than ``timeout``; criu was killed.
@@ -68,6 +74,13 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
             message names it.
         Exception: pycriu's own errors for a failed dump (see the log).
     """
+    with _DUMP_LOCK:
+        _dump_retrying(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options, retry)
+
+
+def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Sequence[str], mode: str,
+                   binary: str | None, log_file: str, timeout: float | None, options: Mapping[str, Any] | None,
+                   retry: bool) -> None:
     before = set(os.listdir(images_dir))
     # (a directory made just before the first try is a leftover once PARASITE_DIR_WAIT_S old)
     deadline = time.monotonic() + 2 * PARASITE_DIR_WAIT_S
@@ -79,7 +92,7 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
             raise
         except Exception as e:  # noqa: BLE001 - pycriu's errors: read the log for the parasite's
             err = _parasite_mkdir_errno(os.path.join(images_dir, log_file))
-            if err is None:
+            if err is None or (err == errno.EEXIST and not retry):
                 raise
             if err != errno.EEXIST:
                 raise OSError(err, f"CRIU's parasite could not make its temporary directory "

@@ -57,7 +57,8 @@ def _dump_tree(images: str, pid: int, ino: int) -> None:
     """CRIU dump of the job's whole tree into ``images``, leaving it running (the control socket
     ``ino`` is external: its peer stays with us). Raises MigrationError."""
     try:
-        criu_client.dump(pid, images, leave_running=True, external=[f"unix[{ino}]"])
+        # (streamed while CRIU writes: one try, see criu_client.dump)
+        criu_client.dump(pid, images, leave_running=True, external=[f"unix[{ino}]"], retry=False)
     except Exception as e:  # noqa: BLE001 - pycriu's errors, TimeoutError
         raise MigrationError(f"CRIU dump of the job failed ({e}): {log_tail(os.path.join(images, 'dump.log'))}") from e
 
