@@ -9,6 +9,7 @@ a snapshot's ``actions`` replayed elsewhere gave another state, silently.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 
@@ -227,3 +228,65 @@ def _alarm(seconds: float):
             signal.setitimer(signal.ITIMER_REAL, 0)
         finally:
             signal.signal(signal.SIGALRM, old)
+
+
+def _describe(pid: int) -> str:
+    import subprocess
+
+    return subprocess.run(["ps", "-o", "pid=,stat=,etime=,args=", "-p", str(pid)], capture_output=True,
+                          text=True).stdout.strip() or f"{pid} (gone)"
+
+
+def _children() -> set[int]:
+    """This process's child processes (zombies included)."""
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+@pytest.mark.criu
+def test_interrupted_criu_restores_dumps_and_forks_leave_nothing_behind():
+    """Ctrl-C during a CRIU restore (a restore, a fork of 3) or a dump: criu finishes (the client
+    waits for it), and what it made is not kept: no restored worker left to exit into a zombie
+    nobody waits for (before: one per interrupted restore), no images left in the session
+    directory. The env goes on, exact."""
+    from gym_fork.snapshots import sessiondir
+
+    rng = np.random.default_rng(3)
+    env = gym_fork.ForkableEnv(EchoEnv, fork_tier=False)
+    try:
+        env.reset(seed=1)
+        env.step(5)
+        root = env.snapshot()
+        after_root = env.step(6)[0]
+        before = _children()
+        interrupted = 0
+        for i in range(24):
+            kids = []
+            try:
+                with _alarm(float(rng.uniform(0.002, 0.15))):
+                    if i % 3 == 0:
+                        env.restore(root)
+                    elif i % 3 == 1:
+                        kids = env.fork(root, 3)
+                    else:
+                        env.snapshot().release()
+            except KeyboardInterrupt:
+                interrupted += 1
+            for k in kids:
+                k.close()
+            env.step(7)
+        assert interrupted >= 4, interrupted
+        import gc
+
+        gc.collect()  # (what an interrupted call held is freed: its workers' channels close)
+        time.sleep(0.5)  # (a worker whose channel closed exits by itself: it would be a zombie now)
+        left = _children() - before - {env.worker_pid}  # (restored: the env's worker is our child)
+        assert not left, "left behind: " + "; ".join(_describe(p) for p in sorted(left))
+        tmp = [n for n in os.listdir(sessiondir.session_dir()) if n.endswith(".tmp")]
+        assert tmp == []
+        env.restore(root)
+        assert same(env.step(6)[0], after_root)
+    finally:
+        env.close()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import weakref
 from typing import Any
 
 from gym_fork.errors import ConcurrentUseError, BundleError, NotSendableError, StoreError, WorkerDiedError, remote_exception
@@ -218,6 +219,10 @@ class RemoteHandle(Handle):
         self.fork_tier = fork_tier  # copy-on-write snapshots: its namespace may hold other processes
         self._popen = popen  # set when we spawned it (the process is `unshare`, the worker its child)
         self._child = child  # set when the worker itself is our child (restored with rst_sibling)
+        # a worker that is our child and whose handle is dropped unclosed (an interrupt between
+        # its restore and the env that would own it) exits on its channel's EOF: waited for then,
+        # through a pidfd (never another process that got its pid), else a zombie for good
+        self._orphan_reaper = _orphan_reaper(self, pid) if child and pid else None
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
         # called with that reply when it is drained (ForkableEnv accounts for the step it was)
         self._on_drain: Any = None
@@ -611,6 +616,7 @@ class RemoteHandle(Handle):
             self._drop_ring()
             self.chan.close()
             _reap_in_background(self._popen, self.pid if self._child else None)
+            _drop_orphan_reaper(self)  # (only now: interrupted before, it still waits for the worker)
             return
         if not self.ns_root and self.pid:
             # not its namespace's init: its env's children would outlive it (orphaned to that init)
@@ -629,6 +635,7 @@ class RemoteHandle(Handle):
                 os.waitpid(self.pid, 0)
         except (ChildProcessError, subprocess.TimeoutExpired):
             pass
+        _drop_orphan_reaper(self)
 
 
 def _deprioritize(pid: int) -> None:
@@ -653,6 +660,40 @@ def _result(reply: tuple) -> Any:
         return reply[1]
     _, type_name, message, tb = reply
     raise remote_exception(type_name, message, tb)
+
+
+def _orphan_reaper(handle: Handle, pid: int) -> Any:
+    """A finalizer that waits for ``pid`` (our child) once ``handle`` is garbage-collected
+    unclosed; :meth:`RemoteHandle.kill` and ``retire`` detach it (they reap it themselves)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):  # gone already, or no pidfds here
+        return None
+    return weakref.finalize(handle, _wait_pidfd_in_background, pidfd)
+
+
+def _wait_pidfd_in_background(pidfd: int) -> None:
+    def wait() -> None:
+        try:
+            os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+        except (ChildProcessError, OSError):
+            pass
+        finally:
+            os.close(pidfd)
+
+    try:
+        threading.Thread(target=wait, daemon=True, name="gym_fork-reap").start()
+    except RuntimeError:  # at interpreter shutdown: this process ends too
+        os.close(pidfd)
+
+
+def _drop_orphan_reaper(handle: Any) -> None:
+    """The handle reaps its worker itself (kill, retire): no finalizer waits for it."""
+    reaper = getattr(handle, "_orphan_reaper", None)
+    if reaper is not None:
+        detached = reaper.detach()
+        if detached is not None:
+            os.close(detached[2][0])
 
 
 def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -> None:

@@ -448,7 +448,8 @@ class CriuBackend(Backend):
                 external.append(f"net[{netns.netns_inode(handle.pid)}]:{treecapture.NETNS_KEY}")
             with _dump_binary(self, handle.pid) as binary:
                 client.dump(handle.pid, tmp, leave_running=leave_running, external=external, mode=self.mode,
-                            binary=binary, options=treecapture.dump_options(scan, private_net))
+                            binary=binary, options=treecapture.dump_options(scan, private_net),
+                            retry=into is None)  # (images dumped into= are read as they are written)
             treecapture.mark_images(tmp, scan)
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
@@ -457,6 +458,9 @@ class CriuBackend(Backend):
                 raise no_space(OSError(errno.ENOSPC, "No space left on device"), root,
                                f"the CRIU images of worker {handle.pid}") from e
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
+        except BaseException:  # Ctrl-C: criu finished or was stopped (the client waits); no images kept
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if into is not None:
             return CriuPayload(tmp, handle.ino, fork_tier=handle.fork_tier, netns=private_net), 0
         try:
@@ -468,6 +472,10 @@ class CriuBackend(Backend):
             if is_no_space(e):
                 raise no_space(e, root, f"the CRIU images of worker {handle.pid}") from e
             raise SnapshotError(f"could not store the snapshot images: {e}") from e
+        except BaseException:  # Ctrl-C: no snapshot will hold them
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
         return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=private_net), size
 
     # --- restore ---------------------------------------------------------------------------
@@ -501,14 +509,21 @@ class CriuBackend(Backend):
         if any(per):
             _wrapper()  # written before the threads fork criu (see _criu_via)
         # Each restore is its own criu process and PID namespace; threads just wait on them.
-        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
-            futs = [pool.submit(self.restore_verified, payload, b) for b in per]
-            handles, errors = [], []
+        futs = []
+        try:
+            with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+                futs = [pool.submit(self.restore_verified, payload, b) for b in per]
+                handles, errors = [], []
+                for f in futs:
+                    try:
+                        handles.append(f.result())
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(e)
+        except BaseException:  # Ctrl-C: the pool's threads finish their restores; none is kept
             for f in futs:
-                try:
-                    handles.append(f.result())
-                except Exception as e:  # noqa: BLE001
-                    errors.append(e)
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    f.result().kill()
+            raise
         if errors:
             for h in handles:
                 h.kill()
@@ -729,18 +744,30 @@ class CriuBackend(Backend):
             ours.close()
             tail = log_tail(os.path.join(workdir, "restore.log"))
             raise RestoreError(f"CRIU restore from {payload.path} failed ({e}); the running env is unchanged.\n{tail}") from e
+        except BaseException:  # Ctrl-C: criu finished (the client waits for it); what it restored goes
+            client.kill_socket_holders(new_ino)  # and is reaped (our child); before ours closes: on
+            ours.close()  # that EOF it would exit by itself, a zombie nobody waits for
+            raise
         finally:
             theirs.close()
             if nsfd >= 0:
                 os.close(nsfd)
             shutil.rmtree(workdir, ignore_errors=True)
-        handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
-                              fork_tier=payload.fork_tier and self.fork_tier is not False)
+        handle = None
         try:
+            handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
+                                  fork_tier=payload.fork_tier and self.fork_tier is not False)
             _pid, *handle.initial = handle.request("hello")
         except WorkerDiedError as e:
             handle.kill()
             raise RestoreError(f"the restored worker did not answer: {e}") from e
+        except BaseException:  # Ctrl-C: the new worker is nobody's
+            if handle is not None:
+                handle.kill()
+            else:
+                client.kill_socket_holders(new_ino)
+                ours.close()
+            raise
         return handle
 
     def release(self, payload: CriuPayload | ForkPayload) -> None:

@@ -257,6 +257,7 @@ def _safe_comm(base: type) -> type:
 
             ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
             os.set_inheritable(theirs.fileno(), True)
+            theirs_ino = os.fstat(theirs.fileno()).st_ino
             try:
                 # close_fds=False: criu gets what the caller made inheritable (the images dir, the
                 # channels named in inherit_fd), as a fork + exec would give it. A process group of
@@ -265,7 +266,13 @@ def _safe_comm(base: type) -> type:
                 self._proc = subprocess.Popen(
                     [self.comm, "swrk", str(theirs.fileno())], close_fds=False, process_group=0,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            except BaseException:
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    # Ctrl-C inside Popen, after the fork and before its pid came back: that criu
+                    # holds the socket's other end (killed and waited for; else a zombie for good)
+                    from gym_fork.criu.client import kill_socket_holders
+
+                    kill_socket_holders(theirs_ino)
                 ours.close()
                 raise
             finally:
