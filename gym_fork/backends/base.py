@@ -340,22 +340,25 @@ class RemoteHandle(Handle):
         slot = ring_slots.claim()  # a CPU to spin on, counted across the machine's processes
         if slot is None:
             return
+        ring = fd = None
         try:
             ring, fd = rings.Ring.create()
-        except OSError:
-            slot.release()
-            return
-        ring.slot = slot
-        try:
+            ring.slot = slot
             self.request_with_fd("ring", fd, ring.spin_ns)
-        except WorkerDiedError:
-            ring.close()
-            raise
-        except Exception:  # noqa: BLE001 - e.g. an older worker without rings: the socket it is
-            ring.close()
-            return
+        except BaseException as e:
+            # unmapped and its slot freed whatever went wrong (a ring left mapped on Ctrl-C would
+            # hold its slot, one of the machine's few, until this process ends)
+            if ring is not None:
+                ring.slot = slot
+                ring.close()
+            else:
+                slot.release()
+            if isinstance(e, WorkerDiedError) or not isinstance(e, Exception):
+                raise
+            return  # no memfd or mapping here, or an older worker without rings: the socket it is
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         self.ring = ring
 
     def _drop_ring(self) -> None:

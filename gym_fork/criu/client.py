@@ -24,7 +24,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gym_fork.criu.status import children_by_parent, criu_status, criu_timeout, new_client
+from gym_fork.criu.status import (children_by_parent, criu_status, criu_timeout, kill_socket_holders, new_client,
+                                  reap as _reap)
 
 
 #: CRIU's parasite, inside every process it dumps whose ``/proc`` is not its own PID namespace's
@@ -400,35 +401,3 @@ def _comm(pid: int | str) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _reap(pids: list[int], timeout: float = 2.0) -> None:
-    """Wait for the SIGKILLed ``pids`` that are this process's children (a half-restored task is:
-    criu clones it as its caller's child), so none stays a zombie; others are not ours to wait for."""
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        while True:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
-                    break
-            except ChildProcessError:
-                break
-            time.sleep(0.001)
-
-
-def kill_socket_holders(ino: int) -> list[int]:
-    """SIGKILL every process of ours holding ``socket:[ino]`` (a restore that was cut short);
-    returns their pids."""
-    target, killed = f"socket:[{ino}]", []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-            if any(os.readlink(f"/proc/{name}/fd/{fd}") == target for fd in fds):
-                os.kill(int(name), signal.SIGKILL)
-                killed.append(int(name))
-        except OSError:
-            continue
-    _reap(killed)
-    return killed

@@ -11,7 +11,9 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,8 +272,6 @@ def _safe_comm(base: type) -> type:
                 if not isinstance(e, Exception):
                     # Ctrl-C inside Popen, after the fork and before its pid came back: that criu
                     # holds the socket's other end (killed and waited for; else a zombie for good)
-                    from gym_fork.criu.client import kill_socket_holders
-
                     kill_socket_holders(theirs_ino)
                 ours.close()
                 raise
@@ -360,3 +360,35 @@ def dump_size_bound(pid: int, *, tree: bool = False) -> int:
             continue
         todo.extend(kids.get(p, ()))
     return total + (32 << 20)
+
+
+def reap(pids: list[int], timeout: float = 2.0) -> None:
+    """Wait for the SIGKILLed ``pids`` that are this process's children (a half-restored task is:
+    criu clones it as its caller's child), so none stays a zombie; others are not ours to wait for."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.001)
+
+
+def kill_socket_holders(ino: int) -> list[int]:
+    """SIGKILL every process of ours holding ``socket:[ino]`` (a restore that was cut short);
+    returns their pids."""
+    target, killed = f"socket:[{ino}]", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+            if any(os.readlink(f"/proc/{name}/fd/{fd}") == target for fd in fds):
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+        except OSError:
+            continue
+    reap(killed)
+    return killed

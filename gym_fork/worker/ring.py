@@ -151,24 +151,33 @@ class Ring:
     def __init__(self, fd: int, owner: bool):
         if not _init():
             raise OSError("shared-memory step rings need x86-64 Linux")
+        # its name in /proc/self/maps, known to the fork-tier scan as gym_fork's own before the
+        # mapping exists (Ctrl-C right after the mmap then leaves no stray "shared memory")
+        self.mapping = os.readlink(f"/proc/self/fd/{fd}").encode()
+        resources.OWN_MAPPINGS.add(self.mapping)
         addr = _libc.mmap(None, SIZE, _PROT_RW, _MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             err = ctypes.get_errno()
+            resources.OWN_MAPPINGS.discard(self.mapping)
             raise OSError(err, f"mmap of the step ring failed: {os.strerror(err)}")
         self.addr = addr
-        mv = memoryview((ctypes.c_char * SIZE).from_address(addr)).cast("B")
-        self.w = mv[:_HEAD].cast("q")
-        self.req = mv[_HEAD:_HEAD + AREA]
-        self.rep = mv[_HEAD + AREA:]
-        self.sent = 0  # the last sequence number this side published
-        self.seen = 0  # the last sequence number read from the peer
-        self.spin_ns = _spin_ns()  # the cap on a spin (the controller hands its own to the worker)
-        self.pace, self.pace_ns = _pace(self.spin_ns), self.spin_ns
-        self.owner = owner
-        self.slot: ring_slots.Slot | None = None  # the controller's claim on a CPU to spin on
-        self.mapping = os.readlink(f"/proc/self/fd/{fd}").encode()  # its name in /proc/self/maps
-        resources.OWN_MAPPINGS.add(self.mapping)  # the fork-tier scan knows it is gym_fork's own
-        _live.add(self)
+        try:
+            mv = memoryview((ctypes.c_char * SIZE).from_address(addr)).cast("B")
+            self.w = mv[:_HEAD].cast("q")
+            self.req = mv[_HEAD:_HEAD + AREA]
+            self.rep = mv[_HEAD + AREA:]
+            self.sent = 0  # the last sequence number this side published
+            self.seen = 0  # the last sequence number read from the peer
+            self.spin_ns = _spin_ns()  # the cap on a spin (the controller hands its own to the worker)
+            self.pace, self.pace_ns = _pace(self.spin_ns), self.spin_ns
+            self.owner = owner
+            self.slot: ring_slots.Slot | None = None  # the controller's claim on a CPU to spin on
+            _live.add(self)
+        except BaseException:
+            self.owner = False  # (no slot, not counted in _owned)
+            self.w = self.req = self.rep = memoryview(b"")
+            self.close()
+            raise
 
     @classmethod
     def create(cls) -> tuple["Ring", int]:
