@@ -101,6 +101,12 @@ class ConcurrentUseError(GymForkError, RuntimeError):
     was sent for the refused call; the other thread's call and the env go on."""
 
 
+class IncompleteStepError(GymForkError, RuntimeError):
+    """A vector env's last step was interrupted (Ctrl-C) in the middle: some sub-envs stepped (and
+    reset at an episode's end) and the caller holds none of their results, so the batch is out of
+    step; ``reset()`` first."""
+
+
 class WorkerDiedError(GymForkError):
     """The worker process running the env died; the message says how (exit code or signal)."""
 

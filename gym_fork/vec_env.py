@@ -19,7 +19,7 @@ from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
 from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
-from gym_fork.errors import EnvClosedError, WorkerError
+from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
 
@@ -37,12 +37,13 @@ class _Call:
     request/reply step.
     """
 
-    __slots__ = ("env", "handle", "cmd", "args", "error", "sent")
+    __slots__ = ("env", "handle", "cmd", "args", "error", "sent", "read")
 
     def __init__(self, env: ForkableEnv, cmd: str, args: tuple = ()):
         self.env, self.cmd, self.args = env, cmd, args
         self.error: BaseException | None = None
         self.sent = False
+        self.read = False  # result() was called (its reply read, or its error raised)
         if env.closed:
             self.error = EnvClosedError(f"{cmd}() on a closed ForkableEnv; create a new one")
             return
@@ -55,6 +56,7 @@ class _Call:
                 self.error = e
 
     def result(self) -> Any:
+        self.read = True
         if self.error is not None:
             raise self.error
         try:
@@ -66,6 +68,28 @@ class _Call:
             if e.remote_type == "AttributeError" and self.cmd == "getattr":
                 raise AttributeError(str(e)) from None
             raise
+
+
+    def abandon(self) -> None:
+        """After Ctrl-C: this call's reply will not be read here. The worker runs the request all
+        the same; its reply is drained by the env's next request, and the step or reset it was is
+        accounted then (``ForkableEnv._after_interrupt``)."""
+        if not self.sent or self.read or self.error is not None:
+            return
+        env = self.env
+        self.handle._send_holds = False  # (not a step_send() of the user's: nobody will receive it)
+        if self.cmd == "step":
+            action = self.args[0]
+            env._after_interrupt(lambda ok, _: ok and _note_step(env, action))
+        elif self.cmd == "reset":
+            env._after_interrupt(lambda ok, _: ok and env._record_reset())
+        else:
+            env._after_interrupt(None)
+
+
+def _abandon(calls: Sequence["_Call"]) -> None:
+    for call in calls:
+        call.abandon()
 
 
 _FAILED = object()
@@ -225,6 +249,8 @@ class ForkableVecEnv(VecEnv):
         self.envs = envs
         self.waiting = False
         self.closed = False
+        # why the last step did not complete (a sub-env's error, Ctrl-C): steps wait for a reset
+        self._incomplete: str | None = None
         self._calls: list[_Call] = []
         self._step_actions: Sequence[Any] = ()
         self._obs: list[Any] = [None] * len(envs)  # each slot's observation for the next action
@@ -237,11 +263,19 @@ class ForkableVecEnv(VecEnv):
         self._cancel_pending_step()
         # SB3 passes options only when there are some (reset(seed=s) otherwise): so do we.
         args = [(self._seeds[i], self._options[i] or None) for i in range(self.num_envs)]
-        results = _run(self.envs, "reset", args)
+        calls = [_Call(env, "reset", a) for env, a in zip(self.envs, args, strict=True)]
+        try:
+            results, error = _collect(calls)
+        except BaseException:  # Ctrl-C: each worker resets all the same (accounted when drained)
+            _abandon(calls)
+            raise
+        if error is not None:
+            raise error
         for i, (obs, info) in enumerate(results):
             self._obs[i] = obs
             self.reset_infos[i] = info
             self.envs[i]._record_reset()
+        self._incomplete = None
         # Seeds and options are only used once
         self._reset_seeds()
         self._reset_options()
@@ -253,8 +287,21 @@ class ForkableVecEnv(VecEnv):
             raise RuntimeError("step_async() called twice; call step_wait() first")
         if len(actions) != self.num_envs:
             raise ValueError(f"expected {self.num_envs} actions, got {len(actions)}")
+        if self._incomplete is not None:
+            raise IncompleteStepError(
+                f"the last step did not complete ({self._incomplete}): some sub-envs stepped (and reset "
+                "at an episode's end) and others did not, so they are out of step with each other and "
+                "with the observations you hold. Call reset() first.")
         self._step_actions = actions
-        self._calls = [_Call(env, "step", (a,)) for env, a in zip(self.envs, actions)]
+        self._calls = calls = []
+        try:
+            for env, a in zip(self.envs, actions):
+                calls.append(_Call(env, "step", (a,)))
+        except BaseException:  # Ctrl-C: the steps sent so far run all the same
+            _abandon(calls)
+            self._calls = []
+            self._incomplete = "interrupted while the actions were sent"
+            raise
         self.waiting = True
 
     def step_wait(self) -> VecEnvStepReturn:
@@ -264,24 +311,31 @@ class ForkableVecEnv(VecEnv):
         results: list[Any] = []
         resets: dict[int, _Call] = {}
         error: BaseException | None = None
-        for i, (call, action) in enumerate(zip(calls, self._step_actions)):
-            try:
-                out = call.result()
-            except Exception as e:  # noqa: BLE001 - raised after every reply is read
-                results.append(_FAILED)
-                error = error or e
-                continue
-            _note_step(call.env, action)
-            results.append(out)
-            if out[2] or out[3]:
-                # Send the auto-reset now: it overlaps with the replies still to come.
-                resets[i] = _Call(call.env, "reset", (None, None))
-        reset_results, reset_error = _collect(list(resets.values()))
+        try:
+            for i, (call, action) in enumerate(zip(calls, self._step_actions)):
+                try:
+                    out = call.result()
+                except Exception as e:  # noqa: BLE001 - raised after every reply is read
+                    results.append(_FAILED)
+                    error = error or e
+                    continue
+                _note_step(call.env, action)
+                results.append(out)
+                if out[2] or out[3]:
+                    # Send the auto-reset now: it overlaps with the replies still to come.
+                    resets[i] = _Call(call.env, "reset", (None, None))
+            reset_results, reset_error = _collect(list(resets.values()))
+        except BaseException:  # Ctrl-C: every worker steps (and resets) all the same
+            _abandon([*calls, *resets.values()])
+            self._incomplete = "interrupted while the replies were read"
+            raise
         for i, r in zip(resets, reset_results):
             if r is not _FAILED:
                 self.envs[i]._record_reset()
         if error is not None or reset_error is not None:
-            raise error or reset_error  # the other slots did step; reset() brings all back in line
+            # the other slots did step; reset() brings all back in line (or, for a dead worker,
+            # restore() of its slot: stepping on is the caller's choice, as after any error)
+            raise error or reset_error
 
         obs, rews, dones, infos = [], [], [], []
         reset_out = dict(zip(resets, reset_results))

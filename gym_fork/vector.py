@@ -26,6 +26,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from gym_fork.backends.base import Backend
+from gym_fork.errors import IncompleteStepError
 from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source
@@ -234,6 +235,10 @@ class ForkableVectorEnv(VectorEnv):
         self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._autoreset_envs = np.zeros((self.num_envs,), dtype=np.bool_)
+        # sub-envs out of step since a step that Ctrl-C interrupted: no step until reset() has
+        # reset them
+        self._unsettled = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._unsettled_why = ""
 
     @staticmethod
     def _factory(fn: Any) -> _SlotFactory:
@@ -327,6 +332,7 @@ class ForkableVectorEnv(VectorEnv):
         infos: dict[str, Any] = {}
         for i in np.flatnonzero(mask):
             self._env_obs[i], env_info = self.envs[i].reset(seed=seed[i], options=options)
+            self._unsettled[i] = False
             infos = self._add_info(infos, env_info, i)
         return self._batch_obs(), infos
 
@@ -353,12 +359,33 @@ class ForkableVectorEnv(VectorEnv):
                 f"sub-envs {np.flatnonzero(self._autoreset_envs).tolist()} ended their episode and were not "
                 f"reset (autoreset_mode=DISABLED): call reset(options={{'reset_mask': mask}}) first; "
                 f"self._autoreset_envs={self._autoreset_envs}")
+        if self._unsettled.any():
+            raise IncompleteStepError(
+                f"the last step did not complete ({self._unsettled_why}): sub-envs "
+                f"{np.flatnonzero(self._unsettled).tolist()} are out of step with each other and with the "
+                "observations you hold. Call reset() first (all of them, or those in options['reset_mask']).")
         resetting = self._autoreset_envs.copy() if mode == AutoresetMode.NEXT_STEP else np.zeros_like(
             self._autoreset_envs)
+        sent: list[int] = []
+        received: set[int] = set()
+        try:
+            return self._step(actions, mode, resetting, sent, received)
+        except BaseException as e:
+            # (after an error the caller decides: reset(), or restore() of a dead slot, as before)
+            if not isinstance(e, Exception):  # Ctrl-C: the steps sent run all the same
+                for i in sent:
+                    if i not in received:
+                        env = self.envs[i]
+                        env._handle._send_holds = False  # (nobody will step_receive() it)
+                        env._after_interrupt(lambda ok, _, env=env: ok or env._unrecord_step())
+                self._unsettled[:] = True
+                self._unsettled_why = "interrupted"
+            raise
 
+    def _step(self, actions: list, mode: AutoresetMode, resetting: np.ndarray, sent: list[int],
+              received: set[int]) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         results: list[Any] = [None] * self.num_envs
         error: BaseException | None = None
-        sent = []
         for i, (env, action) in enumerate(zip(self.envs, actions)):
             if resetting[i]:
                 continue
@@ -379,6 +406,7 @@ class ForkableVectorEnv(VectorEnv):
                 results[i] = self.envs[i].step_receive()
             except Exception as e:  # noqa: BLE001
                 error = error or e
+            received.add(i)
         finals: dict[int, tuple] = {}
         if error is None and mode == AutoresetMode.SAME_STEP:
             for i in sent:

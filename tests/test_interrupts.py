@@ -290,3 +290,47 @@ def test_interrupted_criu_restores_dumps_and_forks_leave_nothing_behind():
         assert same(env.step(6)[0], after_root)
     finally:
         env.close()
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("api", ["sb3", "gymnasium"])
+def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api):
+    """Ctrl-C in a vector env's step: some sub-envs stepped (and reset at an episode's end) and the
+    caller holds none of their results. The next step raises IncompleteStepError until reset();
+    after it, every sub-env answers its own action. Before: the next step read the interrupted
+    batch's replies (or was refused for good: its sends still held their channels)."""
+    from gym_fork.errors import IncompleteStepError
+    from gym_fork.vec_env import ForkableVecEnv
+    from gym_fork.vector import ForkableVectorEnv
+
+    n = 3
+    venv = ForkableVecEnv(EchoEnv, n_envs=n) if api == "sb3" else ForkableVectorEnv([EchoEnv] * n)
+    rng = np.random.default_rng(11)
+
+    def step(actions):
+        if api == "sb3":
+            return venv.step(np.array(actions))[0]
+        return venv.step(np.array(actions))[0]
+
+    try:
+        venv.reset()
+        interrupted = refused = answered = 0
+        for i in range(300):
+            actions = [int(a) for a in rng.integers(1000, size=n)]
+            try:
+                with _alarm(float(np.exp(rng.uniform(np.log(5e-6), np.log(2e-3)))) if i % 2 else 0.0):
+                    obs = step(actions)
+            except KeyboardInterrupt:
+                interrupted += 1
+                continue
+            except IncompleteStepError as e:  # (the step after one interrupted in the middle)
+                assert "reset() first" in str(e)
+                refused += 1
+                venv.reset()
+                continue
+            answered += 1
+            assert [int(o[1]) for o in obs] == actions, f"step {i}: {obs} for actions {actions}"
+        assert interrupted > 20 and refused > 5 and answered > 100, (interrupted, refused, answered)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        venv.close()
