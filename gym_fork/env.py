@@ -321,7 +321,7 @@ class ForkableEnv(gym.Wrapper):
             raise
         except BaseException as e:  # Ctrl-C while the worker stepped: counted when its reply comes
             if not isinstance(e, Exception):
-                self._after_interrupt(lambda ok, _: ok and self._record_step(action))
+                self._after_interrupt(lambda: self._settle_step(action))
             raise
         self._steps += 1  # _record_step(action), inline: this is every step's path
         if self._actions is not None:
@@ -344,9 +344,11 @@ class ForkableEnv(gym.Wrapper):
             if not isinstance(e, NotSendableError):  # the env's step raised: no step taken, as in step()
                 self._unrecord_step()
             raise
-        except BaseException as e:  # Ctrl-C: counted at step_send(), uncounted if its reply is an error
+        except BaseException as e:  # Ctrl-C: its reply is dropped (the channel may be mid-frame)
             if not isinstance(e, Exception):
-                self._after_interrupt(lambda ok, _: ok or self._unrecord_step())
+                self._handle._send_holds = False
+                action = self._actions[-1] if self._actions else None
+                self._after_interrupt(lambda: self._settle_step(action))
             raise
 
     def rollout(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
@@ -397,8 +399,7 @@ class ForkableEnv(gym.Wrapper):
         except BaseException as e:
             if not isinstance(e, Exception):  # Ctrl-C: one call, not a send waiting for its receive
                 self._handle._send_holds = False
-                sent = self._pending_rollout
-                self._after_interrupt(lambda ok, out: ok and self._account_rollout_reply(out, sent))
+                self._after_interrupt(self._settle_rollout)
             raise
 
     def rollout_send(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
@@ -456,10 +457,10 @@ class ForkableEnv(gym.Wrapper):
             if progress is not None:
                 self._account_rollout(progress)
             raise
-        except BaseException as e:  # Ctrl-C while the worker rolled out: accounted when its reply comes
+        except BaseException as e:  # Ctrl-C while the worker rolled out: accounted after the resync
             if not isinstance(e, Exception):
-                sent = self._pending_rollout
-                self._after_interrupt(lambda ok, out: ok and self._account_rollout_reply(out, sent))
+                self._handle._send_holds = False
+                self._after_interrupt(self._settle_rollout)
             raise
         return self._account_rollout_reply(out, self._pending_rollout)
 
@@ -489,7 +490,7 @@ class ForkableEnv(gym.Wrapper):
             raise
         except BaseException as e:  # Ctrl-C while the worker reset: accounted when its reply comes
             if not isinstance(e, Exception):
-                self._after_interrupt(lambda ok, _: ok and self._record_reset())
+                self._after_interrupt(self._settle_reset)
             raise
         self._record_reset()
         return obs_info
@@ -1124,13 +1125,47 @@ class ForkableEnv(gym.Wrapper):
         self._snapshots.pop(snap.id, None)
         return snap
 
-    def _after_interrupt(self, on_reply: Callable[[bool, Any], Any] | None) -> None:
+    def _after_interrupt(self, settle: Callable[[], Any] | None) -> None:
         """A request was interrupted (Ctrl-C): no hold on the handle's gate may outlive it, and if
-        the worker got the request it runs it all the same: ``on_reply(ok, result)`` accounts for
-        it when the next request drains its reply (a step the worker took and this env did not
-        count would leave ``steps`` and the recorded actions a step behind the env: a snapshot's
-        ``actions`` would replay elsewhere)."""
-        self._handle.interrupted(on_reply)
+        the worker got the request it runs it all the same: ``settle()`` accounts for it once the
+        next request has resynced the channel, by asking the worker (a step the worker took and
+        this env did not count would leave ``steps`` and the recorded actions a step behind the
+        env: a snapshot's ``actions`` would replay elsewhere)."""
+        self._handle.interrupted(settle)
+
+    def _worker_steps(self) -> int | None:
+        """The worker's step count since its last reset (None: it cannot say)."""
+        try:
+            return int(self._handle.request("last")[2])
+        except Exception:  # noqa: BLE001 - a dead worker: nothing to account for
+            return None
+
+    def _settle_step(self, action: Any, *, may_reset: bool = False) -> None:
+        """After an interrupted step (counted or not, by step_send()): counted when the worker
+        took it, not when it did not. ``may_reset``: a reset may have been in flight instead (a
+        vector env's auto-reset)."""
+        n = self._worker_steps()
+        if n is None or n == self._steps:
+            return
+        if n == self._steps + 1:
+            self._record_step(action)
+        elif n == self._steps - 1:
+            self._unrecord_step()
+        elif n == 0 and may_reset:
+            self._record_reset()
+        else:  # (not one step apart: at least the count is right)
+            self._steps = n
+
+    def _settle_reset(self) -> None:
+        if self._worker_steps() == 0:
+            self._record_reset()
+
+    def _settle_rollout(self) -> None:
+        if self._worker_steps() not in (None, self._steps):
+            try:
+                self._account_rollout(self._handle.request("rollout_progress"))
+            except Exception:  # noqa: BLE001 - a worker of an older gym_fork
+                pass
 
     def _unrecord_step(self) -> None:
         """Undo :meth:`_record_step` (a step sent with step_send() that the env refused)."""

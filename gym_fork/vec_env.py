@@ -74,22 +74,34 @@ class _Call:
         """After Ctrl-C: this call's reply will not be read here. The worker runs the request all
         the same; its reply is drained by the env's next request, and the step or reset it was is
         accounted then (``ForkableEnv._after_interrupt``)."""
-        if not self.sent or self.read or self.error is not None:
+        if not self.sent or self.error is not None:
             return
         env = self.env
         self.handle._send_holds = False  # (not a step_send() of the user's: nobody will receive it)
         if self.cmd == "step":
             action = self.args[0]
-            env._after_interrupt(lambda ok, _: ok and _note_step(env, action))
+            if self.read and not getattr(self.handle, "_pending", False):
+                return  # its reply was read, and noted (or its error raised)
+            env._after_interrupt(lambda: env._settle_step(
+                action.copy() if isinstance(action, np.ndarray) else action))
         elif self.cmd == "reset":
-            env._after_interrupt(lambda ok, _: ok and env._record_reset())
+            env._after_interrupt(env._settle_reset)
         else:
             env._after_interrupt(None)
 
 
-def _abandon(calls: Sequence["_Call"]) -> None:
+def _abandon(calls: Sequence["_Call"], envs: Sequence[ForkableEnv] = (), actions: Sequence[Any] = ()) -> None:
+    """After Ctrl-C: hand every call over (:meth:`_Call.abandon`), and each of ``envs`` whose request
+    was in flight without a call to show for it yet (interrupted inside ``_Call()``): its step
+    (``actions``) or auto-reset is accounted after the resync."""
     for call in calls:
         call.abandon()
+    for i, env in enumerate(envs):
+        handle = env._handle
+        if getattr(handle, "_pending", False) and getattr(handle, "_on_drain", None) is None:
+            handle._send_holds = False
+            action = actions[i] if i < len(actions) else None
+            env._after_interrupt(lambda env=env, action=action: env._settle_step(action, may_reset=True))
 
 
 _FAILED = object()
@@ -267,7 +279,7 @@ class ForkableVecEnv(VecEnv):
         try:
             results, error = _collect(calls)
         except BaseException:  # Ctrl-C: each worker resets all the same (accounted when drained)
-            _abandon(calls)
+            _abandon(calls, self.envs)
             raise
         if error is not None:
             raise error
@@ -280,6 +292,19 @@ class ForkableVecEnv(VecEnv):
         self._reset_seeds()
         self._reset_options()
         return _stack_obs(self._obs, self.observation_space)
+
+    def step(self, actions: np.ndarray) -> VecEnvStepReturn:
+        """``step_async`` + ``step_wait`` (SB3's ``VecEnv.step``); Ctrl-C between the two leaves
+        no step waiting: its sends are handed over as interrupted requests."""
+        self.step_async(actions)
+        try:
+            return self.step_wait()
+        except BaseException as e:
+            if not isinstance(e, Exception) and self.waiting:  # (interrupted before step_wait began)
+                _abandon(self._calls, self.envs, self._step_actions)
+                self._calls, self.waiting = [], False
+                self._incomplete = "interrupted before the replies were read"
+            raise
 
     def step_async(self, actions: np.ndarray) -> None:
         self._check_open("step_async")
@@ -298,7 +323,7 @@ class ForkableVecEnv(VecEnv):
             for env, a in zip(self.envs, actions):
                 calls.append(_Call(env, "step", (a,)))
         except BaseException:  # Ctrl-C: the steps sent so far run all the same
-            _abandon(calls)
+            _abandon(calls, self.envs, actions)
             self._calls = []
             self._incomplete = "interrupted while the actions were sent"
             raise
@@ -326,7 +351,7 @@ class ForkableVecEnv(VecEnv):
                     resets[i] = _Call(call.env, "reset", (None, None))
             reset_results, reset_error = _collect(list(resets.values()))
         except BaseException:  # Ctrl-C: every worker steps (and resets) all the same
-            _abandon([*calls, *resets.values()])
+            _abandon([*calls, *resets.values()], self.envs, self._step_actions)
             self._incomplete = "interrupted while the replies were read"
             raise
         for i, r in zip(resets, reset_results):

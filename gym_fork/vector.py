@@ -373,11 +373,12 @@ class ForkableVectorEnv(VectorEnv):
         except BaseException as e:
             # (after an error the caller decides: reset(), or restore() of a dead slot, as before)
             if not isinstance(e, Exception):  # Ctrl-C: the steps sent run all the same
-                for i in sent:
-                    if i not in received:
-                        env = self.envs[i]
-                        env._handle._send_holds = False  # (nobody will step_receive() it)
-                        env._after_interrupt(lambda ok, _, env=env: ok or env._unrecord_step())
+                for i, env in enumerate(self.envs):  # (also one interrupted inside its step_send())
+                    handle = env._handle
+                    if getattr(handle, "_pending", False) and getattr(handle, "_on_drain", None) is None:
+                        handle._send_holds = False  # (nobody will step_receive() it)
+                        action = actions[i]
+                        env._after_interrupt(lambda env=env, action=action: env._settle_step(action, may_reset=True))
                 self._unsettled[:] = True
                 self._unsettled_why = "interrupted"
             raise

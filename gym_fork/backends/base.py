@@ -113,8 +113,8 @@ class Handle(abc.ABC):
 
     def interrupted(self, on_drain: Any) -> bool:
         """After the caller of a request was interrupted before its reply (:meth:`recover_gate`
-        first): whether the reply still waits in the channel (then ``on_drain(ok, result)`` gets
-        it when it is drained). An env in this process has no channel: nothing waits."""
+        first): whether the channel must be resynced (then ``on_drain()`` is called after, see
+        ``RemoteHandle.interrupted``). An env in this process has no channel: nothing waits."""
         self.recover_gate()
         return False
 
@@ -224,6 +224,7 @@ class RemoteHandle(Handle):
         # through a pidfd (never another process that got its pid), else a zombie for good
         self._orphan_reaper = _orphan_reaper(self, pid) if child and pid else None
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
+        self._abandoned = False  # ... and given up by an interrupt: no receive() may read it
         # called with that reply when it is drained (ForkableEnv accounts for the step it was)
         self._on_drain: Any = None
         self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policy)
@@ -424,6 +425,10 @@ class RemoteHandle(Handle):
 
     def receive(self) -> Any:
         """Second half of a request sent with :meth:`send`."""
+        if self._abandoned:
+            raise RuntimeError(
+                "nothing to receive: Ctrl-C interrupted the receive of this request, and its reply was given up "
+                "(the env accounts for what the worker did at its next call); make a new call")
         gate = self._gate
         if not gate._is_owned():  # (not this thread's send: refused while another thread's call runs)
             if not gate.acquire(False):
@@ -495,39 +500,36 @@ class RemoteHandle(Handle):
     def _resync(self) -> None:
         """Bring the channel back to one request, one reply, after a request whose caller was
         interrupted (Ctrl-C, a signal handler that raised) between setting ``_pending`` and
-        reading the reply. Whether the request went out, and whether its reply was read, depends
-        on where the interrupt fell, and nothing here can tell: reading one reply blindly waited
-        forever for one that had been read, or (with ``_pending`` set after the send, as it was)
-        left one unread, and from then on every request got the previous one's reply, silently.
+        reading the whole reply. Whether the request went out, whether its reply was read, and
+        whether the interrupt fell in the middle of reading a frame depends on where it fell,
+        and nothing here can tell: reading one reply blindly waited forever for one that had
+        been read, or (with ``_pending`` set after the send, as it was) left one unread, and from
+        then on every request got the previous one's reply, silently.
 
         So: a request of a name no worker has, ``resync-<random>``; every worker (of any gym_fork
-        version) answers an unknown command with an error naming it. Replies ahead of that
-        answer are stale: the first is the interrupted request's (given to :meth:`interrupted`'s
-        function). A ring is dropped first (the worker takes requests that come on the socket
-        unannounced; a reply it put in the ring goes with it) and offered again later."""
+        version) answers an unknown command with an error naming it, and everything up to that
+        answer is dropped, as raw bytes (:meth:`Channel.skip_to`). A ring is dropped first (the
+        worker takes requests that come on the socket unannounced) and offered again later.
+        Then :meth:`interrupted`'s function asks the worker what the interrupted request did."""
         self._drop_ring()
         marker = f"resync-{os.urandom(8).hex()}"
         self._send_plain((marker, ()))
-        stale = []
-        while True:
-            reply = self.chan.recv_reply()
-            if reply[0] != OK and len(reply) == 4 and marker in str(reply[2]):
-                break
-            stale.append(reply)
-        self._pending = False
+        self.chan.skip_to(marker.encode())
+        self._pending = self._abandoned = False
         on_drain, self._on_drain = self._on_drain, None
-        if on_drain is not None and stale:
-            on_drain(stale[0][0] == OK, stale[0][1])
+        if on_drain is not None:
+            on_drain()
 
     def interrupted(self, on_drain: Any) -> bool:
-        """After the caller of a request was interrupted (Ctrl-C) before its reply came: whether
-        the worker got the request (it runs it, and its reply waits in the channel). If so,
-        ``on_drain(ok, result)`` is called with that reply when the next request drains it
-        (``ok``: it succeeded; else ``result`` is the error's type name)."""
+        """After the caller of a request was interrupted (Ctrl-C) before its reply was read:
+        whether the channel must be resynced (the worker may have got the request, and runs it
+        all the same). If so, ``on_drain()`` is called once the next request has resynced it,
+        from within that request: it may ask the worker (``request``) what was done."""
         self.recover_gate()
         if not self._pending or self.closed:
             return False
         self._on_drain = on_drain
+        self._abandoned = True  # receive() must not read what follows: the next request resyncs
         return True
 
     def request_with_fd(self, cmd: str, fd: int, *args: Any) -> Any:

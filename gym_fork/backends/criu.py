@@ -724,6 +724,33 @@ class CriuBackend(Backend):
         # per restore work dir: logs and stats of concurrent restores must not collide
         workdir = tempfile.mkdtemp(prefix="restore-", dir=sessiondir.session_dir())
         try:
+            pid = self._criu_restore(payload, binds, ours, theirs, new_ino, nsfd, workdir)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # Ctrl-C, also in the cleanup after criu: what it
+                client.kill_socket_holders(new_ino)  # restored goes, and is reaped (our child);
+                ours.close()  # before ours closes: on that EOF it would exit into a zombie
+            raise
+        handle = None
+        try:
+            handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
+                                  fork_tier=payload.fork_tier and self.fork_tier is not False)
+            _pid, *handle.initial = handle.request("hello")
+        except WorkerDiedError as e:
+            handle.kill()
+            raise RestoreError(f"the restored worker did not answer: {e}") from e
+        except BaseException:  # Ctrl-C: the new worker is nobody's
+            if handle is not None:
+                handle.kill()
+            else:
+                client.kill_socket_holders(new_ino)
+                ours.close()
+            raise
+        return handle
+
+    def _criu_restore(self, payload: CriuPayload, binds: Binds | None, ours: socket.socket, theirs: socket.socket,
+                      new_ino: int, nsfd: int, workdir: str) -> int:
+        """:meth:`restore_verified`'s call to criu; returns the restored root's pid."""
+        try:
             inherit = {f"socket:[{payload.ino}]": theirs.fileno()}
             if nsfd >= 0:
                 inherit[treecapture.NETNS_KEY] = nsfd
@@ -744,31 +771,12 @@ class CriuBackend(Backend):
             ours.close()
             tail = log_tail(os.path.join(workdir, "restore.log"))
             raise RestoreError(f"CRIU restore from {payload.path} failed ({e}); the running env is unchanged.\n{tail}") from e
-        except BaseException:  # Ctrl-C: criu finished (the client waits for it); what it restored goes
-            client.kill_socket_holders(new_ino)  # and is reaped (our child); before ours closes: on
-            ours.close()  # that EOF it would exit by itself, a zombie nobody waits for
-            raise
         finally:
             theirs.close()
             if nsfd >= 0:
                 os.close(nsfd)
             shutil.rmtree(workdir, ignore_errors=True)
-        handle = None
-        try:
-            handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
-                                  fork_tier=payload.fork_tier and self.fork_tier is not False)
-            _pid, *handle.initial = handle.request("hello")
-        except WorkerDiedError as e:
-            handle.kill()
-            raise RestoreError(f"the restored worker did not answer: {e}") from e
-        except BaseException:  # Ctrl-C: the new worker is nobody's
-            if handle is not None:
-                handle.kill()
-            else:
-                client.kill_socket_holders(new_ino)
-                ours.close()
-            raise
-        return handle
+        return pid
 
     def release(self, payload: CriuPayload | ForkPayload) -> None:
         if isinstance(payload, ForkPayload):

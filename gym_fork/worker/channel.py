@@ -250,6 +250,28 @@ class Channel:
         """The next message, or :data:`WAKE` when the next frame is a wake frame."""
         return self._next(_FIRST_READ)
 
+    def skip_to(self, marker: bytes, quiet: float = 0.02) -> None:
+        """Drop everything the peer sent up to and including the frame that holds ``marker``
+        (unique bytes in the peer's answer to a request just sent), reading raw bytes: after an
+        interrupt (Ctrl-C) the channel may be in the middle of a frame, where a frame's length
+        cannot be trusted. The frame that holds ``marker`` is the peer's last until the next
+        request; what follows it arrives within ``quiet`` seconds (it is one write)."""
+        import select
+
+        self._extra = b""  # (read ahead before the interrupt: stale)
+        sock, data = self.sock, b""
+        try:
+            while marker not in data:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    raise ChannelClosed("peer closed the channel")
+                data = data[-len(marker):] + chunk  # (the marker may straddle two reads)
+            while (getattr(sock, "pending", None) and sock.pending()) or select.select([sock], [], [], quiet)[0]:
+                if not sock.recv(1 << 16):
+                    raise ChannelClosed("peer closed the channel")
+        except (ConnectionResetError, BrokenPipeError) as e:
+            raise ChannelClosed(str(e)) from None
+
     def _next(self, first: int, spin: float = 0.0) -> Any:
         """Read and decode one frame. The first read takes up to ``first`` bytes (0: as many as
         the buffer holds), the rest of the frame is read exactly; bytes read past the frame are
