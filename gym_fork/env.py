@@ -346,9 +346,8 @@ class ForkableEnv(gym.Wrapper):
             raise
         except BaseException as e:  # Ctrl-C: its reply is dropped (the channel may be mid-frame)
             if not isinstance(e, Exception):
-                self._handle._send_holds = False
                 action = self._actions[-1] if self._actions else None
-                self._after_interrupt(lambda: self._settle_step(action))
+                self._give_up_request(lambda: self._settle_step(action))
             raise
 
     def rollout(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
@@ -398,8 +397,7 @@ class ForkableEnv(gym.Wrapper):
             return self.rollout_receive()
         except BaseException as e:
             if not isinstance(e, Exception):  # Ctrl-C: one call, not a send waiting for its receive
-                self._handle._send_holds = False
-                self._after_interrupt(self._settle_rollout)
+                self._give_up_request(self._settle_rollout)
             raise
 
     def rollout_send(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
@@ -459,8 +457,7 @@ class ForkableEnv(gym.Wrapper):
             raise
         except BaseException as e:  # Ctrl-C while the worker rolled out: accounted after the resync
             if not isinstance(e, Exception):
-                self._handle._send_holds = False
-                self._after_interrupt(self._settle_rollout)
+                self._give_up_request(self._settle_rollout)
             raise
         return self._account_rollout_reply(out, self._pending_rollout)
 
@@ -1133,6 +1130,15 @@ class ForkableEnv(gym.Wrapper):
         env: a snapshot's ``actions`` would replay elsewhere)."""
         self._handle.interrupted(settle)
 
+    def _give_up_request(self, settle: Callable[[], Any]) -> None:
+        """After Ctrl-C, for a request in flight that no one will receive (a vector env's step or
+        reset, an interrupted step_receive() or rollout): its send no longer holds the channel,
+        and what the worker did is settled (``settle()``) after the next resync."""
+        handle = self._handle
+        if getattr(handle, "_pending", False) and getattr(handle, "_on_drain", None) is None:
+            handle._send_holds = False
+            self._after_interrupt(settle)
+
     def _worker_steps(self) -> int | None:
         """The worker's step count since its last reset (None: it cannot say)."""
         try:
@@ -1149,10 +1155,10 @@ class ForkableEnv(gym.Wrapper):
             return
         if n == self._steps + 1:
             self._record_step(action)
+        elif n == 0 and may_reset:  # (a step never brings the count to 0)
+            self._record_reset()
         elif n == self._steps - 1:
             self._unrecord_step()
-        elif n == 0 and may_reset:
-            self._record_reset()
         else:  # (not one step apart: at least the count is right)
             self._steps = n
 

@@ -37,13 +37,12 @@ class _Call:
     request/reply step.
     """
 
-    __slots__ = ("env", "handle", "cmd", "args", "error", "sent", "read")
+    __slots__ = ("env", "handle", "cmd", "args", "error", "sent")
 
     def __init__(self, env: ForkableEnv, cmd: str, args: tuple = ()):
         self.env, self.cmd, self.args = env, cmd, args
         self.error: BaseException | None = None
         self.sent = False
-        self.read = False  # result() was called (its reply read, or its error raised)
         if env.closed:
             self.error = EnvClosedError(f"{cmd}() on a closed ForkableEnv; create a new one")
             return
@@ -56,7 +55,6 @@ class _Call:
                 self.error = e
 
     def result(self) -> Any:
-        self.read = True
         if self.error is not None:
             raise self.error
         try:
@@ -70,38 +68,16 @@ class _Call:
             raise
 
 
-    def abandon(self) -> None:
-        """After Ctrl-C: this call's reply will not be read here. The worker runs the request all
-        the same; its reply is drained by the env's next request, and the step or reset it was is
-        accounted then (``ForkableEnv._after_interrupt``)."""
-        if not self.sent or self.error is not None:
-            return
-        env = self.env
-        self.handle._send_holds = False  # (not a step_send() of the user's: nobody will receive it)
-        if self.cmd == "step":
-            action = self.args[0]
-            if self.read and not getattr(self.handle, "_pending", False):
-                return  # its reply was read, and noted (or its error raised)
-            env._after_interrupt(lambda: env._settle_step(
-                action.copy() if isinstance(action, np.ndarray) else action))
-        elif self.cmd == "reset":
-            env._after_interrupt(env._settle_reset)
-        else:
-            env._after_interrupt(None)
-
-
-def _abandon(calls: Sequence["_Call"], envs: Sequence[ForkableEnv] = (), actions: Sequence[Any] = ()) -> None:
-    """After Ctrl-C: hand every call over (:meth:`_Call.abandon`), and each of ``envs`` whose request
-    was in flight without a call to show for it yet (interrupted inside ``_Call()``): its step
-    (``actions``) or auto-reset is accounted after the resync."""
-    for call in calls:
-        call.abandon()
+def _abandon(envs: Sequence[ForkableEnv], actions: Sequence[Any] | None = None) -> None:
+    """After Ctrl-C: every sub-env's request in flight is given up here and settled after the
+    env's next resync: a step (its action in ``actions``) or its auto-reset; without
+    ``actions``, a reset."""
     for i, env in enumerate(envs):
-        handle = env._handle
-        if getattr(handle, "_pending", False) and getattr(handle, "_on_drain", None) is None:
-            handle._send_holds = False
-            action = actions[i] if i < len(actions) else None
-            env._after_interrupt(lambda env=env, action=action: env._settle_step(action, may_reset=True))
+        if actions is None:
+            env._give_up_request(env._settle_reset)
+            continue
+        action = actions[i].copy() if isinstance(actions[i], np.ndarray) else actions[i]
+        env._give_up_request(lambda env=env, action=action: env._settle_step(action, may_reset=True))
 
 
 _FAILED = object()
@@ -261,7 +237,7 @@ class ForkableVecEnv(VecEnv):
         self.envs = envs
         self.waiting = False
         self.closed = False
-        # why the last step did not complete (a sub-env's error, Ctrl-C): steps wait for a reset
+        # why the last step did not complete (Ctrl-C in the middle): steps wait for a reset
         self._incomplete: str | None = None
         self._calls: list[_Call] = []
         self._step_actions: Sequence[Any] = ()
@@ -279,7 +255,7 @@ class ForkableVecEnv(VecEnv):
         try:
             results, error = _collect(calls)
         except BaseException:  # Ctrl-C: each worker resets all the same (accounted when drained)
-            _abandon(calls, self.envs)
+            _abandon(self.envs)
             raise
         if error is not None:
             raise error
@@ -301,7 +277,7 @@ class ForkableVecEnv(VecEnv):
             return self.step_wait()
         except BaseException as e:
             if not isinstance(e, Exception) and self.waiting:  # (interrupted before step_wait began)
-                _abandon(self._calls, self.envs, self._step_actions)
+                _abandon(self.envs, self._step_actions)
                 self._calls, self.waiting = [], False
                 self._incomplete = "interrupted before the replies were read"
             raise
@@ -323,7 +299,7 @@ class ForkableVecEnv(VecEnv):
             for env, a in zip(self.envs, actions):
                 calls.append(_Call(env, "step", (a,)))
         except BaseException:  # Ctrl-C: the steps sent so far run all the same
-            _abandon(calls, self.envs, actions)
+            _abandon(self.envs, actions)
             self._calls = []
             self._incomplete = "interrupted while the actions were sent"
             raise
@@ -351,7 +327,7 @@ class ForkableVecEnv(VecEnv):
                     resets[i] = _Call(call.env, "reset", (None, None))
             reset_results, reset_error = _collect(list(resets.values()))
         except BaseException:  # Ctrl-C: every worker steps (and resets) all the same
-            _abandon([*calls, *resets.values()], self.envs, self._step_actions)
+            _abandon(self.envs, self._step_actions)
             self._incomplete = "interrupted while the replies were read"
             raise
         for i, r in zip(resets, reset_results):

@@ -366,27 +366,22 @@ class ForkableVectorEnv(VectorEnv):
                 "observations you hold. Call reset() first (all of them, or those in options['reset_mask']).")
         resetting = self._autoreset_envs.copy() if mode == AutoresetMode.NEXT_STEP else np.zeros_like(
             self._autoreset_envs)
-        sent: list[int] = []
-        received: set[int] = set()
         try:
-            return self._step(actions, mode, resetting, sent, received)
+            return self._step(actions, mode, resetting)
         except BaseException as e:
             # (after an error the caller decides: reset(), or restore() of a dead slot, as before)
             if not isinstance(e, Exception):  # Ctrl-C: the steps sent run all the same
-                for i, env in enumerate(self.envs):  # (also one interrupted inside its step_send())
-                    handle = env._handle
-                    if getattr(handle, "_pending", False) and getattr(handle, "_on_drain", None) is None:
-                        handle._send_holds = False  # (nobody will step_receive() it)
-                        action = actions[i]
-                        env._after_interrupt(lambda env=env, action=action: env._settle_step(action, may_reset=True))
+                for env, action in zip(self.envs, actions):  # (also one interrupted inside its step_send())
+                    env._give_up_request(lambda env=env, action=action: env._settle_step(action))
                 self._unsettled[:] = True
                 self._unsettled_why = "interrupted"
             raise
 
-    def _step(self, actions: list, mode: AutoresetMode, resetting: np.ndarray, sent: list[int],
-              received: set[int]) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    def _step(self, actions: list, mode: AutoresetMode,
+              resetting: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         results: list[Any] = [None] * self.num_envs
         error: BaseException | None = None
+        sent = []
         for i, (env, action) in enumerate(zip(self.envs, actions)):
             if resetting[i]:
                 continue
@@ -407,7 +402,6 @@ class ForkableVectorEnv(VectorEnv):
                 results[i] = self.envs[i].step_receive()
             except Exception as e:  # noqa: BLE001
                 error = error or e
-            received.add(i)
         finals: dict[int, tuple] = {}
         if error is None and mode == AutoresetMode.SAME_STEP:
             for i in sent:

@@ -36,9 +36,6 @@ def _in_use_error(handle: "Handle", what: str) -> ConcurrentUseError:
         "was sent for this call; the other thread's call and the env go on.")
 
 
-_get_ident = threading.get_ident
-
-
 class Handle(abc.ABC):
     """A running env: requests go to it one at a time.
 
@@ -54,7 +51,6 @@ class Handle(abc.ABC):
     # hold an interrupt left behind (Ctrl-C right after the gate was taken, before the code that
     # lets it go was entered) is told apart from another thread's call and let go (recover_gate)
     _gate: Any
-    _holder = 0  # the thread whose request holds _gate (threading.get_ident())
     _send_holds = False  # _gate was taken by send(): receive() (or the next request) lets it go
 
     def _claim(self, what: str) -> bool:
@@ -65,7 +61,6 @@ class Handle(abc.ABC):
         if not gate._is_owned():
             if not gate.acquire(False):
                 raise _in_use_error(self, what)
-            self._holder = _get_ident()
             return True
         if self._send_holds:  # after this thread's send() whose reply it has not read
             if getattr(self, "_pending", False):  # still in the channel: a request now would drop it
@@ -78,7 +73,6 @@ class Handle(abc.ABC):
         return False
 
     def _release(self) -> None:
-        self._holder = 0
         self._send_holds = False
         if self._gate._is_owned():  # (recover_gate may have let it go already)
             self._gate.release()
@@ -103,7 +97,6 @@ class Handle(abc.ABC):
         if self._send_holds and getattr(self, "_pending", False):
             return
         self._send_holds = False
-        self._holder = 0
         gate = self._gate
         while gate._is_owned():
             gate.release()
@@ -257,8 +250,8 @@ class RemoteHandle(Handle):
     def request(self, cmd: str, *args: Any) -> Any:
         gate = self._gate
         if cmd == "step" and self._fast_steps and not (self._pending or self.closed):
-            # every step's path: Handle._claim inline (a step makes no request within itself,
-            # so no holder is noted: any other thread's call is refused while the gate is held)
+            # every step's path: Handle._claim inline (a step makes no request within itself;
+            # any other thread's call is refused while the gate is held)
             if gate.acquire(False):
                 try:
                     return self._step(args[0])
@@ -267,11 +260,9 @@ class RemoteHandle(Handle):
         if not gate._is_owned():
             if not gate.acquire(False):
                 raise _in_use_error(self, repr(cmd))
-            self._holder = _get_ident()
             try:
                 return self._request(cmd, args)
             finally:
-                self._holder = 0
                 self._send_holds = False
                 gate.release()
         if self._claim(repr(cmd)):  # after this thread's send() whose reply it never read
