@@ -315,17 +315,20 @@ class ForkableEnv(gym.Wrapper):
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
         try:
             out = self._handle.request("step", action)
+            # _record_step(action), inline (every step's path), inside the try: an interrupt right
+            # after the reply was read is settled too. No interrupt falls between these two lines
+            # (the interpreter checks for one after a call, not after a store): counted is recorded.
+            self._steps += 1
+            if self._actions is not None:
+                self._actions.append(action)
         except WorkerError as e:
             if isinstance(e, NotSendableError):  # the step ran; only its result could not come back
                 self._record_step(action)
             raise
-        except BaseException as e:  # Ctrl-C while the worker stepped: counted when its reply comes
+        except BaseException as e:  # Ctrl-C: settled by asking the worker, at the next request
             if not isinstance(e, Exception):
                 self._after_interrupt(lambda: self._settle_step(action))
             raise
-        self._steps += 1  # _record_step(action), inline: this is every step's path
-        if self._actions is not None:
-            self._actions.append(action)
         return out
 
     def step_send(self, action: Any) -> None:
@@ -334,8 +337,13 @@ class ForkableEnv(gym.Wrapper):
         takes no other call (:class:`~gym_fork.errors.ConcurrentUseError`: it would drop the reply)."""
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
-        self._handle.send("step", action)
-        self._record_step(action)
+        try:
+            self._handle.send("step", action)
+            self._record_step(action)
+        except BaseException as e:  # Ctrl-C inside the send: given up, settled at the next request
+            if not isinstance(e, Exception):
+                self._give_up_request(lambda: self._settle_step(action))
+            raise
 
     def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
         try:
@@ -444,22 +452,23 @@ class ForkableEnv(gym.Wrapper):
         """Second half of :meth:`rollout`. When the policy or the env raised midway, this env's
         step count and action log still account for the steps the worker took before it."""
         try:
-            out = self._handle.receive()
-        except (WorkerDiedError, EnvClosedError):
-            raise
-        except Exception:  # the policy or the env raised (a WorkerError, or itself in process)
             try:
-                progress = self._request("rollout_progress")
-            except Exception:  # noqa: BLE001 - a worker of an older gym_fork (restored from its images)
-                progress = None
-            if progress is not None:
-                self._account_rollout(progress)
-            raise
-        except BaseException as e:  # Ctrl-C while the worker rolled out: accounted after the resync
-            if not isinstance(e, Exception):
+                out = self._handle.receive()
+            except (WorkerDiedError, EnvClosedError):
+                raise
+            except Exception:  # the policy or the env raised (a WorkerError, or itself in process)
+                try:
+                    progress = self._request("rollout_progress")
+                except Exception:  # noqa: BLE001 - a worker of an older gym_fork (restored from its images)
+                    progress = None
+                if progress is not None:
+                    self._account_rollout(progress)
+                raise
+            return self._account_rollout_reply(out, self._pending_rollout)
+        except BaseException as e:  # Ctrl-C while the worker rolled out, or before its reply was
+            if not isinstance(e, Exception):  # accounted: settled after the resync
                 self._give_up_request(self._settle_rollout)
             raise
-        return self._account_rollout_reply(out, self._pending_rollout)
 
     def _account_rollout_reply(self, out: dict, sent: list | None) -> dict:
         if "actions" not in out:  # an older worker's open-loop reply: the actions we sent
@@ -468,28 +477,33 @@ class ForkableEnv(gym.Wrapper):
         return out
 
     def _account_rollout(self, out: dict) -> None:
-        acts, n = out["actions"], len(out["actions"])
-        if out["steps"] == self._steps + n:  # no reset inside: the same timeline goes on
+        # The count is stored first and the actions after it, with no call between (where an
+        # interrupt could fall): an interrupted accounting is either not begun or done, and
+        # _settle_rollout (which compares counts) does it once.
+        acts, n, steps = out["actions"], len(out["actions"]), out["steps"]
+        if steps == self._steps + n:  # no reset inside: the same timeline goes on
+            self._steps = steps
             if self._actions is not None:
                 self._actions.extend(acts)
         else:  # the worker reset at an episode end: like reset(), a new timeline
+            tail = acts[n - steps:n] if self._actions is not None else None
+            self._steps = steps
             self._parent_id = None
-            if self._actions is not None:
-                self._actions = acts[n - out["steps"]:n]
-        self._steps = out["steps"]
+            if tail is not None:
+                self._actions = tail
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         try:
             obs_info = self._request("reset", seed, options)
+            self._record_reset()  # (inside the try: an interrupt before it is settled too)
         except WorkerError as e:
             if isinstance(e, NotSendableError):  # it reset; only its answer could not come back
                 self._record_reset()
             raise
-        except BaseException as e:  # Ctrl-C while the worker reset: accounted when its reply comes
+        except BaseException as e:  # Ctrl-C while the worker reset: settled at the next request
             if not isinstance(e, Exception):
                 self._after_interrupt(self._settle_reset)
             raise
-        self._record_reset()
         return obs_info
 
     def render(self) -> Any:
@@ -617,6 +631,7 @@ class ForkableEnv(gym.Wrapper):
     @property
     def steps(self) -> int:
         """Steps since the last ``reset()`` (restores set it to the snapshot's)."""
+        self._settle_interrupted()
         return self._steps
 
     @property
@@ -688,6 +703,7 @@ class ForkableEnv(gym.Wrapper):
         self._end_live("a snapshot was taken (snapshot(), or fork()/explore() from the current state)")
         sid = new_id()
         with self._one_call("a snapshot was taken"):  # no other thread's step between its requests
+            self._settle_interrupted()  # (the snapshot's steps and actions are read after it)
             payload, size = self._backend.snapshot(self._handle, sid, ready_copy=ready_copy)
         try:
             # after the backend: its scan's refusal (e.g. a file still open) names more precisely
@@ -1135,9 +1151,16 @@ class ForkableEnv(gym.Wrapper):
         reset, an interrupted step_receive() or rollout): its send no longer holds the channel,
         and what the worker did is settled (``settle()``) after the next resync."""
         handle = self._handle
-        if getattr(handle, "_pending", False) and getattr(handle, "_on_drain", None) is None:
+        if getattr(handle, "_on_drain", None) is None:  # (else its own handler has done it)
+            # also when no reply is pending: it may have been read, and not yet accounted for
             handle._send_holds = False
             self._after_interrupt(settle)
+
+    def _settle_interrupted(self) -> None:
+        """Account now for what an interrupted request did (it is settled at the next request
+        otherwise): for :attr:`steps` and a snapshot's ``actions``, read right after Ctrl-C."""
+        if getattr(self._handle, "_on_drain", None) is not None and not self._closed:
+            self._worker_steps()  # (its request resyncs first, which settles)
 
     def _worker_steps(self) -> int | None:
         """The worker's step count since its last reset (None: it cannot say)."""

@@ -254,15 +254,19 @@ class ForkableVecEnv(VecEnv):
         calls = [_Call(env, "reset", a) for env, a in zip(self.envs, args, strict=True)]
         try:
             results, error = _collect(calls)
-        except BaseException:  # Ctrl-C: each worker resets all the same (accounted when drained)
+            for env, r in zip(self.envs, results):
+                if r is not _FAILED:  # (also when another one failed: this one did reset)
+                    env._record_reset()
+        except BaseException as e:  # Ctrl-C: each worker resets all the same (settled by asking it)
             _abandon(self.envs)
+            if not isinstance(e, Exception):
+                self._incomplete = "interrupted while resetting"  # (the caller holds no observation)
             raise
         if error is not None:
             raise error
         for i, (obs, info) in enumerate(results):
             self._obs[i] = obs
             self.reset_infos[i] = info
-            self.envs[i]._record_reset()
         self._incomplete = None
         # Seeds and options are only used once
         self._reset_seeds()
@@ -326,13 +330,13 @@ class ForkableVecEnv(VecEnv):
                     # Send the auto-reset now: it overlaps with the replies still to come.
                     resets[i] = _Call(call.env, "reset", (None, None))
             reset_results, reset_error = _collect(list(resets.values()))
+            for i, r in zip(resets, reset_results):
+                if r is not _FAILED:
+                    self.envs[i]._record_reset()
         except BaseException:  # Ctrl-C: every worker steps (and resets) all the same
             _abandon(self.envs, self._step_actions)
             self._incomplete = "interrupted while the replies were read"
             raise
-        for i, r in zip(resets, reset_results):
-            if r is not _FAILED:
-                self.envs[i]._record_reset()
         if error is not None or reset_error is not None:
             # the other slots did step; reset() brings all back in line (or, for a dead worker,
             # restore() of its slot: stepping on is the caller's choice, as after any error)

@@ -133,6 +133,49 @@ def test_an_interrupted_rollout_is_accounted_when_its_reply_comes(env):
     assert same(env.step(5)[0], _replayed(snap.actions + [5]))
 
 
+def _interrupt_after(handle, method: str) -> None:
+    """The next call of ``handle.<method>`` does its work, then raises KeyboardInterrupt (Ctrl-C
+    landing right after the reply was read, or the request sent, before the env accounted for it)."""
+    original = getattr(handle, method)
+
+    def then_ctrl_c(*args):
+        out = original(*args)
+        delattr(handle, method)  # (once)
+        del out
+        raise KeyboardInterrupt
+
+    setattr(handle, method, then_ctrl_c)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("call", ["step", "step_send", "reset", "rollout"])
+def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call):
+    """Before: Ctrl-C between a reply's read (or a step_send()'s send) and the env's accounting
+    left the step uncounted (or the reset unrecorded) for good -- nothing was pending any more, so
+    nothing asked the worker -- and every later snapshot's ``actions`` replayed to another state."""
+    env.step(1)
+    method = {"step": "request", "reset": "request", "step_send": "send", "rollout": "receive"}[call]
+    _interrupt_after(env._handle, method)
+    with pytest.raises(KeyboardInterrupt):
+        if call == "step":
+            env.step(2)
+        elif call == "step_send":
+            env.step_send(2)
+        elif call == "reset":
+            env.reset(seed=5)
+        else:
+            env.rollout([2, 3])
+    assert env.steps == {"step": 2, "step_send": 2, "reset": 0, "rollout": 3}[call]  # (asks the worker)
+    if call == "step_send":  # given up: its reply is not read by step_receive()
+        with pytest.raises(RuntimeError, match="nothing to receive"):
+            env.step_receive()
+    env.step(4)
+    snap = env.snapshot()
+    want = {"step": [1, 2, 4], "step_send": [1, 2, 4], "reset": [4], "rollout": [1, 2, 3, 4]}[call]
+    assert (env.steps, snap.steps, snap.actions) == (len(want), len(want), want)
+    assert same(env.step(7)[0], _replayed(want + [7], seed=5 if call == "reset" else 3))
+
+
 class EchoEnv(gym.Env):
     """Each observation names the step it answers: ``[t, action, a running hash of the actions]``."""
 
@@ -153,11 +196,14 @@ class EchoEnv(gym.Env):
 @pytest.mark.criu
 @pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])
 def test_interrupts_at_random_moments_never_hand_a_call_another_calls_reply(ring, monkeypatch):
-    """Steps, rollouts and resets interrupted at random moments (5 us - 3 ms in): every call that
-    returns must return its own answer -- the step it asked for, one past the last one seen
-    (plus any the interrupted calls took) -- never a reply left over from an interrupted one. Before:
-    one interrupt in a few hundred fell after the send and before the reply was marked pending,
-    and from then on every call got the previous call's reply."""
+    """Steps (also step_send + step_receive), rollouts and resets interrupted at random moments
+    (5 us - 3 ms in): every call that returns must return its own answer -- the step it asked for,
+    one past the last one seen (plus any the interrupted calls took) -- never a reply left over
+    from an interrupted one; and the env's accounting must follow the worker's: its step count and
+    recorded actions those the worker took since its reset. Before: one interrupt in a few hundred
+    fell after the send and before the reply was marked pending, and from then on every call got
+    the previous call's reply; and one in a few hundred (mostly in step_send) left a step the
+    worker took out of ``steps`` and ``actions``."""
     from gym_fork.backends.base import RemoteHandle
     from gym_fork.worker import ring as rings
     from gym_fork.worker import ring_slots
@@ -171,10 +217,11 @@ def test_interrupts_at_random_moments_never_hand_a_call_another_calls_reply(ring
     interrupted = answered = 0
     t = 0  # the last step count seen
     unseen = 0  # how many interrupted steps may have run since
+    seed = 1
     try:
-        env.reset(seed=1)
+        env.reset(seed=seed)
         for i in range(600):
-            kind = rng.choice(["step", "step", "step", "rollout", "reset"])
+            kind = rng.choice(["step", "step", "sendrecv", "rollout", "reset"])
             a = int(rng.integers(1000))
             # (with a ring: the first call after an interrupt opens a new one, ~1 ms)
             # every other call is interrupted, somewhere from 5 us to 3 ms in (log-uniform)
@@ -183,6 +230,9 @@ def test_interrupts_at_random_moments_never_hand_a_call_another_calls_reply(ring
                 with _alarm(delay):
                     if kind == "step":
                         out = env.step(a)[0]
+                    elif kind == "sendrecv":
+                        env.step_send(a)
+                        out = env.step_receive()[0]
                     elif kind == "rollout":
                         res = env.rollout([a, (a + 1) % 1000])
                         out = res["final_obs"]
@@ -192,13 +242,24 @@ def test_interrupts_at_random_moments_never_hand_a_call_another_calls_reply(ring
                 interrupted += 1
                 unseen += 2 if kind == "rollout" else 1
                 if kind == "reset":
-                    t, unseen = None, 0  # (it may or may not have run)
+                    t, unseen, seed = None, 0, None  # (it may or may not have run)
+                handle = env._handle
+                if kind == "sendrecv" and handle._pending and not handle._abandoned:
+                    env.step_receive()  # (interrupted between step_send() and step_receive())
                 continue
             answered += 1
+            acts = env._actions
+            assert env.steps == int(out[0]) == len(acts), f"call {i}: {kind}: {env.steps} steps, {len(acts)} " \
+                f"actions recorded, the worker took {int(out[0])}"
             if kind == "reset":
                 assert list(out) == [0, -1, a], f"call {i}: reset(seed={a}) answered {out}"
-                t, unseen = 0, 0
+                t, unseen, seed = 0, 0, a
                 continue
+            if seed is not None:  # (the seed of the last reset is known)
+                h = seed
+                for x in acts:
+                    h = (h * 31 + int(x)) % 1_000_003
+                assert h == int(out[2]), f"call {i}: the recorded actions are not those the worker took"
             want = (a + 1) % 1000 if kind == "rollout" else a
             assert out[1] == want, f"call {i}: {kind} with action {want} answered {out} (another call's reply)"
             steps = 2 if kind == "rollout" else 1
@@ -297,7 +358,7 @@ def test_interrupted_criu_restores_dumps_and_forks_leave_nothing_behind():
 def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api):
     """Ctrl-C in a vector env's step: some sub-envs stepped (and reset at an episode's end) and the
     caller holds none of their results. The next step raises IncompleteStepError until reset();
-    after it, every sub-env answers its own action. Before: the next step read the interrupted
+    after it, every sub-env answers its own action, and counts the steps its worker took. Before: the next step read the interrupted
     batch's replies (or was refused for good: its sends still held their channels)."""
     from gym_fork.errors import IncompleteStepError
     from gym_fork.vector import ForkableVectorEnv
@@ -335,7 +396,38 @@ def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api
                 continue
             answered += 1
             assert [int(o[1]) for o in obs] == actions, f"step {i}: {obs} for actions {actions}"
+            for j, (o, env) in enumerate(zip(obs, venv.envs)):  # the accounting follows each worker
+                h = 0  # (every reset here is unseeded)
+                for x in env._actions:
+                    h = (h * 31 + int(x)) % 1_000_003
+                assert (env.steps, len(env._actions), h) == (int(o[0]), int(o[0]), int(o[2])), \
+                    f"step {i}: sub-env {j} counts {env.steps} steps, the worker took {int(o[0])}"
         assert interrupted > 20 and refused > 5 and answered > 100, (interrupted, refused, answered)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        venv.close()
+
+
+@pytest.mark.criu
+def test_an_interrupt_after_a_vector_reset_reply_is_read_is_settled():
+    """Ctrl-C in ForkableVecEnv.reset() after a sub-env's reply was read: every worker reset, and
+    each sub-env now counts from that reset. Before: the sub-env whose reply was read but not yet
+    accounted kept its old count and actions, and the next step ran on without a word."""
+    pytest.importorskip("stable_baselines3")
+    from gym_fork.errors import IncompleteStepError
+    from gym_fork.vec_env import ForkableVecEnv
+
+    venv = ForkableVecEnv(EchoEnv, n_envs=2)
+    try:
+        venv.reset()
+        venv.step(np.array([1, 2]))
+        _interrupt_after(venv.envs[1]._handle, "receive")
+        with pytest.raises(KeyboardInterrupt):
+            venv.reset()
+        with pytest.raises(IncompleteStepError, match="reset"):  # (the caller holds no observation)
+            venv.step(np.array([3, 4]))
+        assert [e.steps for e in venv.envs] == [0, 0] and [e._actions for e in venv.envs] == [[], []]
+        obs = venv.step(np.array([3, 4]) if venv.reset() is not None else None)[0]
+        assert [e.steps for e in venv.envs] == [int(o[0]) for o in obs] == [1, 1]
+    finally:
         venv.close()

@@ -420,6 +420,10 @@ class RemoteHandle(Handle):
             raise RuntimeError(
                 "nothing to receive: Ctrl-C interrupted the receive of this request, and its reply was given up "
                 "(the env accounts for what the worker did at its next call); make a new call")
+        if not self._pending:  # (reading would wait forever for a reply that will never come)
+            raise RuntimeError(
+                "nothing to receive: no request is waiting for its reply (it was received already, or given up "
+                "after Ctrl-C and the env has since accounted for what the worker did); make a new call")
         gate = self._gate
         if not gate._is_owned():  # (not this thread's send: refused while another thread's call runs)
             if not gate.acquire(False):
@@ -507,19 +511,32 @@ class RemoteHandle(Handle):
         self._send_plain((marker, ()))
         self.chan.skip_to(marker.encode())
         self._pending = self._abandoned = False
-        on_drain, self._on_drain = self._on_drain, None
+        on_drain = self._on_drain
         if on_drain is not None:
-            on_drain()
+            # kept until it has run to the end: interrupted in turn (Ctrl-C twice), it runs again
+            # at the next resync (it asks the worker, so running twice accounts once)
+            try:
+                on_drain()
+            except BaseException as e:
+                if isinstance(e, Exception):
+                    self._on_drain = None  # (a dead worker: nothing left to account for)
+                raise
+            self._on_drain = None
 
     def interrupted(self, on_drain: Any) -> bool:
-        """After the caller of a request was interrupted (Ctrl-C) before its reply was read:
-        whether the channel must be resynced (the worker may have got the request, and runs it
-        all the same). If so, ``on_drain()`` is called once the next request has resynced it,
+        """After the caller of a request was interrupted (Ctrl-C) before it had read its reply,
+        or accounted for it: whether the channel must be resynced (the worker may have got the
+        request, and runs it all the same). If so, ``on_drain()`` is called once the next request has resynced it,
         from within that request: it may ask the worker (``request``) what was done."""
         self.recover_gate()
-        if not self._pending or self.closed:
+        if self.closed or not (self._pending or on_drain is not None):
             return False
-        self._on_drain = on_drain
+        # Also when nothing is in flight: the interrupt may have fallen after the reply was read
+        # and before the caller accounted for it (the step taken, not counted), and only the
+        # worker can say. Then the resync drains nothing but still runs ``on_drain`` first.
+        if self._on_drain is None:  # (else an earlier request's, still to run: the one that may
+            self._on_drain = on_drain  # have reached the worker; this one was never sent)
+        self._pending = True
         self._abandoned = True  # receive() must not read what follows: the next request resyncs
         return True
 
