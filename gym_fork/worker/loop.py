@@ -44,6 +44,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import Callable, NoReturn
 
 # Single-threaded numerics: smaller images, and fork() stays safe (see ARCHITECTURE.md).
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -191,6 +192,27 @@ def _rekey_name_sequences(parent: int) -> None:
             seq._rng_pid = me
 
 
+def _child_life(run: Callable[[], object]) -> NoReturn:
+    """Live a forked child's whole life in ``run()``, then exit: the child never returns into
+    the frames it inherited from its parent. (It did on an exception: a ready copy that failed
+    went on in the frozen loop that forked it -- a second frozen process reading the snapshot's
+    channel, which then lost its requests' replies and the snapshot -- and a frozen process that
+    failed went on in the worker's loop, answering on the worker's channel.)"""
+    code = 0
+    try:
+        run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - said, then this process ends whatever it was
+        code = 1
+        try:
+            traceback.print_exc()
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
 def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
     its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
@@ -198,18 +220,22 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     _check_single_threaded()
     pid = _fork_exact()
     if pid == 0:
-        global _subreaper
-        _subreaper = False  # (the kernel does not pass it on either)
-        resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
-        _FORKED.clear()  # the parent's frozen snapshots are not this process's children
-        for ch in drop:
-            if ch is not None:
-                ch.close()
-        global _ENV_SIGCHLD
-        if _ENV_SIGCHLD is not None:  # a copy of a frozen snapshot: the env's own handling again
-            signal.signal(signal.SIGCHLD, _ENV_SIGCHLD)
-            _ENV_SIGCHLD = None
-        # (a frozen snapshot forked from the worker keeps the env's until its loop saves it)
+        try:
+            global _subreaper
+            _subreaper = False  # (the kernel does not pass it on either)
+            resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
+            _FORKED.clear()  # the parent's frozen snapshots are not this process's children
+            for ch in drop:
+                if ch is not None:
+                    ch.close()
+            global _ENV_SIGCHLD
+            if _ENV_SIGCHLD is not None:  # a copy of a frozen snapshot: the env's own handling again
+                signal.signal(signal.SIGCHLD, _ENV_SIGCHLD)
+                _ENV_SIGCHLD = None
+            # (a frozen snapshot forked from the worker keeps the env's until its loop saves it)
+        except BaseException:  # noqa: BLE001 - never back into the parent's frames (see _child_life)
+            traceback.print_exc()
+            os._exit(1)
     return pid
 
 
@@ -251,7 +277,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
             output.flush(chan)  # what the env printed, warned or logged: ahead of the reply
             try:
                 chan.reply(reply)  # packed when the request was a packed step
-            except ChannelClosed:
+            except (ChannelClosed, BrokenPipeError, ConnectionResetError):  # the controller went away
                 _retire_or_exit()
                 return
             except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
@@ -314,8 +340,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
                     print(f"gym_fork worker: fork for a snapshot failed: {exc}", file=sys.stderr, flush=True)
                     continue
                 if pid == 0:
-                    frozen_loop(Channel.from_fd(fd), server, ready_ahead=bool(args[0]) if args else True)
-                    os._exit(0)
+                    ready_ahead = bool(args[0]) if args else True
+                    _child_life(lambda: frozen_loop(Channel.from_fd(fd), server, ready_ahead=ready_ahead))
                 _FORKED.add(pid)
                 os.close(fd)
                 resources.reap_forked(_FORKED)  # no /proc reads here: the scan collected the orphans
@@ -353,7 +379,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                     continue
             sink.announce()
             chan.reply(reply)  # packed when the request was a packed step
-        except ChannelClosed:
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError):  # the controller went away
             _retire_or_exit()
             return
         except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
@@ -519,8 +545,7 @@ def _fork_copy(fd: int, frozen_chan: Channel, server: EnvServer) -> None:
     """Fork a copy of this frozen state that serves env commands on ``fd`` (the frozen process
     keeps ``fd`` open: the caller closes it)."""
     if _fork_copy_process(fd, frozen_chan, want_host=False)[0] == 0:
-        serve(Channel.from_fd(fd), server)
-        os._exit(0)
+        _child_life(lambda: serve(Channel.from_fd(fd), server))
 
 
 def _fork_copy_process(fd: int, frozen_chan: Channel, want_host: bool = True) -> tuple[int, int | None]:
@@ -563,16 +588,20 @@ def _fork_ns_init(fd: int, *drop: Channel | None) -> tuple[int, int | None]:
     r, w = os.pipe()
     mid = _fork_child(fd, *drop)
     if mid == 0:
-        os.close(r)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(CLONE_NEWPID) != 0:
-            os.write(w, b"E%d" % ctypes.get_errno())
+        try:
+            os.close(r)
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(CLONE_NEWPID) != 0:
+                os.write(w, b"E%d" % ctypes.get_errno())
+                os._exit(1)
+            if _fork_exact() == 0:
+                os.setsid()
+                os.write(w, str(host_pid()).encode())
+                os.close(w)
+                return 0, None  # (the copy: its caller lives its life in _child_life)
+        except BaseException:  # noqa: BLE001 - never back into the parent's frames (see _child_life)
+            traceback.print_exc()
             os._exit(1)
-        if _fork_exact() == 0:
-            os.setsid()
-            os.write(w, str(host_pid()).encode())
-            os.close(w)
-            return 0, None
         os._exit(0)
     os.close(w)
     try:
@@ -595,33 +624,37 @@ def _offer_ready_copy(frozen_chan: Channel, server: EnvServer, plan: prefault.Pl
     try:
         pid, host = _fork_copy_process(theirs.fileno(), frozen_chan)
         if pid == 0:
-            ours.close()
-            chan = Channel(theirs)
-            fswatch.defer()  # no group of its own while it answers hello (hello opens none)
-            try:
-                hello = server.cmd_hello(PACKED_VERSION)
-                output.flush(chan)  # as ahead of any reply: its record of written files, first
-                chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
-            except OSError:
-                os._exit(0)  # the controller went away
-            # Its group opens now, not with its first request, on which a restore waits (opening
-            # one costs 0.15-0.25 ms here). Nothing of the env's runs before that request, so what
-            # the group queues meanwhile is other processes' changes, told apart as always.
-            fswatch.resume()
-            # Its first step must not fault on every page it touches -- unless that step comes
-            # within PREFAULT_AFTER_S (restores in a search loop: faulting in would only take CPU
-            # from the learner and the copy in use) or while it faults in: then it serves at once.
-            if not _readable(chan, PREFAULT_AFTER_S):
-                _prefault_on_a_free_cpu(chan, plan)
-                if not _readable(chan, READY_GROUP_S):
-                    fswatch.defer()  # idle: its group would queue every file change on the machine
-            serve(chan, server)
-            os._exit(0)
+            _child_life(lambda: _ready_copy_life(ours, theirs, server, plan))
         frozen_chan.send((READY, host))  # its memory counts for the snapshot
         send_fds(frozen_chan.sock, b"R", [ours.fileno()])
     finally:
         ours.close()
         theirs.close()
+
+
+def _ready_copy_life(ours: socket.socket, theirs: socket.socket, server: EnvServer, plan: prefault.Plan) -> None:
+    """A ready copy (see :func:`_offer_ready_copy`), from its fork to its end."""
+    ours.close()
+    chan = Channel(theirs)
+    fswatch.defer()  # no group of its own while it answers hello (hello opens none)
+    try:
+        hello = server.cmd_hello(PACKED_VERSION)
+        output.flush(chan)  # as ahead of any reply: its record of written files, first
+        chan.send((OK, (hello, os.fstat(theirs.fileno()).st_ino)))
+    except OSError:
+        os._exit(0)  # the controller went away
+    # Its group opens now, not with its first request, on which a restore waits (opening
+    # one costs 0.15-0.25 ms here). Nothing of the env's runs before that request, so what
+    # the group queues meanwhile is other processes' changes, told apart as always.
+    fswatch.resume()
+    # Its first step must not fault on every page it touches -- unless that step comes
+    # within PREFAULT_AFTER_S (restores in a search loop: faulting in would only take CPU
+    # from the learner and the copy in use) or while it faults in: then it serves at once.
+    if not _readable(chan, PREFAULT_AFTER_S):
+        _prefault_on_a_free_cpu(chan, plan)
+        if not _readable(chan, READY_GROUP_S):
+            fswatch.defer()  # idle: its group would queue every file change on the machine
+    serve(chan, server)
 
 
 def _prefault_on_a_free_cpu(chan: Channel, plan: prefault.Plan) -> None:
@@ -643,8 +676,7 @@ def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
     Returns its host pid."""
     pid, host = _fork_ns_init(fd, *drop)
     if pid == 0:
-        serve(Channel.from_fd(fd), server)
-        os._exit(0)
+        _child_life(lambda: serve(Channel.from_fd(fd), server))
     assert host is not None
     return host
 
