@@ -26,6 +26,7 @@ from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle, RemoteHandle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
                              NotSendableError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
+from gym_fork.interrupts import held
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
@@ -782,18 +783,21 @@ class ForkableEnv(gym.Wrapper):
         the snapshot holds put back too: the workspace's files (restore() and a vector env's
         fork_into() alike: a worker without them would read its old trajectory's files) and
         the private directories' copy ``private_root``. Returns the snapshot's ``(obs, info)``."""
-        if snapshot._store is not None:
-            snapshot._store.touch(snapshot)
-        snapshot._note_restored()
-        self._switch_to(new, snapshot)
-        if self._private is not None:
-            self._private.switch(private_root)
-        if self._workspace is not None and getattr(snapshot, "workspace", None):
-            self._workspace.restore_from(snapshot.workspace)
-            if snapshot.workspace_path != self._workspace.path:  # taken by another branch / process
-                self._request("setattr", "workspace", self._workspace.path, "unwrapped")
-        initial = getattr(new, "initial", None)
-        obs, info, _steps = initial if initial else self._handle.request("last")
+        # Ctrl-C waits until the switch is whole: cut in the middle, the env ran the restored
+        # worker and counted the old one's steps (or on half-restored files); see interrupts.held
+        with held():
+            if snapshot._store is not None:
+                snapshot._store.touch(snapshot)
+            snapshot._note_restored()
+            self._switch_to(new, snapshot)
+            if self._private is not None:
+                self._private.switch(private_root)
+            if self._workspace is not None and getattr(snapshot, "workspace", None):
+                self._workspace.restore_from(snapshot.workspace)
+                if snapshot.workspace_path != self._workspace.path:  # taken by another branch / process
+                    self._request("setattr", "workspace", self._workspace.path, "unwrapped")
+            initial = getattr(new, "initial", None)
+            obs, info, _steps = initial if initial else self._handle.request("last")
         return obs, info
 
     def fork(self, snapshot: Snapshot | None = None, n: int = 1, *, rng: Literal["same", "reseed"] = "same",

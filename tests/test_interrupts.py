@@ -431,3 +431,73 @@ def test_an_interrupt_after_a_vector_reset_reply_is_read_is_settled():
         assert [e.steps for e in venv.envs] == [int(o[0]) for o in obs] == [1, 1]
     finally:
         venv.close()
+
+
+def _ctrl_c_inside(monkeypatch, owner, name: str) -> None:
+    """The next call of ``owner.name`` gets Ctrl-C (SIGINT, as a terminal sends it) on entry,
+    before it does its work: unheld, KeyboardInterrupt comes right there."""
+    original = getattr(owner, name)
+
+    def with_ctrl_c(*args, **kwargs):
+        monkeypatch.setattr(owner, name, original)  # (once)
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, with_ctrl_c)
+
+
+@pytest.mark.criu
+def test_ctrl_c_while_a_restore_switches_workers_waits_until_the_switch_is_whole(env, monkeypatch):
+    """Before: Ctrl-C between the switch to the restored worker and its bookkeeping left the env
+    running the restored worker while it counted the old one's steps and actions (silently: the
+    next snapshot's ``actions`` replayed elsewhere gave another state), the old worker left running."""
+    from gym_fork.backends.base import RemoteHandle
+
+    env.step(1)
+    snap = env.snapshot()
+    for a in (2, 3, 4):
+        env.step(a)
+    old = env._handle
+    old_pid = old.pid
+    _ctrl_c_inside(monkeypatch, RemoteHandle, "adopt_pace")  # (the first thing after the switch)
+    with pytest.raises(KeyboardInterrupt):
+        env.restore(snap)
+    assert env._handle.pid != old_pid and env.steps == snap.steps == 1  # the restore is whole
+    env.step(5)
+    after = env.snapshot()
+    assert after.actions == [5] and after.parent_id == snap.id
+    assert same(env.step(6)[0], _replayed([1, 5, 6]))
+    assert old.closed  # the old worker was let go, as after any restore
+
+
+@pytest.mark.criu
+def test_ctrl_c_while_a_frozen_snapshot_is_cloned_keeps_the_snapshot():
+    """Ctrl-C between a ``clone`` request to a frozen snapshot and the descriptor sent after it:
+    the exchange is made whole before KeyboardInterrupt comes (the frozen process must never wait
+    for a descriptor that does not come), the interrupted restore keeps nothing, the env runs on
+    as before, and the snapshot still restores exactly."""
+    from gym_fork.backends import criu as criu_backend
+
+    env = gym_fork.ForkableEnv(SlowStepEnv, fork_tier=True)
+    try:
+        env.reset(seed=3)
+        env.step(1)
+        snap = env.snapshot()
+        env.step(2)
+        while True:  # take its ready copy (and any other) away: the next restore clones
+            taken = criu_backend.CriuBackend._take_ready(snap._payload)
+            if taken is None:
+                break
+            taken.kill()
+        mp = pytest.MonkeyPatch()
+        try:
+            _ctrl_c_inside(mp, criu_backend, "send_fds")
+            with pytest.raises(KeyboardInterrupt):
+                env.restore(snap)
+        finally:
+            mp.undo()
+        assert env.steps == 2 and same(env.step(3)[0], _replayed([1, 2, 3]))  # runs on as before
+        env.restore(snap)  # the snapshot is whole
+        assert same(env.step(4)[0], _replayed([1, 4]))
+    finally:
+        env.close()

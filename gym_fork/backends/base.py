@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import Any
 
+from gym_fork.interrupts import held
 from gym_fork.errors import ConcurrentUseError, BundleError, NotSendableError, StoreError, WorkerDiedError, remote_exception
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
@@ -379,9 +380,13 @@ class RemoteHandle(Handle):
                 "function or as a lambda), or keep it in this process. Nothing was sent; the env goes on."
             ) from e
         self._pending = True  # (before the send: see _resync)
-        if self.ring is not None:
-            self.ring.announce()
-        self.chan.send_encoded(frame)
+        # Ctrl-C waits until the whole frame is sent (a large one takes several writes): a torn
+        # frame is garbage to the worker, which then dies -- and a namespace's init takes its
+        # frozen snapshots with it
+        with held():
+            if self.ring is not None:
+                self.ring.announce()
+            self.chan.send_encoded(frame)
 
     def send(self, cmd: str, *args: Any) -> None:
         """First half of a request: send it, so several workers can compute at the same time
@@ -555,8 +560,9 @@ class RemoteHandle(Handle):
         try:
             if self._pending:  # after an interrupted request
                 self._resync()
-            self._send_plain((cmd, args))
-            send_fds(self.chan.sock, b"F", [fd])
+            with held():  # (a request cut from its fd: the worker reads the next frame's first byte for it)
+                self._send_plain((cmd, args))
+                send_fds(self.chan.sock, b"F", [fd])
             reply = self._read()
             self._pending = False
         except (ChannelClosed, OSError) as e:

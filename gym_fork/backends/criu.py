@@ -34,6 +34,7 @@ from gym_fork.backends.base import Backend, Handle, RemoteHandle
 from gym_fork.criu import client
 from gym_fork.criu.images import check_compatible, is_page_image, mapped_files, page_chunk_lengths
 from gym_fork.criu.status import criu_status, log_tail
+from gym_fork.interrupts import held
 from gym_fork.errors import (
     BackendUnavailableError,
     BundleDamagedError,
@@ -123,10 +124,11 @@ class ForkPayload:
         if self.chan is None:
             raise WorkerDiedError("the snapshot's frozen process is gone")
         try:
-            self.chan.send((cmd, ()))
-            if fd is not None:
-                send_fds(self.chan.sock, b"F", [fd])
-            reply = self._reply()
+            with held():  # (Ctrl-C between a request and its fd, or inside its reply, lost the snapshot)
+                self.chan.send((cmd, ()))
+                if fd is not None:
+                    send_fds(self.chan.sock, b"F", [fd])
+                reply = self._reply()
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
                                   f"during {cmd!r}") from e
@@ -146,12 +148,13 @@ class ForkPayload:
                 raise WorkerDiedError("the snapshot's frozen process is gone")
             out: list[Any] = []
             try:
-                for fd in fds:
-                    self.chan.send(("clone", (restoring,)))
-                    send_fds(self.chan.sock, b"F", [fd])
-                for _fd in fds:
-                    reply = self._reply()
-                    out.append(reply[1] if reply[0] == OK else remote_exception(*reply[1:]))
+                with held():  # every request with its fd, every reply read: the channel stays in step
+                    for fd in fds:
+                        self.chan.send(("clone", (restoring,)))
+                        send_fds(self.chan.sock, b"F", [fd])
+                    for _fd in fds:
+                        reply = self._reply()
+                        out.append(reply[1] if reply[0] == OK else remote_exception(*reply[1:]))
             except (ChannelClosed, OSError) as e:
                 raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
                                       "during 'clone'") from e
@@ -175,11 +178,12 @@ class ForkPayload:
 
     def collect(self) -> None:
         """Pick up the ready copies the frozen process has offered (never waits)."""
-        while self.chan is not None and select.select([self.chan.sock], [], [], 0)[0]:
-            reply = self.chan.recv()
-            if reply[0] != READY:
-                raise ChannelClosed("a frozen snapshot answered a request nobody made")
-            self._keep_offer(reply[1])
+        with held():  # (an offer cut between its message and its fd: the next read hung)
+            while self.chan is not None and select.select([self.chan.sock], [], [], 0)[0]:
+                reply = self.chan.recv()
+                if reply[0] != READY:
+                    raise ChannelClosed("a frozen snapshot answered a request nobody made")
+                self._keep_offer(reply[1])
 
     def take_ready(self) -> Channel | None:
         """The channel of a ready copy, if the frozen process has offered one (never waits).
@@ -199,7 +203,7 @@ class ForkPayload:
     def taken(self, pid: int | None) -> None:
         """Tell the frozen process its ready copy is in use (host ``pid``: the next ready copy
         faults in what that one touches), so it forks the next. A notice: no reply."""
-        with self.lock:
+        with self.lock, held():
             if self.chan is not None:
                 try:
                     self.chan.send(("taken", (pid,) if pid else ()))
@@ -620,19 +624,20 @@ class CriuBackend(Backend):
     def _take_ready(payload: ForkPayload) -> RemoteHandle | None:
         """A handle on a ready copy of the frozen snapshot (its ``hello`` already answered), or
         None when none was offered yet or it does not answer."""
-        chan = payload.take_ready()
-        if chan is None:
-            return None
-        try:
-            reply = chan.recv_reply()  # one read: a copy sends nothing after its hello (no fd)
-        except (ChannelClosed, OSError):
-            reply = None
-        if reply is None or reply[0] != OK:  # the copy died or failed: clone on request instead
-            chan.close()
-            payload.taken(None)
-            return None
-        hello, ino = reply[1]
-        payload.taken(hello[0])
+        with held():  # (a copy taken and not told: the frozen process would keep no other ready)
+            chan = payload.take_ready()
+            if chan is None:
+                return None
+            try:
+                reply = chan.recv_reply()  # one read: a copy sends nothing after its hello (no fd)
+            except (ChannelClosed, OSError):
+                reply = None
+            if reply is None or reply[0] != OK:  # the copy died or failed: clone on request instead
+                chan.close()
+                payload.taken(None)
+                return None
+            hello, ino = reply[1]
+            payload.taken(hello[0])
         h = RemoteHandle(chan, hello[0], ino, fork_tier=True, ns_root=payload.spawned and _is_ns_init(hello[0]))
         h.initial = list(hello[1:4])
         h.packed = hello[4] == PACKED_VERSION
