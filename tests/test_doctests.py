@@ -39,6 +39,7 @@ MODULES = [
     "gym_fork.wrapped",
     "gym_fork.check",
     "gym_fork.costs",
+    "gym_fork.interrupts",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {
