@@ -858,3 +858,25 @@ def test_envs_left_open_until_the_interpreter_exits_end_quietly(tmp_path, fork_t
     while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(process_alive(p) for p in pids)
+
+
+@pytest.mark.criu
+def test_a_snapshot_whose_worker_a_restore_kills_at_once_keeps_its_frozen_process(tmp_path):
+    """A worker answers ``fork_snapshot`` first and forks its frozen process right after (the
+    learner goes on meanwhile). A restore that kills the old worker (an env with a workspace:
+    its threads must not write into the restored files) could kill it in between: the snapshot
+    had no frozen process, and restoring it failed ("frozen process died"): 7 of 40 here before.
+    Now kill() waits until the last snapshot's frozen process answers."""
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True, workspace=str(tmp_path / "ws"))
+    try:
+        env.reset(seed=0)
+        base = env.snapshot()
+        for i in range(40):
+            obs = env.step(i % 2)[0]
+            snap = env.snapshot()
+            env.restore(base)  # kills the worker that has just answered for `snap`
+            assert np.array_equal(env.restore(snap)[0], obs), f"round {i}"
+            assert env.steps == snap.steps == 1
+            env.restore(base)
+    finally:
+        env.close()

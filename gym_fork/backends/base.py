@@ -620,9 +620,22 @@ class RemoteHandle(Handle):
         self._drop_ring()
         self.chan.close()
 
+    #: a weak reference to the last fork-tier snapshot this worker answered for (see kill())
+    _last_fork: Any = None
+
     def kill(self) -> None:
         if self.closed:
             return
+        last = self._last_fork() if self._last_fork is not None else None
+        self._last_fork = None
+        if last is not None and getattr(last, "_pid", 0) is None and getattr(last, "chan", None) is not None:
+            # A worker answers a fork_snapshot request first and forks right after (the learner
+            # goes on meanwhile): killed in between, the snapshot it answered for would have no
+            # frozen process, ever. So wait until that one answers (it exists once forked).
+            try:
+                last.pid
+            except Exception:  # noqa: BLE001 - the worker died first: that snapshot says so when used
+                pass
         self.closed = True
         _deprioritize(self.pid)
         if self.ns_root and self.fork_tier:

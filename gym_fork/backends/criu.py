@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
@@ -428,6 +429,7 @@ class CriuBackend(Backend):
             return Scan.from_wire(found)
         payload = ForkPayload(Channel(ours))
         payload.spawned = bool(getattr(handle.chan, "spawned", False))  # told ahead of the reply
+        handle._last_fork = weakref.ref(payload)  # (the worker forks it after its answer: see kill())
         return payload
 
     def _require_criu(self, what: str) -> None:
