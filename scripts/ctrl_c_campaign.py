@@ -11,8 +11,6 @@ the calls that broke that (and the error that ended a run) and ``(bad, interrupt
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import signal
 import sys
 
@@ -20,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 import gym_fork
+from gym_fork.testing.interrupts import interrupt_after
 
 
 class EchoEnv(gym.Env):
@@ -39,21 +38,6 @@ class EchoEnv(gym.Env):
         return np.array([self.t, action, self.h], dtype=np.float64), 0.0, False, False, {}
 
 
-@contextlib.contextmanager
-def ctrl_c_after(seconds: float):
-    """SIGINT to this process after ``seconds`` (as a terminal's Ctrl-C), unless the block ends first."""
-    old = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-    if seconds > 0:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.signal(signal.SIGALRM, old)
-
-
 def run(calls: int, seed: int, fork_tier: bool) -> tuple[int, int]:
     rng = np.random.default_rng(seed)
     env = gym_fork.ForkableEnv(EchoEnv, fork_tier=fork_tier, record_actions=True)
@@ -67,7 +51,7 @@ def run(calls: int, seed: int, fork_tier: bool) -> tuple[int, int]:
             a = int(rng.integers(1000))
             delay = float(np.exp(rng.uniform(np.log(5e-6), np.log(5e-3)))) if i % 2 else 0.0
             try:
-                with ctrl_c_after(delay):
+                with interrupt_after(delay, sigint=True):
                     if kind == "restore":
                         snap = list(snaps.values())[int(rng.integers(len(snaps)))][0]
                         out = env.restore(snap)[0]

@@ -40,6 +40,7 @@ MODULES = [
     "gym_fork.check",
     "gym_fork.costs",
     "gym_fork.interrupts",
+    "gym_fork.testing.interrupts",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {

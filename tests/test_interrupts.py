@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import gym_fork
+from gym_fork.testing import interrupts as testing_interrupts
 
 from conftest import same
 
@@ -54,18 +55,10 @@ class SlowStepEnv(gym.Env):
 
 @contextlib.contextmanager
 def interrupt_after(seconds: float):
-    """Raise KeyboardInterrupt in this thread after ``seconds`` (as Ctrl-C does)."""
-    def ctrl_c(*_):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, ctrl_c)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    """Raise KeyboardInterrupt in this thread after ``seconds`` (as Ctrl-C does); the block must
+    be interrupted."""
+    with pytest.raises(KeyboardInterrupt), testing_interrupts.interrupt_after(seconds):
+        yield
 
 
 def _replayed(actions: list, seed: int = 3) -> np.ndarray:
@@ -273,22 +266,7 @@ def test_interrupts_at_random_moments_never_hand_a_call_another_calls_reply(ring
         env.close()
 
 
-@contextlib.contextmanager
-def _alarm(seconds: float):
-    """KeyboardInterrupt in this thread after ``seconds``, unless the block ends first."""
-    def ctrl_c(*_):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, ctrl_c)
-    if seconds > 0:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.signal(signal.SIGALRM, old)
+_alarm = testing_interrupts.interrupt_after  # KeyboardInterrupt from a SIGALRM handler, unless the block ends first
 
 
 def _describe(pid: int) -> str:
