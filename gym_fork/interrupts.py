@@ -31,6 +31,7 @@ import sys
 import threading
 from typing import Any
 
+_MAIN = threading.main_thread().ident  # (signal handlers run in the main thread only)
 _owner: "held | None" = None  # the held() block running (only ever set in the main thread)
 
 
@@ -55,7 +56,7 @@ class held:
 
     def __enter__(self) -> "held":
         global _owner
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != _MAIN:
             return self
         if _owner is not None and _owner._running(sys._getframe(1)):
             return self  # within a running block: that one holds
@@ -94,7 +95,6 @@ class held:
         self._active = False  # (first: from here on _hold() is the old handler, whatever comes)
         _owner = None
         self._frame = None
-        if signal.getsignal(signal.SIGINT) == self._hold:  # (unless the block set one of its own)
-            signal.signal(signal.SIGINT, self._handler)
+        signal.signal(signal.SIGINT, self._handler)  # (gym_fork's blocks set no handler of their own)
         if self._caught:
             self._handler(*self._caught[0])  # KeyboardInterrupt, now that the step is whole
