@@ -359,7 +359,7 @@ def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api
     try:
         venv.reset()
         interrupted = refused = answered = 0
-        for i in range(300):
+        for i in range(400):  # (about a third answered: each interrupted step makes the next one refused)
             actions = [int(a) for a in rng.integers(1000, size=n)]
             try:
                 with _alarm(float(np.exp(rng.uniform(np.log(5e-6), np.log(2e-3)))) if i % 2 else 0.0):
@@ -380,7 +380,7 @@ def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api
                     h = (h * 31 + int(x)) % 1_000_003
                 assert (env.steps, len(env._actions), h) == (int(o[0]), int(o[0]), int(o[2])), \
                     f"step {i}: sub-env {j} counts {env.steps} steps, the worker took {int(o[0])}"
-        assert interrupted > 20 and refused > 5 and answered > 100, (interrupted, refused, answered)
+        assert interrupted > 20 and refused > 5 and answered > 80, (interrupted, refused, answered)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         venv.close()
