@@ -204,13 +204,18 @@ def _child_life(run: Callable[[], object]) -> NoReturn:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - said, then this process ends whatever it was
-        code = 1
-        try:
-            traceback.print_exc()
-            sys.stderr.flush()
-        except BaseException:  # noqa: BLE001
-            pass
+        _child_failed()
     os._exit(code)
+
+
+def _child_failed() -> NoReturn:
+    """In a forked child, inside ``except``: say what failed and end (see :func:`_child_life`)."""
+    try:
+        traceback.print_exc()
+        sys.stderr.flush()
+    except BaseException:  # noqa: BLE001 - it ends all the same
+        pass
+    os._exit(1)
 
 
 def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
@@ -234,8 +239,7 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
                 _ENV_SIGCHLD = None
             # (a frozen snapshot forked from the worker keeps the env's until its loop saves it)
         except BaseException:  # noqa: BLE001 - never back into the parent's frames (see _child_life)
-            traceback.print_exc()
-            os._exit(1)
+            _child_failed()
     return pid
 
 
@@ -600,8 +604,7 @@ def _fork_ns_init(fd: int, *drop: Channel | None) -> tuple[int, int | None]:
                 os.close(w)
                 return 0, None  # (the copy: its caller lives its life in _child_life)
         except BaseException:  # noqa: BLE001 - never back into the parent's frames (see _child_life)
-            traceback.print_exc()
-            os._exit(1)
+            _child_failed()
         os._exit(0)
     os.close(w)
     try:
