@@ -142,10 +142,17 @@ def _interrupt_after(handle, method: str) -> None:
 
 @pytest.mark.criu
 @pytest.mark.parametrize("call", ["step", "step_send", "reset", "rollout"])
-def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call):
+def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call, monkeypatch):
     """Before: Ctrl-C between a reply's read (or a step_send()'s send) and the env's accounting
     left the step uncounted (or the reset unrecorded) for good -- nothing was pending any more, so
-    nothing asked the worker -- and every later snapshot's ``actions`` replayed to another state."""
+    nothing asked the worker -- and every later snapshot's ``actions`` replayed to another state.
+    Settling asks the worker; the channel is resynced (a marker, then 20 ms of quiet) only when a
+    reply may still be on its way: after step_send(), not after a reply was read whole."""
+    from gym_fork.worker.channel import Channel
+
+    resyncs = []
+    skip_to = Channel.skip_to
+    monkeypatch.setattr(Channel, "skip_to", lambda self, *a, **k: (resyncs.append(a), skip_to(self, *a, **k))[1])
     env.step(1)
     method = {"step": "request", "reset": "request", "step_send": "send", "rollout": "receive"}[call]
     _interrupt_after(env._handle, method)
@@ -159,6 +166,7 @@ def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call):
         else:
             env.rollout([2, 3])
     assert env.steps == {"step": 2, "step_send": 2, "reset": 0, "rollout": 3}[call]  # (asks the worker)
+    assert len(resyncs) == (call == "step_send")
     if call == "step_send":  # given up: its reply is not read by step_receive()
         with pytest.raises(RuntimeError, match="nothing to receive"):
             env.step_receive()

@@ -219,6 +219,7 @@ class RemoteHandle(Handle):
         self._orphan_reaper = _orphan_reaper(self, pid) if child and pid else None
         self._pending = False  # a request was sent but its reply never read (e.g. Ctrl-C)
         self._abandoned = False  # ... and given up by an interrupt: no receive() may read it
+        self._in_sync = False  # ... forced by interrupted() while nothing was in flight (see there)
         # called with that reply when it is drained (ForkableEnv accounts for the step it was)
         self._on_drain: Any = None
         self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policy)
@@ -511,10 +512,15 @@ class RemoteHandle(Handle):
         answer is dropped, as raw bytes (:meth:`Channel.skip_to`). A ring is dropped first (the
         worker takes requests that come on the socket unannounced) and offered again later.
         Then :meth:`interrupted`'s function asks the worker what the interrupted request did."""
-        self._drop_ring()
-        marker = f"resync-{os.urandom(8).hex()}"
-        self._send_plain((marker, ()))
-        self.chan.skip_to(marker.encode())
+        if self._in_sync:
+            # nothing was in flight when the interrupt fell (its reply had been read whole, and
+            # nothing was sent since): no marker, and none of skip_to()'s 20 ms of quiet
+            self._in_sync = False
+        else:
+            self._drop_ring()
+            marker = f"resync-{os.urandom(8).hex()}"
+            self._send_plain((marker, ()))
+            self.chan.skip_to(marker.encode())
         self._pending = self._abandoned = False
         on_drain = self._on_drain
         if on_drain is not None:
@@ -541,6 +547,11 @@ class RemoteHandle(Handle):
         # worker can say. Then the resync drains nothing but still runs ``on_drain`` first.
         if self._on_drain is None:  # (else an earlier request's, still to run: the one that may
             self._on_drain = on_drain  # have reached the worker; this one was never sent)
+        if not self._pending:
+            # ``_pending`` is cleared only once a reply has been read whole: the channel holds
+            # nothing, so the resync only runs ``on_drain`` (a marker's round trip and 20 ms of
+            # quiet saved). Set until that resync: every send resyncs first while ``_pending``.
+            self._in_sync = True
         self._pending = True
         self._abandoned = True  # receive() must not read what follows: the next request resyncs
         return True
