@@ -209,6 +209,7 @@ class ForkableEnv(gym.Wrapper):
         self._parent_id: str | None = None
         self._actions: list | None = [] if record_actions else None
         self._pending_rollout: list | None = None  # an open-loop rollout's actions, until its reply
+        self._rollout_id: str | None = None  # the worker's name of the last rollout accounted for
         self._snapshots: weakref.WeakValueDictionary[str, Snapshot] = weakref.WeakValueDictionary()
         self._restore_rate = RestoreRate()  # whether a new snapshot is worth a ready copy
         # Stop the worker even if the user forgets close(): the finalizer sees the current handle.
@@ -475,20 +476,23 @@ class ForkableEnv(gym.Wrapper):
         if "actions" not in out:  # an older worker's open-loop reply: the actions we sent
             out["actions"] = (sent or [])[:len(out["rewards"])]
         self._account_rollout(out)
+        out.pop("id", None)  # (the worker's name for it: for settling after Ctrl-C, not the caller's)
         return out
 
     def _account_rollout(self, out: dict) -> None:
-        # The count is stored first and the actions after it, with no call between (where an
-        # interrupt could fall): an interrupted accounting is either not begun or done, and
-        # _settle_rollout (which compares counts) does it once.
-        acts, n, steps = out["actions"], len(out["actions"]), out["steps"]
+        # The count and the rollout's name are stored first and the actions after them, with no
+        # call between (where an interrupt could fall): an interrupted accounting is either not
+        # begun or done, and _settle_rollout (which compares names) does it once.
+        acts, n, steps, rid = out["actions"], len(out["actions"]), out["steps"], out.get("id")
         if steps == self._steps + n:  # no reset inside: the same timeline goes on
             self._steps = steps
+            self._rollout_id = rid
             if self._actions is not None:
                 self._actions.extend(acts)
         else:  # the worker reset at an episode end: like reset(), a new timeline
             tail = acts[n - steps:n] if self._actions is not None else None
             self._steps = steps
+            self._rollout_id = rid
             self._parent_id = None
             if tail is not None:
                 self._actions = tail
@@ -1196,11 +1200,18 @@ class ForkableEnv(gym.Wrapper):
             self._record_reset()
 
     def _settle_rollout(self) -> None:
-        if self._worker_steps() not in (None, self._steps):
-            try:
-                self._account_rollout(self._handle.request("rollout_progress"))
-            except Exception:  # noqa: BLE001 - a worker of an older gym_fork
-                pass
+        try:
+            progress = self._handle.request("rollout_progress")
+        except Exception:  # noqa: BLE001 - a dead worker: nothing to account for
+            return
+        if "id" in progress:
+            # None: no rollout ran on this worker since its snapshot (nor on this one: never
+            # sent); a name: the rollout that ran last, accounted for unless it is not the last
+            # this env accounted for (names are drawn afresh: a copy's cannot be an old one)
+            if progress["id"] not in (None, self._rollout_id):
+                self._account_rollout(progress)
+        elif progress["steps"] != self._steps:  # a worker of an older gym_fork: by its count
+            self._account_rollout(progress)
 
     def _unrecord_step(self) -> None:
         """Undo :meth:`_record_step` (a step sent with step_send() that the env refused)."""

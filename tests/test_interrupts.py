@@ -177,6 +177,51 @@ def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call, monkey
     assert same(env.step(7)[0], _replayed(want + [7], seed=5 if call == "reset" else 3))
 
 
+@pytest.mark.criu
+def test_an_interrupted_rollout_that_came_back_to_the_same_step_count_is_settled(env):
+    """Before: settling an interrupted rollout compared the worker's step count with the env's. A
+    rollout that crossed an episode end (the worker resets and goes on) and stopped at the count
+    the env had before it looked like one that never ran: its steps were never accounted for, and
+    snapshots' ``actions`` were those of the episode before (here [1, 1] instead of [7, 8])."""
+    env.step(1)
+    env.step(1)
+    _interrupt_after(env._handle, "receive")  # the reply read, not yet accounted for
+    with pytest.raises(KeyboardInterrupt):
+        env.rollout([5] * 48 + [7, 8], stop_at_done=False)  # step 50 truncates: reset, then 2 steps
+    assert env.steps == 2
+    snap = env.snapshot()
+    assert (snap.steps, snap.actions, snap.parent_id) == (2, [7, 8], None)
+    assert same(env.step(9)[0][0], 3.0)
+
+
+@pytest.mark.criu
+def test_a_rollout_interrupted_before_it_was_sent_after_a_restore_accounts_nothing(env):
+    """The worker names each rollout, and settling accounts for the one it names unless the env
+    did already. A restored copy's last rollout is one from before the snapshot, which the env
+    may no longer have as its last; so a snapshot makes the worker forget its last rollout, and
+    a rollout interrupted before it was sent (nothing ran) accounts for nothing, even after a
+    restore."""
+    env.rollout([1, 2], stop_at_done=False)
+    snap = env.snapshot()
+    env.rollout([3, 4], stop_at_done=False)
+    env.restore(snap)
+    handle = env._handle
+    send = handle._send
+
+    def ctrl_c_first(*args):
+        del handle._send  # (once)
+        raise KeyboardInterrupt
+
+    handle._send = ctrl_c_first
+    with pytest.raises(KeyboardInterrupt):
+        env.rollout([5, 6], stop_at_done=False)
+    assert handle._send == send
+    assert env.steps == 2
+    snap2 = env.snapshot()
+    assert (snap2.steps, snap2.parent_id, snap2.actions) == (2, snap.id, [])
+    assert same(env.step(7)[0], _replayed([1, 2, 7]))
+
+
 class EchoEnv(gym.Env):
     """Each observation names the step it answers: ``[t, action, a running hash of the actions]``."""
 

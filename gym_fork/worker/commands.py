@@ -248,6 +248,10 @@ class EnvServer:
         self.last_info: dict = {}
         self.steps = 0  # steps since the last reset
         self.rollout_actions: list = []  # the steps the latest rollout completed
+        # ... and its name, drawn afresh for each rollout: the controller settling a rollout
+        # interrupted by Ctrl-C tells by it whether it has accounted for this one already (a step
+        # count cannot tell: a reset inside a rollout can bring it back to the same number)
+        self.rollout_id: str | None = None
         # set by the serving loop: whether the controller stopped waiting (closed the channel, or
         # sent anything: mid-request that can only be a retire) -- a long rollout ends then
         self.abandoned: Callable[[], bool] = lambda: False
@@ -330,6 +334,7 @@ class EnvServer:
         # kept on self: when the policy or the env raises midway, the controller asks for them
         # (cmd_rollout_progress) so that its step count and action log match what happened
         self.rollout_actions = actions = []
+        self.rollout_id = os.urandom(8).hex()  # (the kernel's: no generator of the env's is drawn from)
         rewards: list[float] = []
         done: tuple[bool, bool] = (False, False)
         obs, info = self.last_obs, self.last_info
@@ -355,11 +360,18 @@ class EnvServer:
                 seen = self.last_obs
         # final_obs / final_info: the last step's, also when that step ended an episode
         return {"rewards": rewards, "terminated": done[0], "truncated": done[1], "final_obs": obs,
-                "final_info": info, "steps": self.steps, "actions": actions}
+                "final_info": info, "steps": self.steps, "actions": actions, "id": self.rollout_id}
 
     def cmd_rollout_progress(self) -> dict:
-        """After a rollout raised: the actions whose steps completed and the step count now."""
-        return {"actions": list(self.rollout_actions), "steps": self.steps}
+        """After a rollout raised, or was interrupted: the actions whose steps completed, the step
+        count now, and the rollout's name (None: no rollout since this process's snapshot)."""
+        return {"actions": list(self.rollout_actions), "steps": self.steps, "id": self.rollout_id}
+
+    def forget_rollout(self) -> None:
+        """A snapshot is being taken (every rollout is accounted for by now): every copy of it,
+        and this process, start with no latest rollout, so a rollout interrupted before it reached
+        a copy is never taken for one that ran there -- whichever env the copy now serves."""
+        self.rollout_actions, self.rollout_id = [], None
 
     def cmd_reset(self, seed: int | None, options: dict | None) -> tuple:
         obs, info = self.env.reset(seed=seed, options=options)

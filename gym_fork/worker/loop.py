@@ -304,6 +304,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
         try:
             if cmd == "fork_snapshot":
                 server.pace = spin.avg  # its copies go on at this pace
+                server.forget_rollout()
                 fd = _recv_one_fd(chan)
                 try:
                     # What fork() cannot copy (threads, children, shared descriptors): then no
@@ -368,6 +369,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 reply = (OK, server.dispatch(cmd, args))
             elif cmd == "resources":  # before a CRIU dump: what it would (not) capture
                 _reap_zombies()
+                server.forget_rollout()
                 drop_ring = True
                 reply = (OK, resources.fork_blockers({chan.fileno(), *fswatch.own_fds()}, _FORKED).to_wire())
             else:
