@@ -350,8 +350,8 @@ class ForkableEnv(gym.Wrapper):
     def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
         try:
             return self._handle.receive()
-        except WorkerError as e:
-            if not isinstance(e, NotSendableError):  # the env's step raised: no step taken, as in step()
+        except Exception as e:
+            if self._handle.refused(e):  # the env's step raised (or was refused): not taken, as in step()
                 self._unrecord_step()
             raise
         except BaseException as e:  # Ctrl-C: its reply is dropped (the channel may be mid-frame)

@@ -102,9 +102,11 @@ class ConcurrentUseError(GymForkError, RuntimeError):
 
 
 class IncompleteStepError(GymForkError, RuntimeError):
-    """A vector env's last step was interrupted (Ctrl-C) in the middle: some sub-envs stepped (and
-    reset at an episode's end) and the caller holds none of their results, so the batch is out of
-    step; ``reset()`` first."""
+    """A call was interrupted (Ctrl-C) in the middle, and what it left cannot be gone on from:
+    a vector env's step (some sub-envs stepped, and reset at an episode's end, and the caller
+    holds none of their results: the batch is out of step), or an in-process env's
+    (``backend="pickle"``) own code cut wherever it was (its state may be half-updated).
+    ``reset()`` first (an in-process env: or ``restore()`` a snapshot)."""
 
 
 class WorkerDiedError(GymForkError):

@@ -88,6 +88,26 @@ def test_an_interrupted_step_is_counted_when_the_worker_took_it(env):
     assert same(env.step(4)[0], _replayed(snap.actions + [4]))  # the actions replay the state
 
 
+def test_a_step_the_in_process_env_raised_in_is_not_counted_after_step_send():
+    """Before: with ``backend="pickle"`` the env's own exception comes as it is, not as a
+    WorkerError, and step_receive() kept the step step_send() had counted: ``steps`` one ahead and
+    the raising action in every later snapshot's ``actions``. step() never counted it."""
+    env = gym_fork.ForkableEnv(SlowStepEnv, backend="pickle")
+    try:
+        env.reset(seed=3)
+        env.step(1)
+        env.step_send(98)
+        with pytest.raises(ValueError, match="action 98 is refused"):
+            env.step_receive()
+        with pytest.raises(ValueError, match="action 98 is refused"):
+            env.step(98)
+        env.step_send(2)
+        env.step_receive()
+        assert env.steps == 2 and env.snapshot().actions == [1, 2]
+    finally:
+        env.close()
+
+
 @pytest.mark.criu
 def test_an_interrupted_step_that_the_env_refused_is_not_counted(env):
     env.step(1)
@@ -220,6 +240,47 @@ def test_a_rollout_interrupted_before_it_was_sent_after_a_restore_accounts_nothi
     snap2 = env.snapshot()
     assert (snap2.steps, snap2.parent_id, snap2.actions) == (2, snap.id, [])
     assert same(env.step(7)[0], _replayed([1, 2, 7]))
+
+
+class HalfStepEnv(SlowStepEnv):
+    """A step that updates its state in two halves, with action 99's wait between them."""
+
+    def step(self, action):
+        self.t += 1
+        if action == SLOW:
+            time.sleep(0.6)
+        self.total = self.total * 1.5 + action
+        return self._obs(), 1.0, False, self.t >= 50, {}
+
+
+def test_an_in_process_env_cut_by_ctrl_c_in_its_own_code_refuses_to_go_on_until_reset():
+    """``backend="pickle"`` runs the env in this process: Ctrl-C stops the env's own code where it
+    is, here between the two halves of a step. Before, the env went on from that half-updated
+    state, uncounted: a snapshot said 1 step while its pickled env had taken 2, so replaying its
+    ``actions`` gave another state, silently. Now every call that would go on from it (a step, a
+    rollout, a snapshot) raises IncompleteStepError, saying to reset() or restore() first; reads
+    still answer."""
+    env = gym_fork.ForkableEnv(HalfStepEnv, backend="pickle")
+    try:
+        env.reset(seed=3)
+        snap = env.snapshot()
+        env.step(1)
+        with interrupt_after(0.2):
+            env.step(SLOW)
+        assert env.unwrapped.t == 2 and env.steps == 1  # half a step taken, not counted
+        for call in (lambda: env.step(2), lambda: env.rollout([2]), env.snapshot, lambda: env.fork()):
+            with pytest.raises(gym_fork.errors.IncompleteStepError, match=r"reset\(\) .*or restore\(\)"):
+                call()
+        assert env.steps == 1 and env.unwrapped.t == 2  # nothing went on
+        env.restore(snap)  # a whole state again
+        assert same(env.step(4)[0], _replayed([4]))
+        with interrupt_after(0.2):
+            env.step(SLOW)
+        env.reset(seed=5)  # or a reset
+        assert same(env.step(4)[0], _replayed([4], seed=5))
+        assert env.snapshot().actions == [4]
+    finally:
+        env.close()
 
 
 class EchoEnv(gym.Env):

@@ -19,7 +19,8 @@ import weakref
 from typing import Any
 
 from gym_fork.interrupts import held
-from gym_fork.errors import ConcurrentUseError, BundleError, NotSendableError, StoreError, WorkerDiedError, remote_exception
+from gym_fork.errors import (ConcurrentUseError, BundleError, IncompleteStepError, NotSendableError, StoreError,
+                             WorkerDiedError, WorkerError, remote_exception)
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
 from gym_fork.worker import ring_slots
@@ -105,6 +106,12 @@ class Handle(abc.ABC):
     @abc.abstractmethod
     def request(self, cmd: str, *args: Any) -> Any: ...
 
+    def refused(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by :meth:`receive`, says the request was not carried out (the
+        env raised, or it was refused): a ``step_send()``'s step is then not counted. From a
+        worker: a WorkerError (a NotSendableError is a step taken whose answer could not come back)."""
+        return isinstance(error, WorkerError) and not isinstance(error, NotSendableError)
+
     def interrupted(self, on_drain: Any) -> bool:
         """After the caller of a request was interrupted before its reply (:meth:`recover_gate`
         first): whether the channel must be resynced (then ``on_drain()`` is called after, see
@@ -141,8 +148,21 @@ class Handle(abc.ABC):
         self.kill()
 
 
+#: in-process commands that only read (an interrupt inside one leaves the env as it was)
+_READS = frozenset({"last", "meta", "ping", "hello", "rollout_progress", "getattr", "ref_get", "ref_value",
+                    "order_hazard", "render"})
+#: ... and those that go on from the env's state: refused after a cut (see LocalHandle.cut)
+_GOES_ON = frozenset({"step", "rollout", "policy_rollout", "replay"})
+
+
 class LocalHandle(Handle):
     """The env lives in this process (pickle backend)."""
+
+    #: the command that Ctrl-C cut inside the env's own code, leaving its state unknown (half a
+    #: step may have run); a worker would have finished it, this process cannot. Until a
+    #: ``reset`` completes (or a restore replaces this handle), :meth:`check_whole` refuses to
+    #: go on from it: a step, a rollout, a snapshot
+    cut: str | None = None
 
     def __init__(self, server: EnvServer):
         self._gate = threading.RLock()
@@ -173,20 +193,47 @@ class LocalHandle(Handle):
         self._release_after_reply()
         if self._error is not None:
             err, self._error = self._error, None
+            self._raised = err
             raise err
         return self._result
+
+    _raised: BaseException | None = None  # the last error receive() handed on: the request's own
+
+    def refused(self, error: BaseException) -> bool:
+        """In process, the env's own exception comes as it is (and any refusal of the request is
+        raised by it too): every error :meth:`send` kept and :meth:`receive` handed on."""
+        return error is self._raised
 
     def request(self, cmd: str, *args: Any) -> Any:
         if self.closed:
             raise WorkerDiedError("the in-process env was closed")
+        if self.cut is not None and cmd in _GOES_ON:
+            self.check_whole(f"{cmd}()")
         claimed = self._claim(repr(cmd))
         previous = files.track(self.written)
         try:
-            return self.server.dispatch(cmd, args)
+            out = self.server.dispatch(cmd, args)
+        except BaseException as e:
+            if not isinstance(e, Exception) and cmd not in _READS:  # Ctrl-C, inside the env's code
+                self.cut = cmd
+            raise
         finally:
             files.untrack(previous)
             if claimed:
                 self._release()
+        if cmd == "reset":
+            self.cut = None  # a whole state again
+        return out
+
+    def check_whole(self, what: str) -> None:
+        """Raise IncompleteStepError if Ctrl-C cut a call inside the env's code (:attr:`cut`)."""
+        if self.cut is not None:
+            raise IncompleteStepError(
+                f"{what} refused: Ctrl-C cut the env's {self.cut!r} inside the env's own code (backend='pickle' "
+                "runs the env in this process, where an interrupt stops it wherever it is), so its state may be "
+                "half-updated and a step or snapshot from it could not be replayed. Call reset() first, or "
+                "restore() a snapshot; nothing was done. (A worker process finishes an interrupted call "
+                "instead: backend='criu'.)")
 
     def kill(self) -> None:
         self.closed = True

@@ -186,6 +186,7 @@ class PickleBackend(Backend):
     def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[bytes, int]:
         # (ForkableEnv.snapshot holds the handle's gate: no other thread steps the env meanwhile)
         assert isinstance(handle, _PickleHandle)
+        handle.check_whole("snapshot()")
         s = handle.server
         try:
             blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
@@ -220,6 +221,7 @@ class PickleBackend(Backend):
         env pickles exactly right now. Does not mark the handle verified: its first snapshot
         checks again (after reset())."""
         assert isinstance(handle, _PickleHandle)
+        handle.check_whole("snapshot()")
         s = handle.server
         try:
             blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
