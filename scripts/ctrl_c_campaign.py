@@ -5,7 +5,7 @@ returns, the env's accounting must be the worker's: its step count, and the reco
 since its parent snapshot hashed from that snapshot's state must give the worker's hash. Prints
 the calls that broke that (and the error that ended a run) and ``(bad, interrupted)`` per seed.
 
-    .venv/bin/python scripts/ctrl_c_campaign.py --seeds 1-8 --calls 150 [--criu-dumps]
+    .venv/bin/python scripts/ctrl_c_campaign.py --seeds 1-8 --calls 150 [--criu-dumps | --pickle]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ class EchoEnv(gym.Env):
         return np.array([self.t, action, self.h], dtype=np.float64), 0.0, False, False, {}
 
 
-def run(calls: int, seed: int, fork_tier: bool) -> tuple[int, int]:
+def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto") -> tuple[int, int]:
     rng = np.random.default_rng(seed)
-    env = gym_fork.ForkableEnv(EchoEnv, fork_tier=fork_tier, record_actions=True)
+    env = gym_fork.ForkableEnv(EchoEnv, fork_tier=fork_tier, record_actions=True, backend=backend)
     bad = interrupted = 0
     try:
         env.reset(seed=0)
@@ -62,6 +62,10 @@ def run(calls: int, seed: int, fork_tier: bool) -> tuple[int, int]:
                             snaps[s.id] = (s, int(out[0]), int(out[2]))
             except KeyboardInterrupt:
                 interrupted += 1
+                continue
+            except gym_fork.errors.IncompleteStepError:
+                # (backend="pickle": an interrupt cut the env's own code; it refuses until a restore)
+                env.restore(first)
                 continue
             parent = snaps.get(env._parent_id)
             if parent is None:
@@ -87,6 +91,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="1-5", help="seeds, as 'A-B' or 'A,B,C' (default: 1-5)")
     ap.add_argument("--calls", type=int, default=150, help="calls per seed (default: 150)")
     ap.add_argument("--criu-dumps", action="store_true", help="every snapshot a CRIU dump (default: the fork tier)")
+    ap.add_argument("--pickle", action="store_true", help="backend='pickle': the env runs in this process")
     args = ap.parse_args()
     if "-" in args.seeds:
         lo, hi = map(int, args.seeds.split("-"))
@@ -96,7 +101,7 @@ def main() -> int:
     broken = 0
     for seed in seeds:
         try:
-            bad, n = run(args.calls, seed, not args.criu_dumps)
+            bad, n = run(args.calls, seed, not args.criu_dumps, "pickle" if args.pickle else "auto")
             print(f"seed {seed}: {bad} calls answered with the accounting off, {n} interrupted")
             broken += bad > 0
         except Exception as e:  # noqa: BLE001 - reported: the run ended there

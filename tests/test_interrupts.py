@@ -283,6 +283,37 @@ def test_an_in_process_env_cut_by_ctrl_c_in_its_own_code_refuses_to_go_on_until_
         env.close()
 
 
+@pytest.mark.parametrize("call", ["step", "step_send", "reset", "rollout"])
+def test_an_interrupt_right_after_an_in_process_call_is_settled(call):
+    """``backend="pickle"``: Ctrl-C after the in-process env had done the call (its code whole),
+    before the env accounted for it. Before: nothing settled it (there is no worker to ask), so
+    the step stayed uncounted for good (found by ``scripts/ctrl_c_campaign.py --pickle``: 1 seed
+    in 8). Now the next request asks this process's env first, as a worker is asked."""
+    env = gym_fork.ForkableEnv(SlowStepEnv, backend="pickle")
+    try:
+        env.reset(seed=3)
+        env.step(1)
+        method = {"step": "request", "reset": "request", "step_send": "send", "rollout": "receive"}[call]
+        _interrupt_after(env._handle, method)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "step":
+                env.step(2)
+            elif call == "step_send":
+                env.step_send(2)
+            elif call == "reset":
+                env.reset(seed=5)
+            else:
+                env.rollout([2, 3])
+        assert env.steps == {"step": 2, "step_send": 2, "reset": 0, "rollout": 3}[call]
+        env.step(4)
+        snap = env.snapshot()
+        want = {"step": [1, 2, 4], "step_send": [1, 2, 4], "reset": [4], "rollout": [1, 2, 3, 4]}[call]
+        assert (env.steps, snap.steps, snap.actions) == (len(want), len(want), want)
+        assert same(env.step(7)[0], _replayed(want + [7], seed=5 if call == "reset" else 3))
+    finally:
+        env.close()
+
+
 class EchoEnv(gym.Env):
     """Each observation names the step it answers: ``[t, action, a running hash of the actions]``."""
 

@@ -204,9 +204,39 @@ class LocalHandle(Handle):
         raised by it too): every error :meth:`send` kept and :meth:`receive` handed on."""
         return error is self._raised
 
+    #: ``ForkableEnv``'s accounting of a call that Ctrl-C interrupted outside the env's code (the
+    #: env did what it was asked, the count may not say so): run before the next request
+    _on_drain: Any = None
+    _settling = False
+
+    def interrupted(self, on_drain: Any) -> bool:
+        """As ``RemoteHandle.interrupted``, with no channel to resync: ``on_drain()`` runs before
+        the next request and asks this process's env what the interrupted call did. Not after a
+        :attr:`cut` (there is nothing whole to account for: the env refuses to go on)."""
+        self.recover_gate()
+        if self.closed or on_drain is None or self.cut is not None:
+            return False
+        if self._on_drain is None:
+            self._on_drain = on_drain
+        return True
+
+    def _settle(self) -> None:
+        self._settling = True  # (on_drain makes requests of its own)
+        try:
+            self._on_drain()
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self._on_drain = None  # (else interrupted in turn: it runs again, and accounts once)
+            raise
+        finally:
+            self._settling = False
+        self._on_drain = None
+
     def request(self, cmd: str, *args: Any) -> Any:
         if self.closed:
             raise WorkerDiedError("the in-process env was closed")
+        if self._on_drain is not None and not self._settling:
+            self._settle()
         if self.cut is not None and cmd in _GOES_ON:
             self.check_whole(f"{cmd}()")
         claimed = self._claim(repr(cmd))
