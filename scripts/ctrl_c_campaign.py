@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) at random moments of steps, snapshots and restores, checked against the worker.
+"""Ctrl-C (SIGINT) at random moments of steps, rollouts, snapshots and restores, checked against the worker.
 
 Each call is interrupted half of the time, 5 us - 5 ms in (log-uniform). After every call that
 returns, the env's accounting must be the worker's: its step count, and the recorded actions
@@ -47,7 +47,7 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto") -> tuple[
         first = env.snapshot()
         snaps = {first.id: (first, 0, 0)}  # id -> (snapshot, t, h) at the snapshot
         for i in range(calls):
-            kind = rng.choice(["step", "step", "restore", "restore", "snapshot"])
+            kind = rng.choice(["step", "step", "restore", "restore", "snapshot", "rollout", "sendrecv"])
             a = int(rng.integers(1000))
             delay = float(np.exp(rng.uniform(np.log(5e-6), np.log(5e-3)))) if i % 2 else 0.0
             try:
@@ -55,6 +55,11 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto") -> tuple[
                     if kind == "restore":
                         snap = list(snaps.values())[int(rng.integers(len(snaps)))][0]
                         out = env.restore(snap)[0]
+                    elif kind == "rollout":
+                        out = env.rollout([a, a + 1, a + 2])["final_obs"]
+                    elif kind == "sendrecv":
+                        env.step_send(a)
+                        out = env.step_receive()[0]
                     else:
                         out = env.step(a)[0]
                         if kind == "snapshot":
