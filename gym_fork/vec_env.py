@@ -399,24 +399,31 @@ class ForkableVecEnv(VecEnv):
                    **method_kwargs: Any) -> list[Any]:
         """Call instance methods of vectorized environments: the worker's
         ``env.get_wrapper_attr(method_name)(*method_args, **method_kwargs)``, as SB3's worker."""
-        envs = self._idle_envs(indices, "env_method")
-        # On the outermost wrapper when that has it, else on the base env (a method defined only
-        # on an inner wrapper is not reachable this way).
-        outer_dirs = _run(envs, "call", ("__dir__", (), {}, "wrapper"))
-        args = [(method_name, method_args, method_kwargs, "wrapper" if method_name in d else "unwrapped")
-                for d in outer_dirs]
-        return _run(envs, "call", args)
+        # the outermost layer of the stack that has it, an inner wrapper too (a HER-style
+        # ``compute_reward`` that a reward-shaping wrapper overrides: not the base env's)
+        return _run(self._idle_envs(indices, "env_method"), "call",
+                    (method_name, method_args, method_kwargs, "stack"))
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
         """Check if worker environments are wrapped with a given wrapper (``isinstance`` on each
         layer of the worker's env stack, like SB3's ``is_wrapped``)."""
         envs = self._idle_envs(indices, "env_is_wrapped")
-        # By name, not by class (unpickling e.g. SB3's Monitor would import torch in the worker):
-        # the class names along the stack that gymnasium's repr shows (``<TimeLimit<...>>``),
-        # counting subclasses we know of here.
-        names = {c.__name__ for c in _with_subclasses(wrapper_class)}
-        reprs = _run(envs, "call", ("__repr__", (), {}, "wrapper"))
-        return [bool(names & set(re.findall(r"<(\w+)", r))) for r in reprs]
+        # By module and qualified name along each wrapper layer's MRO, not by class (unpickling
+        # e.g. SB3's Monitor would import torch in the worker): isinstance, exactly
+        key = (wrapper_class.__module__, wrapper_class.__qualname__)
+        if "<locals>" in key[1]:  # a class made in a function travels by value, by its bare name
+            key = (key[0], wrapper_class.__name__)
+        try:
+            stacks = _run(envs, "wrapper_classes")
+        except WorkerError as e:
+            if "unknown worker command" not in str(e):
+                raise
+            # a worker of an older gym_fork (restored from its bundle): the class names that
+            # gymnasium's repr shows (``<TimeLimit<...>>``), counting subclasses known here
+            names = {c.__name__ for c in _with_subclasses(wrapper_class)}
+            reprs = _run(envs, "call", ("__repr__", (), {}, "wrapper"))
+            return [bool(names & set(re.findall(r"<(\w+)", r))) for r in reprs]
+        return [any(key in layer for layer in stack) for stack in stacks]
 
     # --- snapshots -------------------------------------------------------------------------------
     @property

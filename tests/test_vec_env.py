@@ -12,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from conftest import process_alive, same
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.wrappers import ClipAction, RecordEpisodeStatistics, TimeLimit
 from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
@@ -143,6 +144,51 @@ def test_truncation_infos_match_dummy():
             assert_same_step(out, ref.step(a), f"at step {t}")
             truncated += sum(i["TimeLimit.truncated"] for i in out[3])
         assert truncated >= 4
+    finally:
+        venv.close()
+        ref.close()
+
+
+def shaped_factory():
+    """A stack whose inner wrapper overrides a method of the base env (HER-style reward shaping)
+    and whose outer wrapper has a repr of its own; classes made in a closure (shipped by value)."""
+
+    class Base(CartPoleEnv):
+        def compute_reward(self, achieved, desired, info):
+            return "base env"
+
+    class RewardShaping(gym.Wrapper):
+        def compute_reward(self, achieved, desired, info):
+            return "inner wrapper"
+
+    class Outer(gym.Wrapper):
+        def __repr__(self) -> str:
+            return "Outer"  # (gymnasium's repr names every layer: <Outer<RewardShaping<...>>>)
+
+    class Stats(RecordEpisodeStatistics):
+        pass
+
+    classes = {"RewardShaping": RewardShaping, "Outer": Outer, "Stats": Stats}
+    return (lambda: Outer(Stats(RewardShaping(TimeLimit(Base(), 50))))), classes
+
+
+@pytest.mark.criu
+def test_env_method_and_env_is_wrapped_see_the_stack_as_sb3_does():
+    """Before: ``env_method`` called the outermost wrapper's method or else the base env's -- never
+    an inner wrapper's (DummyVecEnv and SubprocVecEnv call ``get_wrapper_attr(name)``: here the
+    reward-shaping wrapper's), silently; ``env_is_wrapped`` read class names out of ``repr()``,
+    which an outer wrapper with a repr of its own hides."""
+    make, classes = shaped_factory()
+    venv, ref = ForkableVecEnv(make, n_envs=2, backend="criu"), DummyVecEnv([make, make])
+    try:
+        for v in (venv, ref):
+            v.reset()
+        assert venv.env_method("compute_reward", 0, 0, {}) == ref.env_method("compute_reward", 0, 0, {}) \
+            == ["inner wrapper"] * 2
+        for cls in (*classes.values(), RecordEpisodeStatistics, TimeLimit, ClipAction, gym.Wrapper):
+            assert venv.env_is_wrapped(cls) == ref.env_is_wrapped(cls), cls
+        assert venv.env_is_wrapped(classes["RewardShaping"]) == [True, True]
+        assert venv.env_is_wrapped(ClipAction, indices=[1]) == [False]
     finally:
         venv.close()
         ref.close()

@@ -416,7 +416,21 @@ class EnvServer:
             if name == "workspace":  # the declared workspace: captured by snapshots, not recorded
                 files.set_workspace(value, previous)
 
+    def cmd_wrapper_classes(self) -> list[list[tuple[str, str]]]:
+        """Each wrapper layer of the env stack, outermost first: the classes it is an instance of
+        (its MRO), by module and qualified name (the learner matches a class by them, without
+        importing what only it has: SB3's ``Monitor`` would import torch here)."""
+        out, env = [], self.env
+        while isinstance(env, gym.Wrapper):
+            out.append([(c.__module__, c.__qualname__) for c in type(env).__mro__])
+            env = env.env
+        return out
+
     def cmd_call(self, name: str, args: tuple, kwargs: dict, where: str) -> Any:
+        """``where``: "wrapper", the outermost layer; "stack", the outermost layer that has
+        ``name`` (``get_wrapper_attr``, as SB3's worker calls ``env_method``); else the base env."""
+        if where == "stack":
+            return self.env.get_wrapper_attr(name)(*args, **kwargs)
         target = self.env if where == "wrapper" else self.env.unwrapped
         return getattr(target, name)(*args, **kwargs)
 
