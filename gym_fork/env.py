@@ -9,7 +9,9 @@ plugins use instead of its fields.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import logging
 import os
 import uuid
@@ -318,8 +320,11 @@ class ForkableEnv(gym.Wrapper):
         try:
             out = self._handle.request("step", action)
             # _record_step(action), inline (every step's path), inside the try: an interrupt right
-            # after the reply was read is settled too. No interrupt falls between these two lines
-            # (the interpreter checks for one after a call, not after a store): counted is recorded.
+            # after the reply was read is settled too. No interrupt falls between the count and
+            # the append (the interpreter checks for one after a call, not after a store): counted
+            # is recorded. A mutable action is copied first (_own_action: inline for the usual ones).
+            if type(action) in _MUTABLE:
+                action = _own_action(action)
             self._steps += 1
             if self._actions is not None:
                 self._actions.append(action)
@@ -1221,6 +1226,7 @@ class ForkableEnv(gym.Wrapper):
 
     def _record_step(self, action: Any) -> None:
         """Account for one step the worker took with ``action`` (step count, recorded actions)."""
+        action = _own_action(action)
         self._steps += 1
         if self._actions is not None:
             self._actions.append(action)
@@ -1260,6 +1266,22 @@ class ForkableEnv(gym.Wrapper):
     def __repr__(self) -> str:
         env_id = self._meta["spec"].id if self._meta.get("spec") else self._meta["unwrapped_type"]
         return f"<ForkableEnv {env_id} backend={self.backend} pid={self.worker_pid}>"
+
+
+#: action types that the caller may change after the step (a policy filling one buffer for every
+#: step): recorded as copies, else every recorded action would be the buffer's last content and
+#: a snapshot's ``actions`` would replay to another state
+_MUTABLE = frozenset({np.ndarray, list, dict, tuple, collections.OrderedDict})  # (a tuple may hold arrays)
+
+
+def _own_action(action: Any) -> Any:
+    """``action``, or a copy of it where the caller could change it after the step (see _MUTABLE)."""
+    t = type(action)
+    if t is np.ndarray:
+        return action.copy()
+    if t in _MUTABLE or isinstance(action, (list, dict, tuple)):
+        return copy.deepcopy(action)
+    return action
 
 
 def _kill_boxed(box: list) -> None:

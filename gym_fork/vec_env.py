@@ -111,8 +111,7 @@ def _run(envs: Sequence[ForkableEnv], cmd: str, args: Sequence[tuple] | tuple = 
 # --- ForkableEnv bookkeeping (mirrors ForkableEnv.step / reset) --------------------------------
 def _note_step(env: ForkableEnv, action: Any) -> None:
     """What ``ForkableEnv.step`` records after the worker stepped."""
-    # A copy: SB3 may reuse its action array, and a row of it is only a view.
-    env._record_step(action.copy() if isinstance(action, np.ndarray) else action)
+    env._record_step(action)  # (a copy of it: SB3 may reuse its action array, and a row is a view)
 
 
 class ForkableVecEnv(VecEnv):

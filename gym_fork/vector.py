@@ -386,8 +386,9 @@ class ForkableVectorEnv(VectorEnv):
             if resetting[i]:
                 continue
             try:
-                # A row of a Box batch is a view of the caller's array: the env records a copy.
-                env.step_send(action.copy() if isinstance(action, np.ndarray) else action)
+                # (a row of a Box batch, a Dict action's arrays: views of the caller's arrays;
+                # the env records its own copy)
+                env.step_send(action)
                 sent.append(i)
             except Exception as e:  # noqa: BLE001 - raised once every sent step is answered
                 error = error or e

@@ -404,3 +404,64 @@ def test_a_step_whose_result_does_not_pickle_still_counts():
         assert env.steps == 0 == env.get_wrapper_attr("_elapsed_steps")
     finally:
         env.close()
+
+
+def test_recorded_actions_are_copies_of_the_callers_buffers(cartpole):
+    """Before: a snapshot's ``actions`` held the caller's own action objects, so a policy that
+    writes each action into one reused buffer (a preallocated array; a Dict action's arrays, rows
+    of the vector env's batch) left every recorded action equal to the buffer's last content, and
+    replaying a snapshot's ``actions`` reached another state, silently."""
+    env_cp, _ = cartpole
+    backend = env_cp.backend
+    env = gym_fork.make("Pendulum-v1", backend=backend)
+    try:
+        env.reset(seed=0)
+        s0 = env.snapshot()
+        buf = np.zeros(1, np.float32)
+        for t in range(3):
+            buf[0] = t + 0.5
+            env.step(buf)
+        buf[0] = 1.25
+        env.step_send(buf)
+        env.step_receive()
+        s1 = env.snapshot()
+        assert [a.tolist() for a in s1.actions] == [[0.5], [1.5], [2.5], [1.25]]
+        want = env.step(np.zeros(1, np.float32))[0]
+        env.restore(s0)
+        for a in s1.actions:
+            env.step(a)
+        assert same(env.step(np.zeros(1, np.float32))[0], want)
+    finally:
+        env.close()
+
+
+def _dict_action_env():
+    class DictAction(gym.Env):
+        observation_space = gym.spaces.Box(-1e6, 1e6, (1,), np.float64)
+        action_space = gym.spaces.Dict({"u": gym.spaces.Box(-10.0, 10.0, (1,), np.float64)})
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.x = 0.0
+            return np.array([self.x]), {}
+
+        def step(self, action):
+            self.x = self.x * 2 + float(action["u"][0])
+            return np.array([self.x]), 0.0, False, False, {}
+
+    return DictAction()
+
+
+def test_a_vector_envs_recorded_dict_actions_are_copies():
+    from gym_fork.vector import ForkableVectorEnv
+
+    envs = ForkableVectorEnv([_dict_action_env] * 2)
+    try:
+        envs.reset(seed=0)
+        acts = {"u": np.zeros((2, 1))}
+        for t in range(3):
+            acts["u"][:] = t + 1  # the policy's output written into one reused batch buffer
+            envs.step(acts)
+        assert [a["u"].tolist() for a in envs.snapshot(0).actions] == [[1.0], [2.0], [3.0]]
+    finally:
+        envs.close()
