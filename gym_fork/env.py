@@ -30,6 +30,7 @@ from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShip
                              NotSendableError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
 from gym_fork.interrupts import held
 from gym_fork.proxy import WorkerEnv, read
+from gym_fork.proxy import call as proxy_call
 from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
@@ -583,7 +584,7 @@ class ForkableEnv(gym.Wrapper):
         """
         if name in ("step", "reset", "render", "close"):
             return getattr(self, name)(*args, **kwargs)
-        return self._request("ref_call", ("wrapper", ("a", name)), args, kwargs, True)
+        return proxy_call(self, ("wrapper", ("a", name)), args, kwargs, True)
 
     def get_wrapper_attr(self, name: str) -> Any:
         """Gymnasium's ``get_wrapper_attr``: this env's own attribute, else the first layer of the

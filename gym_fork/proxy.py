@@ -161,7 +161,7 @@ class RemoteObject:
         self._gf_owner._request("ref_del", self._gf_path + (("i", key),))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._gf_owner._request("ref_call", self._gf_path, args, kwargs)
+        return call(self._gf_owner, self._gf_path, args, kwargs)
 
     def __len__(self) -> int:
         return self._gf_owner._request("ref_call", self._gf_path + (("a", "__len__"),), (), {})
@@ -201,13 +201,31 @@ class RemoteMethod:
         self.__name__ = qualname.rsplit(".", 1)[-1]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._gf_owner._request("ref_call", self._gf_path, args, kwargs)
+        return call(self._gf_owner, self._gf_path, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(f"cannot pickle {refs.render(self._gf_path)}, a method of the env in a gym_fork worker")
 
     def __repr__(self) -> str:
         return f"<method {self.__qualname__} in a gym_fork worker: {refs.render(self._gf_path)}>"
+
+
+def call(owner: Any, path: tuple, args: tuple, kwargs: dict, or_get: bool = False) -> Any:
+    """Call the object at ``path`` in the worker. Arguments travel as copies, so an array the
+    callee fills in place -- an out-parameter, such as the buffer of ALE's
+    ``getScreenGrayscale(buf)``, which Gymnasium's ``AtariPreprocessing`` passes -- would be
+    filled in the worker's copy only (the caller's stayed all zeros, silently): every writeable
+    array argument's final content is copied back into the caller's array, and a result that is
+    one of them is the caller's array itself."""
+    outs = [i for i, a in enumerate(args) if isinstance(a, np.ndarray) and a.flags.writeable]
+    keys = [k for k, a in kwargs.items() if isinstance(a, np.ndarray) and a.flags.writeable]
+    if not outs and not keys:
+        return owner._request("ref_call", path, args, kwargs, or_get)
+    result, which, finals = owner._request("ref_call_out", path, args, kwargs, outs, keys, or_get)
+    mine = [args[i] for i in outs] + [kwargs[k] for k in keys]
+    for a, final in zip(mine, finals):
+        np.copyto(a, final, casting="no")
+    return mine[which] if which is not None else result
 
 
 # --- copies of plain data ------------------------------------------------------------------------

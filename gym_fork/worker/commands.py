@@ -447,6 +447,15 @@ class EnvServer:
     def cmd_ref_call(self, path: tuple, args: tuple, kwargs: dict, or_get: bool = False) -> Any:
         return refs.call(self.env, path, args, kwargs, or_get)
 
+    def cmd_ref_call_out(self, path: tuple, args: tuple, kwargs: dict, outs: list[int], keys: list[str],
+                         or_get: bool = False) -> tuple:
+        """:meth:`cmd_ref_call` whose array arguments may be filled in place (``gym_fork.proxy.call``):
+        also their final contents, and which of them the result is (None: none)."""
+        result = refs.call(self.env, path, args, kwargs, or_get)
+        finals = [args[i] for i in outs] + [kwargs[k] for k in keys]
+        which = next((j for j, a in enumerate(finals) if result is a), None)
+        return (None if which is not None else result), which, finals
+
     def cmd_ref_value(self, path: tuple) -> Any:
         return refs.resolve(self.env, path)
 

@@ -465,3 +465,79 @@ def test_a_vector_envs_recorded_dict_actions_are_copies():
         assert [a["u"].tolist() for a in envs.snapshot(0).actions] == [[1.0], [2.0], [3.0]]
     finally:
         envs.close()
+
+
+def _filling_env():
+    class Filling(gym.Env):
+        observation_space = gym.spaces.Box(-1e6, 1e6, (3,), np.float64)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.x = np.arange(3.0) + 7
+            return self.x.copy(), {}
+
+        def step(self, action):
+            self.x += action
+            return self.x.copy(), 0.0, False, False, {}
+
+        def fill(self, out, *, scale=None):
+            """Writes the state into ``out`` (and ``scale`` times it into ``scale``); returns ``out``."""
+            out[:] = self.x
+            if scale is not None:
+                scale *= self.x
+            return out
+
+    return Filling()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_arrays_a_call_fills_in_place_are_filled_in_the_callers_arrays(backend):
+    """Before: arguments went to the worker as copies, so a method that fills an array it is
+    given (an out-parameter: ALE's ``getScreenGrayscale(buf)``, which Gymnasium's
+    ``AtariPreprocessing`` calls on ``env.unwrapped.ale``) filled the worker's copy only, and the
+    caller's buffer stayed as it was -- all-zero frames, silently. Now every writeable array
+    argument comes back filled, and a result that is one of them is the caller's array."""
+    env = gym_fork.ForkableEnv(_filling_env, backend=backend)
+    ref = _filling_env()
+    try:
+        env.reset(seed=0)
+        ref.reset(seed=0)
+        env.step(1)
+        ref.step(1)
+        out, scale = np.zeros(3), np.full(3, 2.0)
+        want_out, want_scale = np.zeros(3), np.full(3, 2.0)
+        got = env.unwrapped.fill(out, scale=scale)
+        assert ref.fill(want_out, scale=want_scale) is want_out
+        assert got is out and same(out, want_out) and same(scale, want_scale)
+        frozen = np.zeros(3)
+        frozen.flags.writeable = False
+        with pytest.raises(Exception):
+            env.unwrapped.fill(frozen)  # (the worker's copy is writeable: its error, as in-process)
+        out2 = np.zeros(3)
+        assert env.call("fill", out2) is out2 and same(out2, want_out)
+    finally:
+        env.close()
+
+
+def test_ale_fills_the_callers_screen_buffer():
+    ale_py = pytest.importorskip("ale_py")
+    gym.register_envs(ale_py)
+    env, ref = gym_fork.make("ALE/Pong-v5"), gym.make("ALE/Pong-v5")
+    try:
+        env.reset(seed=0)
+        ref.reset(seed=0)
+        for a in (2, 3, 2):
+            env.step(a)
+            ref.step(a)
+        buf, want = np.zeros((210, 160), np.uint8), np.zeros((210, 160), np.uint8)
+        env.unwrapped.ale.getScreenGrayscale(buf)
+        ref.unwrapped.ale.getScreenGrayscale(want)
+        assert want.sum() > 0 and same(buf, want)
+        rgb, want_rgb = np.zeros((210, 160, 3), np.uint8), np.zeros((210, 160, 3), np.uint8)
+        env.unwrapped.ale.getScreenRGB(rgb)
+        ref.unwrapped.ale.getScreenRGB(want_rgb)
+        assert same(rgb, want_rgb)
+    finally:
+        env.close()
+        ref.close()
