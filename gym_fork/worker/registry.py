@@ -30,7 +30,7 @@ import cloudpickle
 import gymnasium as gym
 
 # Envs whose registration the worker gets by itself (Gymnasium's own; ALE's, registered by
-# build_env for "ALE/" ids): not shipped.
+# build_env for "ALE/" ids and by install() where the learner registered them): not shipped.
 _OWN_PREFIXES = ("gymnasium.", "ale_py.")
 _cache: tuple[tuple, bytes | None] | None = None
 
@@ -46,7 +46,10 @@ def pack(needed: str | None = None) -> bytes | None:
     """
     global _cache
     specs = [s for s in gym.registry.values() if _ship(s)]
-    key = (tuple(map(id, specs)), tuple(sys.path), needed)
+    # ALE's envs registered here (gym.register_envs(ale_py)): a factory's gym.make("ALE/...")
+    # must find them in the worker too (not only an "ALE/" id, which build_env registers for)
+    ale = any(k.startswith("ALE/") for k in gym.registry)
+    key = (tuple(map(id, specs)), tuple(sys.path), needed, ale)
     if _cache is not None and _cache[0] == key:
         return _cache[1]
     shipped, main_objects = [], {}
@@ -61,17 +64,24 @@ def pack(needed: str | None = None) -> bytes | None:
         shipped.append(spec)
         main_objects.update(objects)
     # The path travels even with no spec: a factory pickled by reference imports its module there.
-    blob = pickle.dumps((list(sys.path), cloudpickle.dumps((shipped, main_objects))))
+    blob = pickle.dumps((list(sys.path), cloudpickle.dumps((shipped, main_objects)), ale))
     _cache = (key, blob)
     return blob
 
 
 def install(blob: bytes) -> None:
     """Make this process's registry, ``__main__`` and ``sys.path`` cover what :func:`pack` saw."""
-    paths, payload = pickle.loads(blob)
+    paths, payload, *more = pickle.loads(blob)
     for p in paths:  # first: unpickling the specs may import the user's modules
         if p not in sys.path:
             sys.path.append(p)
+    if more and more[0] and not any(k.startswith("ALE/") for k in gym.registry):
+        try:
+            import ale_py
+
+            gym.register_envs(ale_py)
+        except ImportError:  # (the learner's factory then says so itself, when it makes one)
+            pass
     specs, main_objects = cloudpickle.loads(payload)
     main = sys.modules["__main__"]
     for name, obj in main_objects.items():

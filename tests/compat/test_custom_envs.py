@@ -137,3 +137,43 @@ def test_envs_defined_in_the_users_script(tmp_path, backend):
     if backend == "criu":
         assert results["make_vec_env"]["shape"] == [2, 2]
         assert results["gym_fork.vector"]["shape"] == [2, 2]
+
+
+ALE_SCRIPT = textwrap.dedent('''
+    import json
+    import ale_py
+    import gymnasium as gym
+    import numpy as np
+    import gym_fork
+    from gym_fork.vector import ForkableVectorEnv
+
+    gym.register_envs(ale_py)  # as every Atari script does
+
+    def make_env():  # a CleanRL-style thunk
+        return gym.make("ALE/Pong-v5", obs_type="ram")
+
+    ref = make_env()
+    want = [ref.reset(seed=1)[0]] + [ref.step(a)[0] for a in (2, 3, 2, 2)]
+    env = gym_fork.ForkableEnv(make_env)
+    got = [env.reset(seed=1)[0]] + [env.step(a)[0] for a in (2, 3, 2, 2)]
+    in_worker = env.worker_pid is not None
+    env.close()
+    vec = ForkableVectorEnv([make_env] * 2)
+    vec_obs = vec.reset(seed=1)[0]
+    vec.close()
+    print("RESULT " + json.dumps({"same": all(np.array_equal(a, b) for a, b in zip(want, got)),
+                                  "in_worker": in_worker, "vec_shape": list(vec_obs.shape)}))
+''')
+
+
+def test_a_factory_making_an_ale_env_by_id_works_in_the_worker(tmp_path):
+    """Before: a factory calling ``gym.make("ALE/...")`` (the usual Atari script) failed in the
+    worker with ``NamespaceNotFound: Namespace ALE not found. Have you installed the proper
+    package for ALE?`` -- ALE was installed; only the learner had registered its envs."""
+    pytest.importorskip("ale_py")
+    (tmp_path / "atari.py").write_text(ALE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "atari.py")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    assert json.loads(line[len("RESULT "):]) == {"same": True, "in_worker": True, "vec_shape": [2, 128]}
