@@ -560,6 +560,36 @@ class ForkableEnv(gym.Wrapper):
     def spec(self) -> gym.envs.registration.EnvSpec | None:  # type: ignore[override]
         return self._meta["spec"]
 
+    # The worker's outer stack's (``self.env``, the base env's stand-in, mirrors the base env's);
+    # set here, as on any gymnasium.Wrapper, they are this layer's own.
+    @property
+    def observation_space(self) -> gym.Space:  # type: ignore[override]
+        return self._meta["observation_space"] if self._observation_space is None else self._observation_space
+
+    @observation_space.setter
+    def observation_space(self, space: gym.Space) -> None:
+        self._observation_space = space
+
+    @property
+    def action_space(self) -> gym.Space:  # type: ignore[override]
+        return self._meta["action_space"] if self._action_space is None else self._action_space
+
+    @action_space.setter
+    def action_space(self, space: gym.Space) -> None:
+        self._action_space = space
+
+    @property
+    def metadata(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._meta["metadata"] if self._metadata is None else self._metadata
+
+    @metadata.setter
+    def metadata(self, value: dict[str, Any]) -> None:
+        self._metadata = value
+
+    @property
+    def render_mode(self) -> str | None:  # type: ignore[override]
+        return self._meta["render_mode"]
+
     # --- the env in the worker -------------------------------------------------------------------
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call the method ``name`` of the worker's env stack (found as ``get_wrapper_attr`` finds
@@ -628,10 +658,12 @@ class ForkableEnv(gym.Wrapper):
                         "ForkableEnv.from_snapshot(gym_fork.load_snapshot(path)); for a copy in this process, "
                         "copy.deepcopy(env) or env.fork()")
 
-    def _note_meta(self, name: str, value: Any) -> None:
+    def _refresh_meta(self) -> None:
         """A mirrored attribute (spaces, metadata, render_mode, spec) was set on the worker's base
-        env; copy-on-write, since forks share the dict."""
-        self._meta = {**self._meta, name: value}
+        env: the outer stack's may follow it (a wrapper that defers to the env) or not (one with
+        a space of its own), so both are asked of the worker again (a new dict: forks and
+        snapshots share the old one)."""
+        self._adopt_meta(None)
 
     # --- snapshots -----------------------------------------------------------------------------
     @property
@@ -732,7 +764,7 @@ class ForkableEnv(gym.Wrapper):
             self._warn_address_order()
         if counted:
             self._restore_rate.taken(snap)
-        snap._mirror = self._meta  # replaced, never changed in place (_note_meta): no copy needed
+        snap._mirror = self._meta  # replaced, never changed in place (_refresh_meta): no copy needed
         if self._workspace is not None:
             attach_workspace(snap, self._workspace)
         if self._private is not None:

@@ -52,22 +52,23 @@ def _read_only(path: tuple) -> TypeError:
 class WorkerEnv(gym.Env):
     """The local stand-in for the base env in the worker (what ``ForkableEnv.unwrapped`` is).
 
-    Spaces, ``metadata``, ``render_mode`` and ``spec`` are copied at start-up (and kept in step
-    when set through this object); everything else is read from, written to and called in the
-    worker (module docstring).  ``step``/``reset``/``render``/``close`` go through the owning
+    Spaces, ``metadata``, ``render_mode`` and ``spec`` are the base env's, copied at start-up (and
+    kept in step when set through this object); everything else is read from, written to and
+    called in the worker (module docstring).  ``step``/``reset``/``render``/``close`` go through the owning
     :class:`~gym_fork.ForkableEnv`, which keeps its step count and action record.
     """
 
     def __init__(self, owner: Any, meta: dict):
         object.__setattr__(self, "_owner", owner)
         object.__setattr__(self, "_type_name", meta["unwrapped_type"])
-        for name in _MIRRORED:
-            object.__setattr__(self, name, meta[name])
+        self._adopt(meta)
 
     def _adopt(self, meta: dict) -> None:
-        """Take the mirrored attributes from ``meta`` (the worker's, e.g. after a restore)."""
+        """Take the mirrored attributes from ``meta`` (the worker's, e.g. after a restore): the
+        base env's (a worker of an older gym_fork sent only the outer stack's)."""
+        base = meta.get("unwrapped", meta)
         for name in _MIRRORED:
-            object.__setattr__(self, name, meta[name])
+            object.__setattr__(self, name, base[name])
 
     def step(self, action: Any) -> tuple:
         return self._owner.step(action)
@@ -105,9 +106,8 @@ class WorkerEnv(gym.Env):
 
     def __setattr__(self, name: str, value: Any) -> None:
         self._owner._request("ref_set", ("unwrapped", ("a", name)), value)
-        if name in _MIRRORED:  # keep the local copy in step with the worker's
-            object.__setattr__(self, name, value)
-            self._owner._note_meta(name, value)
+        if name in _MIRRORED:  # keep the local copies in step with the worker's: the base env's,
+            self._owner._refresh_meta()  # and the outer stack's, which may follow it or not
 
     def __delattr__(self, name: str) -> None:
         self._owner._request("ref_del", ("unwrapped", ("a", name)))

@@ -387,12 +387,17 @@ class EnvServer:
     # --- introspection -----------------------------------------------------------------------
     def cmd_meta(self) -> dict:
         env = self.env
+        base = env.unwrapped
         return {
             "observation_space": env.observation_space,
             "action_space": env.action_space,
             "metadata": env.metadata,
             "render_mode": env.render_mode,
             "spec": env.spec,
+            # the base env's own, which the outer stack's may differ from (a FrameStackObservation
+            # space, a RenderCollection's render_mode): what ``env.unwrapped`` mirrors
+            "unwrapped": {"observation_space": base.observation_space, "action_space": base.action_space,
+                          "metadata": base.metadata, "render_mode": base.render_mode, "spec": base.spec},
             "env_repr": repr(env),
             "unwrapped_type": type(env.unwrapped).__module__ + "." + type(env.unwrapped).__qualname__,
             "ezpickle": isinstance(env.unwrapped, gym.utils.EzPickle),

@@ -541,3 +541,37 @@ def test_ale_fills_the_callers_screen_buffer():
     finally:
         env.close()
         ref.close()
+
+
+def test_unwrapped_mirrors_the_base_envs_spaces_and_render_mode_not_the_outer_stacks():
+    """Before: ``env.unwrapped`` showed the worker's *outer* stack's spaces and render_mode
+    (a FrameStackObservation's (4, 4) space, RenderCollection's "rgb_array_list") as the base
+    env's, and a space written through it replaced the outer one here (while the worker's outer
+    stack kept its own): ``observation_space.contains(obs)`` then failed for every observation."""
+    from gymnasium.wrappers import FrameStackObservation
+
+    stack = [lambda e: FrameStackObservation(e, 4)]
+    env = gym_fork.make("CartPole-v1", wrappers=stack, render_mode="rgb_array_list")
+    ref = FrameStackObservation(gym.make("CartPole-v1", render_mode="rgb_array_list"), 4)
+    try:
+        for e in (env, ref):
+            assert e.observation_space.shape == (4, 4) and e.unwrapped.observation_space.shape == (4,)
+            assert (e.render_mode, e.unwrapped.render_mode) == ("rgb_array_list", "rgb_array")
+        assert env.unwrapped.action_space == ref.unwrapped.action_space
+        assert env.unwrapped.spec == ref.unwrapped.spec
+        narrow = gym.spaces.Box(-5.0, 5.0, (4,), np.float32)
+        env.unwrapped.observation_space = narrow
+        ref.unwrapped.observation_space = narrow
+        assert env.unwrapped.observation_space == ref.unwrapped.observation_space == narrow
+        assert env.observation_space == ref.observation_space != narrow  # the outer stack's own
+        obs, _ = env.reset(seed=0)
+        assert env.observation_space.contains(obs)
+        plain = gym_fork.make("CartPole-v1")  # no layer with a space of its own: the outer follows
+        try:
+            plain.unwrapped.observation_space = narrow
+            assert plain.observation_space == narrow == plain.get_wrapper_attr("observation_space")
+        finally:
+            plain.close()
+    finally:
+        env.close()
+        ref.close()
