@@ -8,6 +8,7 @@ per-slot snapshots: :meth:`ForkableVecEnv.snapshot`, :meth:`ForkableVecEnv.resto
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -443,7 +444,9 @@ class ForkableVecEnv(VecEnv):
         ``restore_soon``: as :meth:`gym_fork.ForkableEnv.snapshot` (prepare the first restore
         ahead; None: guessed from the slot's recent snapshots)."""
         (env,) = self._idle_envs(index, "snapshot")
-        return env.snapshot(restore_soon=restore_soon)
+        snap = env.snapshot(restore_soon=restore_soon)
+        snap._reset_info = copy.deepcopy(self.reset_infos[index])  # (the slot's, for restore())
+        return snap
 
     def restore(self, index: int, snapshot: Snapshot) -> Any:
         """Put ``snapshot`` (taken in any slot) into slot ``index``; returns the slot's new
@@ -451,7 +454,7 @@ class ForkableVecEnv(VecEnv):
         (env,) = self._idle_envs(index, "restore")
         obs, info = env.restore(snapshot)
         self._obs[index] = obs
-        self.reset_infos[index] = info  # the info of the moment the snapshot captured
+        self.reset_infos[index] = _reset_info(snapshot, info)
         return obs
 
     def fork_into(self, snapshot: Snapshot, indices: Sequence[int], *,
@@ -485,7 +488,8 @@ class ForkableVecEnv(VecEnv):
         # Each slot takes its new worker exactly as ForkableEnv.restore does: the old one is
         # stopped, and the slot's workspace files and private directories are put back too.
         for k, (i, env, handle) in enumerate(zip(idx, targets, handles)):
-            self._obs[i], self.reset_infos[i] = env._adopt_restored(handle, snapshot, roots[k] if roots else None)
+            self._obs[i], info = env._adopt_restored(handle, snapshot, roots[k] if roots else None)
+            self.reset_infos[i] = _reset_info(snapshot, info)
         if rng == "reseed":  # the simulated state, and so the observation, stays as it is
             seed_list = [int(s) for s in seeds] if seeds is not None else [
                 int(np.random.SeedSequence().entropy % (2**63)) for _ in targets]
@@ -527,6 +531,18 @@ def _check_start_method(start_method: str | None) -> None:
     if start_method is not None and start_method not in multiprocessing.get_all_start_methods():
         raise ValueError(f"cannot find context for {start_method!r}: start_method must be one of "
                          f"{', '.join(multiprocessing.get_all_start_methods())} or None")
+
+
+def _reset_info(snapshot: Snapshot, last_info: dict) -> dict:
+    """A restored slot's ``reset_infos`` entry: as SB3's VecEnvs keep it, the info of the slot's
+    last reset (explicit or automatic) -- not of its last step, which is what the worker returned
+    last (``last_info``) in a snapshot taken mid-episode. A snapshot taken through a vector env
+    carries it; another is right after a reset (0 steps: ``last_info`` is that reset's) or says
+    nothing of it ({}, as SB3's own VecEnvs start)."""
+    kept = getattr(snapshot, "_reset_info", None)
+    if kept is not None:
+        return copy.deepcopy(kept)
+    return last_info if snapshot.steps == 0 else {}
 
 
 def _with_subclasses(cls: type) -> list[type]:

@@ -627,3 +627,37 @@ def test_random_slot_operations_match_dummy_vec_env():
 
 def test_random_slot_operations_match_dummy_vec_env_pickle():
     _random_slot_operations("pickle", 5, 150)
+
+
+def _info_factory():
+    class Infos(gym.Wrapper):
+        def reset(self, **kwargs):
+            obs, _ = self.env.reset(**kwargs)
+            return obs, {"level": "start-of-episode"}
+
+        def step(self, action):
+            obs, r, term, trunc, _ = self.env.step(action)
+            return obs, r, term, trunc, {"step_only": True}
+
+    return Infos(gym.make("CartPole-v1"))
+
+
+@pytest.mark.criu
+def test_a_restored_slots_reset_info_is_its_last_resets():
+    """SB3 keeps ``reset_infos[i]`` = the info of slot i's last reset. Before, restore() and
+    fork_into() put the info of the snapshot's last *step* there."""
+    venv = ForkableVecEnv(_info_factory, n_envs=2, backend="criu", seed=1)
+    try:
+        venv.reset()
+        venv.step(np.array([0, 0]))
+        assert venv.reset_infos == [{"level": "start-of-episode"}] * 2
+        snap = venv.snapshot(0)
+        venv.reset_infos[0]["level"] = "changed later"  # (the snapshot keeps its own copy)
+        venv.restore(0, snap)
+        venv.fork_into(snap, [1])
+        assert venv.reset_infos == [{"level": "start-of-episode"}] * 2
+        single = venv.envs[0].snapshot()  # taken outside the vector env, mid-episode: unknown
+        venv.restore(1, single)
+        assert venv.reset_infos[1] == {}
+    finally:
+        venv.close()
