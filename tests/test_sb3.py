@@ -210,6 +210,34 @@ def test_evaluate_logs_calibration_and_changes_nothing(algo):
         venv.close()
 
 
+def _trained(algo, callback) -> tuple[np.ndarray, np.ndarray]:
+    venv = ForkableVecEnv("CartPole-v1", n_envs=2, seed=0)
+    try:
+        kw = dict(n_steps=32, batch_size=32, n_epochs=1) if algo is PPO else dict(learning_starts=50, train_freq=4)
+        model = algo("MlpPolicy", venv, device="cpu", seed=0, **kw)
+        model.learn(256, callback=callback)
+        params = th.cat([p.detach().flatten() for p in model.policy.parameters()]).numpy()
+        return params, venv.current_obs.copy()
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize("algo", [PPO, DQN])
+def test_evaluate_leaves_training_bit_identical(algo):
+    """"evaluate": training is unchanged. Before, the branches' actions (``model.predict`` in the
+    learner) drew from the learner's generators -- torch's for PPO's samples, the action space's
+    for DQN's epsilon-greedy -- so every later draw of the learner's changed, and the trained
+    weights differed from a run without the callback."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (DQN's late, near-greedy branches go on alike: said)
+        cb = BranchExplorationCallback(every=40, n_branches=3, horizon=8, mode="evaluate", seed=0)
+        with_cb, without = _trained(algo, cb), _trained(algo, None)
+    assert len(cb.history) >= 5
+    assert same(with_cb[0], without[0]) and same(with_cb[1], without[1])
+
+
 def test_invalid_configs_raise_at_learn_start(cartpole):
     with pytest.raises(ValueError, match="mode"):
         BranchExplorationCallback(mode="bogus")

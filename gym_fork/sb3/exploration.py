@@ -15,6 +15,9 @@ Needs ``stable-baselines3`` (``pip install gym_fork[sb3]``).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -69,6 +72,32 @@ class _RecordingPolicy:
         return self.model.predict(obs, deterministic=deterministic)
 
 
+@contextlib.contextmanager
+def _learner_rngs_kept(model: Any):
+    """The branches' actions come from ``model.predict`` in this process, which draws from the
+    learner's generators: torch's (a stochastic policy's samples), NumPy's and ``random``'s, the
+    model's action space's (DQN's epsilon-greedy). Put back after a fork point, so the learner
+    draws after it what it would have drawn without one ("evaluate" leaves training unchanged,
+    bit for bit; in every mode, the learner's own stream does not depend on the branches)."""
+    gens = {id(sp): sp for sp in (model.action_space, model.observation_space) if sp is not None}.values()
+    saved_spaces = [(sp, sp._np_random, None if sp._np_random is None else copy.deepcopy(sp._np_random.bit_generator.state))
+                    for sp in gens]
+    cuda = th.cuda.get_rng_state_all() if th.cuda.is_available() else None
+    saved = (th.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        th.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+        if cuda is not None:
+            th.cuda.set_rng_state_all(cuda)
+        for sp, gen, state in saved_spaces:
+            sp._np_random = gen  # (None again where the branches made one)
+            if gen is not None:
+                gen.bit_generator.state = state
+
+
 class BranchExplorationCallback(BaseCallback):
     """Branch ``n_branches`` futures of ``horizon`` steps off a training env slot, every
     ``every`` env steps, and use them according to ``mode``.
@@ -105,7 +134,9 @@ class BranchExplorationCallback(BaseCallback):
         statistics into the one continued after the jump. The branch's own steps are not given
         to the learner.
     ``"evaluate"``
-        Training is unchanged. Logged: ``value_at_fork`` (PPO/A2C: ``V(s)``; DQN: ``max_a
+        Training is unchanged, bit for bit (the branches draw from the learner's generators --
+        torch's, NumPy's, ``random``'s, the action space's -- which are put back after every
+        fork point, in every mode). Logged: ``value_at_fork`` (PPO/A2C: ``V(s)``; DQN: ``max_a
         Q(s, a)``; SAC/TD3: the mean over the branches' first actions ``a_k ~ pi(s)`` of
         ``min_i Q_i(s, a_k)``), ``mc_return_mean`` (the branches' discounted returns over
         their ``horizon`` steps), ``mc_bootstrap_return_mean`` (the same plus ``gamma^L
@@ -260,7 +291,8 @@ class BranchExplorationCallback(BaseCallback):
     def _on_step(self) -> bool:
         slot = self._fork_slot()
         if slot is not None:
-            self._fork(slot)
+            with _learner_rngs_kept(self.model):
+                self._fork(slot)
         return True
 
     def release(self) -> None:
