@@ -338,8 +338,22 @@ class ForkableVecEnv(VecEnv):
             self._incomplete = "interrupted while the replies were read"
             raise
         if error is not None or reset_error is not None:
-            # the other slots did step; reset() brings all back in line (or, for a dead worker,
-            # restore() of its slot: stepping on is the caller's choice, as after any error)
+            # the other slots did step (and reset at an episode's end): their results cannot come
+            # with the error, but current_obs says where each worker now is, as after any step
+            # (before, it kept the observations from before this step: a learner that went on
+            # from it fed slot i's old observation with slot i's next action). reset() brings all
+            # back in line (or, for a dead worker, restore() of its slot: stepping on is the
+            # caller's choice, as after any error).
+            reset_out = dict(zip(resets, reset_results))
+            for i, out in enumerate(results):
+                if out is _FAILED:
+                    continue
+                if i in reset_out:
+                    if reset_out[i] is _FAILED:
+                        continue
+                    self._obs[i], self.reset_infos[i] = reset_out[i]
+                else:
+                    self._obs[i] = out[0]
             raise error or reset_error
 
         obs, rews, dones, infos = [], [], [], []

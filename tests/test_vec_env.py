@@ -235,6 +235,11 @@ def test_env_error_keeps_channels_in_step(venv4):
         venv4.step(np.array([0, 7, 1, 0]))
     assert isinstance(ei.value, WorkerError)
     assert [e.steps for e in venv4.envs] == [1, 0, 1, 1]  # the other slots did step
+    # ... and current_obs says where they are (before: the observations from before the step)
+    where = [venv4.envs[i].unwrapped.state for i in range(4)]
+    for i in (0, 2, 3):
+        assert same(venv4.current_obs[i], np.asarray(where[i], dtype=np.float32))
+    assert same(venv4.current_obs[1], obs[1])  # (the slot that raised did not step)
     venv4.seed(1)
     assert same(venv4.reset(), obs)  # every worker answers in turn again
     venv4.step(np.array([0, 1, 1, 0]))
