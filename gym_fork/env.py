@@ -789,6 +789,12 @@ class ForkableEnv(gym.Wrapper):
             UncapturedFilesError: this env wrote files outside its workspace, which the restore
                 would not bring back (``untracked_paths``).
         """
+        return self._restore(snapshot)
+
+    def _restore(self, snapshot: Snapshot, accept: Callable[[Handle, Snapshot], None] | None = None) -> tuple[Any, dict]:
+        """:meth:`restore`; ``accept(new_handle, snapshot)`` (a vector env's slot checks) runs on
+        the restored worker before the env switches to it: where it raises, the new worker is
+        stopped and the env keeps running as before."""
         self._check_open()
         self._check_snapshot(snapshot)
         self._end_live("restore() replaces the worker")
@@ -802,6 +808,13 @@ class ForkableEnv(gym.Wrapper):
             except BaseException:
                 private_dirs_mod.remove(roots)
                 raise
+            if accept is not None:
+                try:
+                    accept(new, snapshot)
+                except BaseException:
+                    new.kill()
+                    private_dirs_mod.remove(roots)
+                    raise
             return self._adopt_restored(new, snapshot, roots[0] if roots else None)
 
     @contextlib.contextmanager

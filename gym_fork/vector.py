@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import cloudpickle
 import gymnasium as gym
 import numpy as np
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
@@ -26,7 +27,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from gym_fork.backends.base import Backend
-from gym_fork.errors import IncompleteStepError
+from gym_fork.errors import IncompleteStepError, RestoreError
 from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source
@@ -569,16 +570,17 @@ class ForkableVectorEnv(VectorEnv):
     def _restore_slot(self, i: int, snapshot: Snapshot) -> dict[str, Any]:
         """Restore slot ``i`` and its autoreset bookkeeping; returns the slot's info."""
         env = self.envs[i]
-        obs, info = env.restore(snapshot)
-        try:
-            terminated, truncated = env.get_wrapper_attr(_DONE)
-        except AttributeError:
+        unknown: list[bool] = []
+        obs, info = env._restore(snapshot, lambda new, snap: self._accept(i, new, snap, unknown))
+        if unknown:
             # A snapshot of an env that never ran in a vector slot (a bundle of a plain
             # ForkableEnv): whether its episode had ended is not recorded.
             warnings.warn(f"snapshot {snapshot.id} does not record whether its episode had ended "
                           f"(it was not taken from a ForkableVectorEnv slot); slot {i} treats it as "
                           "mid-episode", stacklevel=3)
             terminated = truncated = False
+        else:
+            terminated, truncated = env.get_wrapper_attr(_DONE)
         if (terminated or truncated) and self.autoreset_mode == AutoresetMode.SAME_STEP:
             # A SAME_STEP slot never rests at an episode end: reset it as its step would have.
             reset_obs, reset_info = env.reset()
@@ -588,6 +590,27 @@ class ForkableVectorEnv(VectorEnv):
         self._terminations[i], self._truncations[i] = terminated, truncated
         self._autoreset_envs[i] = terminated or truncated
         return info
+
+    def _accept(self, i: int, new: Any, snapshot: Snapshot, unknown: list[bool]) -> None:
+        """Before slot ``i`` switches to ``new``, a worker restored from ``snapshot``: its env must
+        have this vector env's spaces (a loaded bundle of another env's stack: refused, and the
+        slot keeps running), and the slot layer, put on where the snapshot was taken without one
+        (else ``call``/``get_attr``/``set_attr`` would not reach its env)."""
+        meta = snapshot._mirror if snapshot._mirror is not None else new.request("meta")
+        for name, want in (("observation", self.single_observation_space), ("action", self.single_action_space)):
+            got = meta[f"{name}_space"]
+            if got != want:
+                raise RestoreError(
+                    f"snapshot {snapshot.id}'s env has the {name} space {got}, and slot {i} of this vector env "
+                    f"{want}: it cannot be one of its sub-envs. Restore it into a ForkableEnv "
+                    f"(gym_fork.from_snapshot), or into a vector env of that env. Slot {i} is unchanged.")
+        try:
+            new.request("getattr", _DONE, "wrapper")  # (a WorkerError from a worker is one too)
+            return
+        except AttributeError:
+            pass
+        new.request("wrap", cloudpickle.dumps(_Slot))
+        unknown.append(True)
 
     def _slot_call(self, env: ForkableEnv, name: str, args: tuple, kwargs: dict) -> Any:
         env.set_wrapper_attr(_REQUEST, ("call", name, args, kwargs))

@@ -421,6 +421,14 @@ class EnvServer:
             if name == "workspace":  # the declared workspace: captured by snapshots, not recorded
                 files.set_workspace(value, previous)
 
+    def cmd_wrap(self, blob: bytes) -> None:
+        """Put one more layer on the env stack: ``cloudpickle.loads(blob)(env)`` (a vector env's
+        slot layer around an env restored from a snapshot taken without one)."""
+        env = cloudpickle.loads(blob)(self.env)
+        if not isinstance(env, gym.Env):
+            raise TypeError(f"the wrapper returned {type(env).__name__}, not a gymnasium.Env")
+        self.env = env
+
     def cmd_wrapper_classes(self) -> list[list[tuple[str, str]]]:
         """Each wrapper layer of the env stack, outermost first: the classes it is an instance of
         (its MRO), by module and qualified name (the learner matches a class by them, without

@@ -399,6 +399,47 @@ def test_refused_restores_change_no_slot():
         other.close()
 
 
+def test_a_plain_envs_bundle_in_a_slot_gets_the_slot_layer_and_a_foreign_one_is_refused(tmp_path):
+    """Before: a bundle saved from a plain ForkableEnv, restored into a slot, ran without the
+    slot's layer: ``set_attr`` created an attribute nobody read (silently) and ``get_attr``/``call``
+    raised; a bundle of an env with another observation space was switched to anyway, and every
+    later step raised (the slot was lost)."""
+    from gymnasium.wrappers import FrameStackObservation
+
+    from gym_fork.errors import RestoreError
+
+    plain = gym_fork.make("CartPole-v1")
+    stacked = gym_fork.make("CartPole-v1", wrappers=[lambda e: FrameStackObservation(e, 4)])
+    try:
+        plain.reset(seed=0)
+        plain.unwrapped.force_mag = 30.0
+        plain.step(0)
+        plain.snapshot().save(tmp_path / "plain")
+        stacked.reset(seed=0)
+        stacked.snapshot().save(tmp_path / "stacked")
+    finally:
+        plain.close()
+        stacked.close()
+    envs = ForkableVectorEnv(["CartPole-v1"] * 2)
+    try:
+        envs.reset(seed=0)
+        with pytest.warns(UserWarning, match="does not record whether its episode had ended"):
+            envs.restore(1, gym_fork.load_snapshot(tmp_path / "plain"))
+        assert envs.get_attr("force_mag") == (10.0, 30.0)
+        envs.set_attr("force_mag", 5.0)
+        assert [e.unwrapped.force_mag for e in envs.envs] == [5.0, 5.0]
+        assert envs.call("force_mag") == (5.0, 5.0)
+        envs.reset(seed=0)
+        pid = envs.envs[1].worker_pid
+        with pytest.raises(RestoreError, match="observation space"):
+            envs.restore(1, gym_fork.load_snapshot(tmp_path / "stacked"))
+        assert envs.envs[1].worker_pid == pid  # slot 1 unchanged: it steps on
+        envs.set_attr("force_mag", 10.0)
+        assert_same(envs.step(np.array([0, 0]))[0], _sync_first_step(0, [0, 0]))
+    finally:
+        envs.close()
+
+
 def _sync_first_step(seed: int, actions: list):
     ref = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * len(actions))
     ref.reset(seed=seed)
