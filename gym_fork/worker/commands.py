@@ -9,6 +9,7 @@ class means every backend steps the env through exactly the same code.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 import pickletools
@@ -114,8 +115,10 @@ def pickle_policy(policy: Any) -> bytes:
 def _source(env: Any, env_kwargs: dict | None) -> EnvSource:
     if isinstance(env, str):
         return ("id", env, dict(env_kwargs or {}))
+    if isinstance(env, gym.envs.registration.EnvSpec):  # as gymnasium.make(spec, **kwargs)
+        return ("factory", cloudpickle.dumps(functools.partial(gym.make, env, **(env_kwargs or {}))))
     if env_kwargs:
-        raise TypeError("env_kwargs is only accepted together with an env id string")
+        raise TypeError("env_kwargs is only accepted together with an env id string or an EnvSpec")
     if isinstance(env, gym.Env):
         _refuse_ezpickle_instance(env)
         _refuse_uncopyable_state(env)
@@ -136,7 +139,8 @@ def _source(env: Any, env_kwargs: dict | None) -> EnvSource:
                 "Use a module-level function or a lambda that closes over picklable values only."
             ) from e
     raise TypeError(
-        f"env must be an env id (str), a zero-argument factory or a gymnasium.Env, not {type(env).__name__}"
+        f"env must be an env id (str), an EnvSpec, a zero-argument factory or a gymnasium.Env, not "
+        f"{type(env).__name__}"
     )
 
 

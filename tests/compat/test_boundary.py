@@ -575,3 +575,19 @@ def test_unwrapped_mirrors_the_base_envs_spaces_and_render_mode_not_the_outer_st
     finally:
         env.close()
         ref.close()
+
+
+def test_make_takes_an_env_spec_as_gymnasium_make_does():
+    """Before: ``gym_fork.make(gym.spec("CartPole-v1"))`` raised TypeError."""
+    spec = gym.spec("CartPole-v1")
+    env, ref = gym_fork.make(spec, max_episode_steps=5), gym.make(spec, max_episode_steps=5)
+    try:
+        assert env.spec == ref.spec and env.spec.max_episode_steps == 5
+        assert same(env.reset(seed=1)[0], ref.reset(seed=1)[0])
+        for _ in range(5):
+            got, want = env.step(0), ref.step(0)
+            assert same(got[0], want[0]) and got[1:4] == want[1:4]
+        assert got[3]  # truncated at 5, as asked
+    finally:
+        env.close()
+        ref.close()
