@@ -1334,13 +1334,15 @@ def _kill_boxed(box: list) -> None:
     box[0].kill()
 
 
-def make(id: str, *, backend: str | Backend = "auto", verify: Literal["full", "sha256", "size"] = "full",
+def make(id: str | gym.envs.registration.EnvSpec, *, backend: str | Backend = "auto",
+         verify: Literal["full", "sha256", "size"] = "full",
          record_actions: bool = True, worker_log: str | None = None,
          fork_tier: bool | Literal["auto"] = "auto", store: Any = None, workspace: str | None = None,
          private_network: bool = False, wrappers: Sequence[Callable[[gym.Env], gym.Env]] | None = None,
          untracked_paths: Sequence[str] | None = None, private_dirs: str | Sequence[str] | None = None,
          **kwargs: Any) -> ForkableEnv:
-    """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``.
+    """The :func:`gymnasium.make` twin: ``gym_fork.make("LunarLander-v3", continuous=True)``
+    (an ``EnvSpec`` works too, as there).
 
     ``store``, ``workspace``, ``private_network``, ``wrappers``, ``untracked_paths`` and
     ``private_dirs`` are :class:`ForkableEnv`'s.
