@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
-from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
+from stable_baselines3.common.vec_env.base_vec_env import (VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn,
+                                                           VecEnvWrapper)
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
@@ -381,6 +384,32 @@ class ForkableVecEnv(VecEnv):
             _collect(self._calls)
             self._calls, self.waiting = [], False
         close_envs(self.envs)
+
+    def getattr_recursive(self, name: str) -> Any:
+        """Where SB3's ``VecEnvWrapper`` looks up what it lacks itself (``VecFrameStack(venv).restore``).
+        ``restore`` and ``fork_into`` found that way warn: they put the snapshot into this env's slot
+        only, and the wrappers' own per-slot state (``VecFrameStack``'s stacked frames,
+        ``VecMonitor``'s episode statistics, ``VecNormalize``'s transform of the observation
+        returned) is not part of any snapshot."""
+        attr = getattr(self, name)
+        if name in ("restore", "fork_into"):
+            frame, wrappers, depth = sys._getframe(1), [], 1
+            while frame is not None and frame.f_code.co_name in ("getattr_recursive", "__getattr__") \
+                    and isinstance(frame.f_locals.get("self"), VecEnvWrapper):
+                if not wrappers or wrappers[-1] is not frame.f_locals["self"]:
+                    wrappers.append(frame.f_locals["self"])
+                frame, depth = frame.f_back, depth + 1
+            if wrappers:
+                names = "".join(f"{type(w).__name__}(" for w in reversed(wrappers)) + "ForkableVecEnv" + ")" * len(wrappers)
+                warnings.warn(
+                    f"{name}() reached through {names}: it puts the snapshot into the ForkableVecEnv's slot only. "
+                    "The wrappers' own per-slot state (VecFrameStack's stacked frames, VecMonitor's episode "
+                    "statistics) is not in the snapshot and stays as it was, and the observation returned (and "
+                    "current_obs) is the ForkableVecEnv's, without the wrappers' transforms: do not feed it to "
+                    "a model trained through them. Call it on the ForkableVecEnv itself and bring the wrappers "
+                    "in line yourself, or use BranchExplorationCallback, which handles VecMonitor, VecCheckNan "
+                    "and VecTransposeImage.", RuntimeWarning, stacklevel=depth + 1)
+        return attr
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         if self.render_mode != "rgb_array":

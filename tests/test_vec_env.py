@@ -666,3 +666,30 @@ def test_a_restored_slots_reset_info_is_its_last_resets():
         assert venv.reset_infos[1] == {}
     finally:
         venv.close()
+
+
+@pytest.mark.criu
+def test_restore_reached_through_an_sb3_wrapper_says_what_it_does_not_restore():
+    """``VecFrameStack(venv).restore(0, snap)`` reaches the ForkableVecEnv through SB3's attribute
+    forwarding: the slot is restored, the wrapper's stacked frames are not, and the observation
+    returned is unstacked. Before: silently. Now a RuntimeWarning says so, at the caller's line;
+    a call on the ForkableVecEnv itself says nothing."""
+    import warnings
+
+    from stable_baselines3.common.vec_env import VecFrameStack, VecMonitor
+
+    inner = ForkableVecEnv("CartPole-v1", n_envs=2, seed=0)
+    venv = VecMonitor(VecFrameStack(inner, n_stack=3))
+    try:
+        venv.reset()
+        snap = venv.snapshot(0)  # (a snapshot through them is fine: it changes nothing)
+        with pytest.warns(RuntimeWarning, match=r"restore\(\) reached through VecMonitor\(VecFrameStack\(ForkableVecEnv\)\)") as w:
+            venv.restore(0, snap)
+        assert w[0].filename == __file__
+        with pytest.warns(RuntimeWarning, match="fork_into\\(\\) reached through"):
+            venv.fork_into(snap, [1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            inner.restore(0, snap)
+    finally:
+        venv.close()
