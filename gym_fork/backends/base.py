@@ -176,6 +176,7 @@ class LocalHandle(Handle):
     def send(self, cmd: str, *args: Any) -> None:
         # In-process: do the work now, hand it over in receive() (keeps one code path for callers).
         claimed = self._claim(f"{cmd!r} was sent")
+        self._raised = None  # (an earlier request's: not kept, with its traceback, any longer)
         try:
             self._result, self._error = self.request(cmd, *args), None
         except Exception as e:  # noqa: BLE001
