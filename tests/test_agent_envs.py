@@ -1164,3 +1164,59 @@ def test_a_file_lock_held_between_steps_is_refused_by_name(tmp_path, how, fork_t
                 (fcntl.flock if how == "flock" else fcntl.lockf)(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         env.close()
+
+
+def _proc_file_env():
+    import gymnasium as gym
+
+    class ProcStatReader(gym.Env):
+        """Keeps its own /proc/PID/stat open (as a monitor might); action 1 closes it."""
+
+        observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float64)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.stat = open("/proc/self/stat", "rb")  # noqa: SIM115 - held on purpose
+            self.t = 0
+            return np.array([0.0]), {}
+
+        def step(self, action):
+            if action == 1 and self.stat is not None:
+                self.stat.close()
+                self.stat = None
+            self.t += 1
+            return np.array([float(self.t)]), 0.0, False, False, {}
+
+    return ProcStatReader()
+
+
+def test_a_proc_pid_file_held_at_a_dump_is_dumped_again_or_refused(monkeypatch):
+    """CRIU reopens a file under /proc/PID/ by that path at restore, where the restored tree has a
+    PID namespace of its own: the restore failed ("Can't open file proc/PID/stat on restore"). A
+    CI run caught redis-server mid-read of its /proc/PID/stat (it reads it every 100 ms): that
+    snapshot could never be restored. Now a dump that finds one is taken again; a file held for
+    good is refused at the snapshot, naming it, and the env steps on."""
+    from gym_fork.criu import client
+    from gym_fork.errors import SnapshotError
+
+    env = gym_fork.ForkableEnv(_proc_file_env, backend="criu", fork_tier=False)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SnapshotError, match=r"holds /proc/[0-9]+/stat open"):
+            env.snapshot()
+        env.step(1)  # untouched; closes it
+        real, calls = client.proc_files_held, []
+
+        def once(images_dir):  # caught mid-read at the first dump only
+            calls.append(images_dir)
+            return ["/proc/1/stat"] if len(calls) == 1 else real(images_dir)
+
+        monkeypatch.setattr(client, "proc_files_held", once)
+        snap = env.snapshot()
+        assert len(calls) == 2
+        env.step(0)
+        env.restore(snap)
+        assert step(env, 0)[0][0] == 2.0
+    finally:
+        env.close()

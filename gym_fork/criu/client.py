@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -85,10 +86,22 @@ def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Seq
     before = set(os.listdir(images_dir))
     # (a directory made just before the first try is a leftover once PARASITE_DIR_WAIT_S old)
     deadline = time.monotonic() + 2 * PARASITE_DIR_WAIT_S
+    proc_tries = PROC_FILE_TRIES
     while True:
         try:
             _dump_once(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options)
-            return
+            held = proc_files_held(images_dir) if leave_running else []
+            if not held:
+                return
+            proc_tries -= 1
+            if not retry or proc_tries <= 0:
+                raise OSError(errno.EBUSY, f"a process of the dumped tree (root {pid}) holds {held[0]} open, a file "
+                                           "of /proc named by a pid that a restore cannot give back (a restored tree "
+                                           f"has its own PID namespace): no restore could reopen it (tried "
+                                           f"{PROC_FILE_TRIES} times). Close it between steps; the env keeps running")
+            _remove_new(images_dir, before)  # caught mid-read (redis-server reads its /proc/PID/stat
+            time.sleep(random.uniform(0.001, 0.005))  # every 100 ms): dump again, it is gone by now
+            continue
         except TimeoutError:
             raise
         except Exception as e:  # noqa: BLE001 - pycriu's errors: read the log for the parasite's
@@ -104,10 +117,40 @@ def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Seq
                 raise OSError(err, f"CRIU's temporary directory {PARASITE_PROC_DIR!r} stays in the working "
                                    f"directory of a process it dumps ({_cwds(pid)}) and is not an empty "
                                    f"leftover of an earlier dump; remove it") from e
-            for name in set(os.listdir(images_dir)) - before:  # the failed attempt's images and log
-                path = os.path.join(images_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+            _remove_new(images_dir, before)  # the failed attempt's images and log
             time.sleep(random.uniform(0.002, 0.02))  # apart from the other dump's next try
+
+
+#: dumps that find a /proc/PID file held open (proc_files_held) before one is said to fail
+PROC_FILE_TRIES = 4
+_PROC_PID_FILE = re.compile(rb"/proc/[0-9]+/")
+
+
+def proc_files_held(images_dir: str) -> list[str]:
+    """Files under ``/proc/PID/`` that the dumped processes held open (``files.img``): CRIU
+    reopens them by that path at restore, where the restored tree's pids belong to a PID
+    namespace of its own, so the restore fails ("Can't open file proc/PID/stat on restore").
+    A raw search first (a few µs); the image is parsed only where it finds one."""
+    path = os.path.join(images_dir, "files.img")
+    try:
+        with open(path, "rb") as f:
+            if not _PROC_PID_FILE.search(f.read()):
+                return []
+        import pycriu
+
+        with open(path, "rb") as f:
+            entries = pycriu.images.load(f)["entries"]
+    except Exception:  # noqa: BLE001 - an unreadable image is caught by the checksums
+        return []
+    return [name for e in entries if e.get("type") == "REG"
+            and _PROC_PID_FILE.match((name := (e.get("reg") or {}).get("name", "")).encode())]
+
+
+def _remove_new(images_dir: str, before: set[str]) -> None:
+    """Remove what appeared in ``images_dir`` since ``before`` (a failed or refused try's images)."""
+    for name in set(os.listdir(images_dir)) - before:
+        path = os.path.join(images_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
 
 
 def _dump_once(pid: int, images_dir: str, leave_running: bool, external: Sequence[str], mode: str,
