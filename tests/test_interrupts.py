@@ -160,6 +160,22 @@ def _interrupt_after(handle, method: str) -> None:
     setattr(handle, method, then_ctrl_c)
 
 
+def _call_then_ctrl_c(env, call: str) -> None:
+    """``call`` (step 2, step_send 2, reset seed 5, rollout [2, 3]), with Ctrl-C right after the
+    handle did its part: the reply read (the request sent, for step_send)."""
+    method = {"step": "request", "reset": "request", "step_send": "send", "rollout": "receive"}[call]
+    _interrupt_after(env._handle, method)
+    with pytest.raises(KeyboardInterrupt):
+        if call == "step":
+            env.step(2)
+        elif call == "step_send":
+            env.step_send(2)
+        elif call == "reset":
+            env.reset(seed=5)
+        else:
+            env.rollout([2, 3])
+
+
 @pytest.mark.criu
 @pytest.mark.parametrize("call", ["step", "step_send", "reset", "rollout"])
 def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call, monkeypatch):
@@ -174,17 +190,7 @@ def test_an_interrupt_right_after_the_reply_is_read_is_settled(env, call, monkey
     skip_to = Channel.skip_to
     monkeypatch.setattr(Channel, "skip_to", lambda self, *a, **k: (resyncs.append(a), skip_to(self, *a, **k))[1])
     env.step(1)
-    method = {"step": "request", "reset": "request", "step_send": "send", "rollout": "receive"}[call]
-    _interrupt_after(env._handle, method)
-    with pytest.raises(KeyboardInterrupt):
-        if call == "step":
-            env.step(2)
-        elif call == "step_send":
-            env.step_send(2)
-        elif call == "reset":
-            env.reset(seed=5)
-        else:
-            env.rollout([2, 3])
+    _call_then_ctrl_c(env, call)
     assert env.steps == {"step": 2, "step_send": 2, "reset": 0, "rollout": 3}[call]  # (asks the worker)
     assert len(resyncs) == (call == "step_send")
     if call == "step_send":  # given up: its reply is not read by step_receive()
@@ -293,17 +299,7 @@ def test_an_interrupt_right_after_an_in_process_call_is_settled(call):
     try:
         env.reset(seed=3)
         env.step(1)
-        method = {"step": "request", "reset": "request", "step_send": "send", "rollout": "receive"}[call]
-        _interrupt_after(env._handle, method)
-        with pytest.raises(KeyboardInterrupt):
-            if call == "step":
-                env.step(2)
-            elif call == "step_send":
-                env.step_send(2)
-            elif call == "reset":
-                env.reset(seed=5)
-            else:
-                env.rollout([2, 3])
+        _call_then_ctrl_c(env, call)
         assert env.steps == {"step": 2, "step_send": 2, "reset": 0, "rollout": 3}[call]
         env.step(4)
         snap = env.snapshot()
