@@ -9,9 +9,7 @@ plugins use instead of its fields.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import logging
 import os
 import uuid
@@ -35,7 +33,7 @@ from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
 from gym_fork.worker import files
-from gym_fork.worker.commands import make_source, pickle_policy
+from gym_fork.worker.commands import MUTABLE_ACTIONS, make_source, own_action, pickle_policy
 
 log = logging.getLogger("gym_fork")
 # lineages whose first snapshot looked for sets that iterate by memory address (_warn_address_order)
@@ -323,9 +321,9 @@ class ForkableEnv(gym.Wrapper):
             # _record_step(action), inline (every step's path), inside the try: an interrupt right
             # after the reply was read is settled too. No interrupt falls between the count and
             # the append (the interpreter checks for one after a call, not after a store): counted
-            # is recorded. A mutable action is copied first (_own_action: inline for the usual ones).
-            if type(action) in _MUTABLE:
-                action = _own_action(action)
+            # is recorded. A mutable action is copied first (own_action: inline for the usual ones).
+            if type(action) in MUTABLE_ACTIONS:
+                action = own_action(action)
             self._steps += 1
             if self._actions is not None:
                 self._actions.append(action)
@@ -896,7 +894,8 @@ class ForkableEnv(gym.Wrapper):
                             f"not {type(snapshot).__name__}")
         check_rng(rng, seeds, n, "n")
         own = snapshot is None
-        snap = self._snapshot(ready_copy=False) if own else snapshot  # only cloned, then released
+        # only cloned, then released; it leaves this env's timeline alone (parent_id, actions)
+        snap = self._side_snapshot() if own else snapshot
         try:
             self._check_snapshot(snap)
             with snap._open_payload() as payload:
@@ -1272,7 +1271,7 @@ class ForkableEnv(gym.Wrapper):
 
     def _record_step(self, action: Any) -> None:
         """Account for one step the worker took with ``action`` (step count, recorded actions)."""
-        action = _own_action(action)
+        action = own_action(action)
         self._steps += 1
         if self._actions is not None:
             self._actions.append(action)
@@ -1312,22 +1311,6 @@ class ForkableEnv(gym.Wrapper):
     def __repr__(self) -> str:
         env_id = self._meta["spec"].id if self._meta.get("spec") else self._meta["unwrapped_type"]
         return f"<ForkableEnv {env_id} backend={self.backend} pid={self.worker_pid}>"
-
-
-#: action types that the caller may change after the step (a policy filling one buffer for every
-#: step): recorded as copies, else every recorded action would be the buffer's last content and
-#: a snapshot's ``actions`` would replay to another state
-_MUTABLE = frozenset({np.ndarray, list, dict, tuple, collections.OrderedDict})  # (a tuple may hold arrays)
-
-
-def _own_action(action: Any) -> Any:
-    """``action``, or a copy of it where the caller could change it after the step (see _MUTABLE)."""
-    t = type(action)
-    if t is np.ndarray:
-        return action.copy()
-    if t in _MUTABLE or isinstance(action, (list, dict, tuple)):
-        return copy.deepcopy(action)
-    return action
 
 
 def _kill_boxed(box: list) -> None:

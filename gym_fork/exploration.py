@@ -21,7 +21,7 @@ from gym_fork.env import ForkableEnv
 from gym_fork.errors import UncapturedFilesError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.channel import canonical_digest
-from gym_fork.worker.commands import is_sb3_model, pickle_policy
+from gym_fork.worker.commands import is_sb3_model, own_action, own_copy, pickle_policy
 
 Policy = Callable[[Any], Any]
 
@@ -116,8 +116,11 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             fresh entropy; every generator the env draws from, as :meth:`ForkableEnv.fork`);
             ``"same"`` keeps the snapshot's, so identical actions replay exactly.
         return_snapshots: snapshot every branch's end state (``Branch.snapshot``; its
-            ``parent_id`` is the root and its ``actions`` the branch's actions). They belong to
-            ``env`` afterwards and are released with it.
+            ``parent_id`` is the root -- None where ``snapshot`` was None: that root is released --
+            and its ``actions`` the branch's actions; after an auto-reset inside the branch
+            (``stop_at_done=False``) a new timeline, as after ``reset()``: ``parent_id`` None and
+            ``actions`` those since the reset). They belong to ``env`` afterwards and are
+            released with it.
         stop_at_done: a branch stops at its first episode end (else it auto-resets and goes on).
         progress: show a progress bar (default: when ``n_branches * horizon >= 20000``).
         actions: open-loop branches instead of a policy (pass ``policy=None``): branch ``i``
@@ -174,7 +177,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
         act = as_policy(policy, deterministic) if policy is not None else None
     t0 = time.perf_counter()
     own_root = snapshot is None
-    root = env._snapshot(ready_copy=False) if own_root else snapshot  # only cloned, then released
+    # only cloned, then released; it leaves the env's timeline alone (parent_id, actions)
+    root = env._side_snapshot() if own_root else snapshot
     if rng == "reseed" and seeds is None:
         seeds = [int(s) for s in np.random.SeedSequence().generate_state(n_branches, np.uint64) % (2**63)]
     try:
@@ -205,7 +209,8 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             for k, b in zip(kids, branches):
                 b.snapshot = k._snapshot(ready_copy=False)  # most are never restored: no copy ahead
                 k._hand_over(b.snapshot, env)  # the branch env is closed below; `env` keeps it
-                b.snapshot.parent_id = root.id if not own_root else None
+                if own_root and b.snapshot.parent_id == root.id:  # (a root released below: none)
+                    b.snapshot.parent_id = None
     except BaseException:
         for k in kids:  # a branch failed (or Ctrl-C): the others' rollouts are not waited for
             k._abort()
@@ -351,7 +356,7 @@ def _take_reply(kid: ForkableEnv, b: Branch, action: Any, stop_at_done: bool) ->
     next action is chosen from (after an auto-reset where the episode ended), or ``_ENDED``
     where the branch stops there."""
     o, r, term, trunc, info = kid.step_receive()
-    b.actions.append(action)
+    b.actions.append(own_action(action))  # (a policy may fill one array for every step)
     b.rewards.append(float(r))
     b.final_obs, b.final_info = o, info
     if term or trunc:
@@ -373,8 +378,8 @@ def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Calla
     live = list(range(len(kids)))
     pending = {}
     try:
-        for i in live:  # step 0 of every branch
-            pending[i] = a = policy(obs0)
+        for i in live:  # step 0 of every branch: each with its own copy, as in the workers
+            pending[i] = a = policy(own_copy(obs0))
             kids[i].step_send(a)
         for t in range(horizon):
             if not live:
@@ -386,8 +391,8 @@ def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Calla
                 if o is _ENDED:
                     continue
                 still.append(i)
-                if more:
-                    pending[i] = a = policy(o)
+                if more:  # (its own copy: a policy that changes it must not change final_obs)
+                    pending[i] = a = policy(own_copy(o))
                     kids[i].step_send(a)
             live = still
             if bar is not None:
@@ -401,7 +406,7 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
                      progress: bool | None) -> None:
     n_branches = len(kids)
     obs0, _info0, _ = kids[0]._request("last")
-    obs = [obs0] * n_branches
+    obs = [own_copy(obs0) for _ in range(n_branches)]  # (each branch its own: the workers' do too)
     live = list(range(n_branches))
     bar = _progress(horizon, progress if progress is not None else n_branches * horizon >= 20000)
     if isinstance(act, _PerObs):
@@ -410,7 +415,7 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
     for _t in range(horizon):
         if not live:
             break
-        actions = act([obs[i] for i in live])
+        actions = act([own_copy(obs[i]) for i in live])
         for i, a in zip(live, actions):
             kids[i].step_send(a)
         still = []

@@ -603,7 +603,7 @@ class ForkableVectorEnv(VectorEnv):
                 raise RestoreError(
                     f"snapshot {snapshot.id}'s env has the {name} space {got}, and slot {i} of this vector env "
                     f"{want}: it cannot be one of its sub-envs. Restore it into a ForkableEnv "
-                    f"(gym_fork.from_snapshot), or into a vector env of that env. Slot {i} is unchanged.")
+                    f"(ForkableEnv.from_snapshot), or into a vector env of that env. Slot {i} is unchanged.")
         try:
             new.request("getattr", _DONE, "wrapper")  # (a WorkerError from a worker is one too)
             return

@@ -352,3 +352,95 @@ def test_closing_many_envs_at_once_closes_every_workers_env_and_stops_every_work
         env.close()
     assert len(os.listdir(marks)) == 5
 
+
+
+def _normalising_policy(o):
+    o -= 0.01  # an in-place "normalisation" of the observation it is given
+    return int(o[0] > -0.02)
+
+
+class _BufferPolicy:
+    """Returns one action array it fills anew at every step (a preallocated output buffer)."""
+
+    def __init__(self):
+        self.out = np.zeros(1, np.float32)
+        self.t = 0
+
+    def __call__(self, obs):
+        self.t += 1
+        self.out[0] = -1.0 + 0.25 * (self.t % 8)
+        return self.out
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("policy_in_worker", [False, True], ids=["learner", "workers"])
+def test_branches_own_their_observations_and_actions(policy_in_worker):
+    """Before, with the policy in the learner, every branch's first step was chosen from one shared
+    observation object, so a policy that changes its observation in place changed it for the
+    branches after it (rng="same" branches differed); and a policy returning one reused action
+    array left ``Branch.actions`` (and the branch snapshots' ``actions``) all equal to its last
+    content, in both modes, so replaying them gave another return."""
+    env = gym_fork.make("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        res = gym_fork.explore(env, snap, _normalising_policy, n_branches=4, horizon=20, rng="same",
+                               policy_in_worker=policy_in_worker)
+        assert len({tuple(b.actions) for b in res.branches}) == 1
+    finally:
+        env.close()
+    env = gym_fork.make("Pendulum-v1")
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        res = gym_fork.explore(env, snap, _BufferPolicy(), n_branches=1, horizon=6, rng="same",
+                               policy_in_worker=policy_in_worker, return_snapshots=True)
+        b = res.branches[0]
+        assert [float(a[0]) for a in b.actions] == [-0.75, -0.5, -0.25, 0.0, 0.25, 0.5]
+        assert [float(a[0]) for a in b.snapshot.actions] == [-0.75, -0.5, -0.25, 0.0, 0.25, 0.5]
+        env.restore(snap)
+        replayed = [env.step(a)[1] for a in b.actions]
+        assert replayed == b.rewards
+        out = env.rollout(policy=_BufferPolicy(), steps=3)
+        assert [float(a[0]) for a in out["actions"]] == [-0.75, -0.5, -0.25]
+    finally:
+        env.close()
+
+
+@pytest.mark.criu
+def test_explore_and_fork_from_now_leave_the_envs_timeline_alone():
+    """``explore(env, None, ...)`` and ``fork(None)`` snapshot the env's present state for the
+    branches. Before, that snapshot became the env's parent (then released), so the env's next
+    snapshot had a released parent and lost the actions since its real one."""
+    env = gym_fork.make("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        s1 = env.snapshot()
+        env.step(0)
+        gym_fork.explore(env, None, lambda o: 1, n_branches=2, horizon=3)
+        env.step(1)
+        for kid in env.fork(None, 1):
+            kid.close()
+        env.step(0)
+        s2 = env.snapshot()
+        assert (s2.parent_id, s2.actions, s2.steps) == (s1.id, [0, 1, 0], 3)
+    finally:
+        env.close()
+
+
+@pytest.mark.criu
+def test_a_branch_snapshot_after_an_auto_reset_starts_a_new_timeline():
+    """With ``stop_at_done=False`` a branch resets at its episode end and goes on. Before, its
+    snapshot still named the root as parent, with only the actions since the reset: a path from
+    the root that reached another state."""
+    env = gym_fork.make("CartPole-v1", max_episode_steps=10)
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        res = gym_fork.explore(env, root, lambda o: 0, n_branches=1, horizon=14, rng="same",
+                               stop_at_done=False, return_snapshots=True)
+        b = res.branches[0]
+        assert len(b.actions) == 14 and b.snapshot.steps == 4
+        assert b.snapshot.parent_id is None and b.snapshot.actions == [0, 0, 0, 0]
+    finally:
+        env.close()

@@ -8,6 +8,7 @@ class means every backend steps the env through exactly the same code.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib
@@ -243,6 +244,24 @@ def _own_copy(obs: Any) -> Any:
     return copy.deepcopy(obs)
 
 
+own_copy = _own_copy
+
+#: action types that the caller may change after the step (a policy filling one buffer for every
+#: step): recorded as copies, else every recorded action would be the buffer's last content and
+#: a snapshot's (or a branch's) ``actions`` would replay to another state
+MUTABLE_ACTIONS = frozenset({np.ndarray, list, dict, tuple, collections.OrderedDict})  # (a tuple may hold arrays)
+
+
+def own_action(action: Any) -> Any:
+    """``action``, or a copy of it where the caller could change it after the step (MUTABLE_ACTIONS)."""
+    t = type(action)
+    if t is np.ndarray:
+        return action.copy()
+    if t in MUTABLE_ACTIONS or isinstance(action, (list, dict, tuple)):
+        return copy.deepcopy(action)
+    return action
+
+
 class EnvServer:
     """Executes protocol commands on one env and remembers the latest (obs, info)."""
 
@@ -352,7 +371,7 @@ class EnvServer:
                 raise PolicyError(f"the policy raised {type(e).__name__}: {e} (at step {t} of the rollout, "
                                   "inside the env's worker)") from e
             obs, r, term, trunc, info = self.cmd_step(a)
-            actions.append(a)
+            actions.append(own_action(a))  # (a policy may fill one array for every step)
             seen = obs
             rewards.append(float(r))
             if term or trunc:
