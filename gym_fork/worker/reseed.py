@@ -10,11 +10,12 @@ nothing said so.  Reseeded here:
 
 - every ``numpy.random.Generator``, ``numpy.random.RandomState``, ``random.Random`` and
   ``torch.Generator`` reachable
-  from the env and its wrappers through instance attributes, dicts, lists and tuples (the env's
+  from the env and its wrappers through instance attributes (``__slots__`` too), dicts, lists and tuples (the env's
   ``np_random``, a wrapper's ``_np_random``, the spaces' generators, an env's own generators);
 - ALE's emulator RNG (sticky actions);
 - in a worker process, where the env has the process to itself: generators in the module globals
-  of the env's and its wrappers' classes, and the process-wide ones -- ``random``'s, NumPy's
+  of the env's and its wrappers' classes (those their methods see: a class from the user's script
+  travels by value, with globals of its own), and the process-wide ones -- ``random``'s, NumPy's
   legacy global ``RandomState`` and, when the env loaded torch, torch's default generator.  Not
   in the learner's process (the pickle backend's in-process copies): there those are the
   learner's own, shared with the env the copy was made from.
@@ -26,7 +27,8 @@ of, and generators that unpickling it brought into the process (torch's).
 Each generator is reseeded in place (whoever holds it sees the new stream) from a seed derived
 from the copy's seed and the generator's place in a fixed walk order, so a branch is reproducible
 from its seed.  Not reseeded: randomness out of reach of that walk (inside C libraries, an env's
-closures, objects more than :data:`WALK_DEPTH` levels down).
+closures, objects more than :data:`WALK_DEPTH` levels down; past :data:`WALK_LIMIT` objects, which is
+said with a RuntimeWarning).
 """
 
 from __future__ import annotations
@@ -73,27 +75,48 @@ def generators_of(env: gym.Env, *, process_wide: bool | None = None) -> list[tup
     # every layer of the wrapper stack is a root: a deep stack (Atari's) does not push the env
     # itself below the walk's depth
     roots: list[tuple[Any, str]] = []
-    modules: list[str] = []
+    modules: list[tuple[str, dict]] = []  # (a module's name, the globals its classes' code sees)
+    seen_globals: set[int] = set()
     layer: Any = env
     where = "env"
     while True:
         roots.append((layer, where))
         name = type(layer).__module__
-        if name not in modules and not name.startswith(("gymnasium.", "gym_fork.")):
-            modules.append(name)  # (Gymnasium's own wrappers keep no generators at module level)
+        if not name.startswith(("gymnasium.", "gym_fork.")):  # (Gymnasium's own keep none there)
+            for namespace in _class_globals(type(layer)):
+                if id(namespace) not in seen_globals:
+                    seen_globals.add(id(namespace))
+                    modules.append((name, namespace))
         if not isinstance(layer, gym.Wrapper):
             break
         layer, where = layer.env, where + ".env"
     if process_wide:
-        for name in modules:
-            module = sys.modules.get(name)
-            if module is not None:  # its names, without __builtins__, __spec__ and the like
-                roots.append(({k: v for k, v in vars(module).items() if not k.startswith("__")}, f"{name}."))
+        for name, namespace in modules:
+            # its names, without __builtins__, __spec__ and the like
+            roots.append(({k: v for k, v in namespace.items() if not k.startswith("__")}, f"{name}."))
     _walk(roots, found)
     if process_wide:
         for where, g in _process_generators():
             found.setdefault(id(g), (where, g))
     return list(found.values())
+
+
+def _class_globals(cls: type) -> list[dict]:
+    """The module globals a class's code reads: those of its methods (a class defined in the
+    user's script travels to the worker by value, and its methods keep globals of their own, not
+    the worker's ``__main__``'s), else its module's."""
+    out, ids = [], set()
+    for v in vars(cls).values():
+        f = getattr(v, "__func__", v)  # (classmethod, staticmethod)
+        g = getattr(f, "__globals__", None)
+        if type(g) is dict and id(g) not in ids:
+            ids.add(id(g))
+            out.append(g)
+    if not out:
+        module = sys.modules.get(cls.__module__)
+        if module is not None:
+            out.append(vars(module))
+    return out
 
 
 _LEAF, _GEN, _DICT, _SEQ, _OBJ = range(5)
@@ -118,7 +141,16 @@ def _walk(roots: list[tuple[Any, str]], found: dict[int, tuple[str, Any]]) -> No
     todo: deque[tuple[Any, Any, int]] = deque((obj, where, 0) for obj, where in roots)
     push, pop, kinds = todo.append, todo.popleft, _kinds
     visited = 0
-    while todo and visited < WALK_LIMIT:
+    while todo:
+        if visited >= WALK_LIMIT:
+            import warnings
+
+            warnings.warn(
+                f"gym_fork reseed: the walk for random generators stopped after {WALK_LIMIT} objects (the env holds "
+                "that many, e.g. a long history list); a generator further in keeps the snapshot's stream in every "
+                "copy. Keep generators in plain attributes of the env (they are found first), or reseed it yourself "
+                "after fork().", RuntimeWarning, stacklevel=2)
+            break
         x, link, depth = pop()
         if id(x) in seen:
             continue
@@ -139,9 +171,16 @@ def _walk(roots: list[tuple[Any, str]], found: dict[int, tuple[str, Any]]) -> No
                 d = getattr(x, "__dict__", None)
             except Exception:  # noqa: BLE001 - an object that will not show its attributes holds none we reach
                 continue
-            if type(d) is not dict:
-                continue
-            items, how = list(d.items()), "attr"
+            items = list(d.items()) if type(d) is dict else []
+            slots = _slots.get(type(x))
+            if slots is None:
+                slots = _slots[type(x)] = _slot_names(type(x))
+            for name in slots:  # (an object with __slots__ keeps those attributes outside __dict__)
+                try:
+                    items.append((name, getattr(x, name)))
+                except Exception:  # noqa: BLE001 - an empty slot
+                    pass
+            how = "attr"
         else:
             continue
         for key, v in items:
@@ -150,6 +189,20 @@ def _walk(roots: list[tuple[Any, str]], found: dict[int, tuple[str, Any]]) -> No
                 kv = _kind(type(v))
             if kv != _LEAF:
                 push((v, (link, key, how), depth + 1))
+
+
+_slots: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(t: type) -> tuple[str, ...]:
+    """The ``__slots__`` attribute names along ``t``'s MRO (no ``__dict__``/``__weakref__``)."""
+    names: list[str] = []
+    for c in t.__mro__:
+        declared = c.__dict__.get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def _spell(link: Any) -> str:

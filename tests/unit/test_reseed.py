@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 import weakref
 
+import cloudpickle
 import gymnasium as gym
 import numpy as np
+import pytest
 
 import random_envs
 from gym_fork.worker import reseed
@@ -115,7 +117,8 @@ def test_the_walk_stops_at_its_limit(monkeypatch):
     env.reset(seed=0)
     assert len(reseed.generators_of(env, process_wide=False)) == 4
     monkeypatch.setattr(reseed, "WALK_LIMIT", 3)  # the env, its _np_random, its noise
-    assert [w for w, _ in reseed.generators_of(env, process_wide=False)] == ["env._np_random", "env.noise"]
+    with pytest.warns(RuntimeWarning, match="stopped after 3 objects"):  # (said: before, silently)
+        assert [w for w, _ in reseed.generators_of(env, process_wide=False)] == ["env._np_random", "env.noise"]
 
 
 class _Holder:
@@ -168,3 +171,40 @@ def test_reseed_policy_leaves_what_was_reseeded_alone_and_is_reproducible():
     kept = d.rng.bit_generator.state
     reseed.reseed_policy(d, 7, {}, own_generators=False)
     assert d.rng.bit_generator.state == kept
+
+
+class _Slotted:
+    __slots__ = ("rng", "name")
+
+    def __init__(self):
+        self.rng = np.random.default_rng(5)
+        self.name = "component"
+
+
+def test_a_generator_in_an_object_with_slots_is_found():
+    """Before: the walk looked only into ``__dict__``, so a generator kept by a component with
+    ``__slots__`` kept the snapshot's stream in every copy (branches identical, silently)."""
+    env = random_envs.OwnGeneratorsEnv()
+    env.reset(seed=0)
+    env.comp = _Slotted()
+    assert "env.comp.rng" in [w for w, _ in reseed.generators_of(env, process_wide=False)]
+
+
+def test_a_generator_in_the_globals_of_a_class_shipped_by_value_is_found():
+    """A class from the user's script reaches the worker by value (cloudpickle): its methods keep
+    globals of their own, with their own copy of a module-level generator. Before, the walk looked
+    in the module of that name in the worker (another object, or none), so that copy was missed."""
+
+    def make_class():
+        class ByValue(ModuleNoiseEnv):
+            def step(self, action):
+                return np.array([_MODULE_RNG.random()]), 0.0, False, False, {}
+
+        return ByValue
+
+    shipped = cloudpickle.loads(cloudpickle.dumps(make_class()))
+    env = shipped()
+    env.reset(seed=0)
+    found = {w: g for w, g in reseed.generators_of(env, process_wide=True)}
+    theirs = shipped.step.__globals__["_MODULE_RNG"]
+    assert theirs is not _MODULE_RNG and any(g is theirs for g in found.values())
