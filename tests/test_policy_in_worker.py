@@ -614,6 +614,30 @@ def test_a_policy_whose_import_brings_torch_is_reproducible_from_the_branch_seed
         env.close()
 
 
+def test_a_torch_policy_loaded_ahead_draws_as_one_unpickled_by_its_branch(tmp_path, monkeypatch):
+    """On the fork tier, n_branches > 1 has the policy unpickled (torch imported) once ahead, before
+    the copies are reseeded. Before, the env's reseed then took torch's generator as the env's and
+    reseeded it from another key: the same seed gave another branch with n_branches=2 than with
+    1, or than ``fork()`` + ``rollout(policy=...)`` (which unpickle it after the reseed)."""
+    mod, log, _ = _policy_module(tmp_path, monkeypatch, "torch_ahead_policy", extra="import torch")
+    env = gym_fork.make("CartPole-v1", untracked_paths=[str(log)])  # the fork tier: preloading
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        kw = dict(horizon=30, stop_at_done=False, policy_in_worker=True)
+        two = gym_fork.explore(env, root, mod.TorchCoin(), n_branches=2, seeds=[11, 12], **kw)
+        one = gym_fork.explore(env, root, mod.TorchCoin(), n_branches=1, seeds=[11], **kw)
+        (kid,) = env.fork(root, 1, rng="reseed", seeds=[11])
+        try:
+            by_rollout = kid.rollout(policy=mod.TorchCoin(), steps=30, stop_at_done=False)["actions"]
+        finally:
+            kid.close()
+        assert two.branches[0].actions == one.branches[0].actions == by_rollout
+        assert two.branches[0].actions != two.branches[1].actions
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("kind", list(_KINDS))
 def test_rollout_in_reseeded_fork_children_draws_as_explores_branches(kind):
     """``fork(..., rng="reseed")`` then ``child.rollout(policy=...)``: each child's copy of the one

@@ -14,6 +14,7 @@ import functools
 import importlib
 import os
 import pickletools
+import sys
 import time
 from typing import Any, Callable
 
@@ -283,6 +284,7 @@ class EnvServer:
         self.pace: float | None = None
         # policies unpickled ahead of a batch of branches (cmd_load_policy), by index
         self.policies: list = []
+        self.torch_ahead = False  # torch was imported by a policy loaded ahead (_note_torch_ahead)
         # this copy's seed (fork(..., rng="reseed")) and the generators reseeded from it, by id:
         # a policy run here later is reseeded from the same seed (cmd_policy_rollout)
         self.copy_seed: int | None = None
@@ -312,19 +314,30 @@ class EnvServer:
         the index 0 instead of the pickle): a copy forked after this holds it already, unpickled
         once, exactly as it would have unpickled it itself. Returns the seconds that took."""
         t0 = time.perf_counter()
+        torch_before = "torch" in sys.modules
         self.policies = [cloudpickle.loads(blob)]
+        self._note_torch_ahead(torch_before)
         return time.perf_counter() - t0
+
+    def _note_torch_ahead(self, torch_before: bool) -> None:
+        """Torch, imported here by a policy ahead of its branches (not by the env): its generator is
+        then the policy's to reseed (:func:`reseed_policy`, when the branch unpickles it), not the
+        env's -- as where nothing was loaded ahead, so a branch draws the same with or without."""
+        if not torch_before and "torch" in sys.modules:
+            self.torch_ahead = True
 
     def cmd_import_modules(self, names: list[str]) -> float:
         """Import these modules (those the branches' policy pickles name, :func:`pickled_modules`:
         what unpickling them would import, and nothing else: no object is made), so that copies
         forked after this need not import them again each. Returns the seconds that took."""
         t0 = time.perf_counter()
+        torch_before = "torch" in sys.modules
         for name in names:
             try:
                 importlib.import_module(name)
             except ImportError:  # (a name the unpickler maps, or one that fails there too: the
                 pass  # branch that unpickles it says so)
+        self._note_torch_ahead(torch_before)
         return time.perf_counter() - t0
 
     def cmd_policy_rollout(self, policy_blob: bytes | int, steps: int, stop_at_done: bool, reseed: bool = False,
@@ -540,7 +553,8 @@ class EnvServer:
 
     def cmd_reseed(self, seed: int) -> list[str]:
         self.copy_seed, self.reseeded = seed, {}
-        return reseed_env(self.env, seed, self.reseeded)
+        return reseed_env(self.env, seed, self.reseeded,
+                          skip=("torch.default_generator",) if self.torch_ahead else ())
 
     def cmd_replay(self, ops: list) -> list:
         """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of

@@ -224,10 +224,12 @@ def _process_generators() -> list[tuple[str, Any]]:
     return out
 
 
-def reseed_env(env: gym.Env, seed: int, reseeded: dict[int, Any] | None = None) -> list[str]:
+def reseed_env(env: gym.Env, seed: int, reseeded: dict[int, Any] | None = None,
+               skip: tuple[str, ...] = ()) -> list[str]:
     """Give a copy its own randomness (see the module docstring). Returns where the reseeded
     generators hang, in the order they were reseeded; ``reseeded`` (if given) gets each of them,
-    by id, so that :func:`reseed_policy` leaves them alone."""
+    by id, so that :func:`reseed_policy` leaves them alone. ``skip``: generators, by where they
+    hang, that are not the env's (torch's, imported by a policy loaded ahead)."""
     u = env.unwrapped
     ale = getattr(u, "ale", None)
     if ale is not None and hasattr(ale, "cloneState") and hasattr(u, "seed_game") and hasattr(u, "load_game"):
@@ -241,6 +243,8 @@ def reseed_env(env: gym.Env, seed: int, reseeded: dict[int, Any] | None = None) 
         u.np_random = np.random.Generator(np.random.PCG64(0))  # (reseeded below, with the rest)
     done = []
     for i, (where, g) in enumerate(generators_of(env)):
+        if where in skip:
+            continue
         _reseed(g, np.random.SeedSequence(seed, spawn_key=(i + 1,)))
         done.append(where)
         if reseeded is not None:
