@@ -75,13 +75,24 @@ def as_policy(policy: Any, deterministic: bool = False) -> Callable[[list], list
     """A batch policy ``[obs] -> [action]`` from a callable ``obs -> action`` or an SB3 model."""
     if is_sb3_model(policy):
         def batch(obs_list: list) -> list:
-            acts, _ = policy.predict(np.stack(obs_list), deterministic=deterministic)
+            acts, _ = policy.predict(_stack(obs_list), deterministic=deterministic)
             return list(acts)
 
         return batch
     if not callable(policy):
         raise TypeError(f"policy must be a callable obs -> action or an SB3 model, not {type(policy).__name__}")
     return _PerObs(policy)
+
+
+def _stack(obs_list: list) -> Any:
+    """One batch of observations, as an SB3 model's ``predict`` takes it: a Dict space's
+    observations key by key (``MultiInputPolicy``), a Tuple's item by item, arrays stacked."""
+    first = obs_list[0]
+    if isinstance(first, dict):
+        return {k: _stack([o[k] for o in obs_list]) for k in first}
+    if isinstance(first, tuple):
+        return tuple(_stack([o[i] for o in obs_list]) for i in range(len(first)))
+    return np.stack(obs_list)
 
 
 class _PerObs:

@@ -444,3 +444,37 @@ def test_a_branch_snapshot_after_an_auto_reset_starts_a_new_timeline():
         assert b.snapshot.parent_id is None and b.snapshot.actions == [0, 0, 0, 0]
     finally:
         env.close()
+
+
+def _dict_obs_env():
+    class DictObs(gym.Env):
+        observation_space = gym.spaces.Dict({"a": gym.spaces.Box(-1.0, 1.0, (3,), np.float32),
+                                             "b": gym.spaces.Discrete(4)})
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.t = 0
+            return self.observation_space.sample(), {}
+
+        def step(self, action):
+            self.t += 1
+            return self.observation_space.sample(), float(action), self.t >= 50, False, {}
+
+    return DictObs()
+
+
+@pytest.mark.criu
+def test_explore_with_an_sb3_model_of_a_dict_observation_space():
+    """Before: the branches' observations were stacked as arrays (np.stack), which a Dict space's
+    are not: IndexError, though the model's own predict took them (MultiInputPolicy)."""
+    from stable_baselines3 import PPO
+
+    env = gym_fork.ForkableEnv(_dict_obs_env)
+    try:
+        env.reset(seed=0)
+        model = PPO("MultiInputPolicy", _dict_obs_env(), n_steps=64, seed=0, device="cpu")
+        res = gym_fork.explore(env, env.snapshot(), model, n_branches=3, horizon=5)
+        assert [b.length for b in res.branches] == [5, 5, 5]
+    finally:
+        env.close()
