@@ -72,17 +72,19 @@ def test_budgets_under_1000_snapshots(tmp_path):
     # a snapshot evicted from disk cannot be restored; the pinned one restores exactly
     evicted = [k for k in kept if k.released]
     assert evicted and all(k.id not in listed for k in evicted)
-    with pytest.raises(SnapshotReleasedError):
-        env.restore(evicted[0])
+    with pytest.raises(SnapshotReleasedError, match="evicted from the store .* by its disk budget"):
+        env.restore(evicted[0])  # (before: "released (explicitly, or because the env ... was closed)")
     env.restore(pinned)
     a = _traj(env, [0, 1, 1, 0])
     env.restore(pinned)
     assert same(a, _traj(env, [0, 1, 1, 0]))
     assert env.steps == pinned.steps + 4
-    # the store dir is private
+    # the store dir is private (a pinned snapshot's PINNED marker too: it was made 0644)
     for root, dirs, files in os.walk(st.path):
         for d in dirs:
             assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700
+        for f in files:
+            assert stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) & 0o077 == 0, f
     env.close()
 
 
@@ -262,3 +264,96 @@ def test_persist_sets_the_size_of_a_copy_on_write_snapshot():
         assert s.size_bytes > 1 << 20 and f"{s.size_bytes / 1e6:.2f} MB" in repr(s)
     finally:
         env.close()
+
+
+def test_a_snapshot_stored_in_one_store_is_put_into_another(tmp_path):
+    """Before: ``other.put(snap)`` of a snapshot kept in a first store used that store's entry
+    (chunked, no manifest) as its image directory and raised SnapshotCorruptedError about an
+    intact entry."""
+    first, second = SnapshotStore(tmp_path / "a"), SnapshotStore(tmp_path / "b")
+    env = gym_fork.ForkableEnv("CartPole-v1", store=first)
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        first.put(snap)
+        want = _traj(env, [1, 0, 1])
+        second.put(snap)
+        assert snap.id in first.list() and snap.id in second.list()
+        env.restore(snap)  # (from the second store now)
+        assert same(_traj(env, [1, 0, 1]), want)
+        env.restore(first.load(snap.id))
+        assert same(_traj(env, [1, 0, 1]), want)
+    finally:
+        env.close()
+
+
+def test_a_damaged_chunk_is_not_reused_by_a_later_put(tmp_path):
+    """Before: a chunk already in the store was trusted by its name. One damaged on disk was then
+    shared by every later snapshot of the same pages: their put() said nothing, their frozen
+    processes ended, and they could never be restored. Now a put rewrites a chunk whose bytes
+    differ from what it stores."""
+    import collections
+
+    st = SnapshotStore(tmp_path / "s")
+    env = gym_fork.ForkableEnv("CartPole-v1", store=st)
+    try:
+        env.reset(seed=0)
+        s1 = env.snapshot()
+        st.put(s1)
+        with open(os.path.join(st.path, "snaps", s1.id, "recipe.json")) as f:
+            recipe = json.load(f)
+        counts = collections.Counter(c for entry in recipe["files"].values() for c in entry["chunks"])
+        chunk = [c for c, n in counts.items() if n == 1][len(counts) // 3]
+        path = os.path.join(st.path, "chunks", chunk[:2], chunk)
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        data[7] ^= 0xFF
+        with open(path, "wb") as f:
+            f.write(data)
+        s2 = env.snapshot()  # the same pages: it shares that chunk
+        st.put(s2)
+        want = _traj(env, [1, 1, 0])
+        env.restore(s2)
+        assert same(_traj(env, [1, 1, 0]), want)
+        env.restore(s1)  # (repaired for the first one too)
+        assert same(_traj(env, [1, 1, 0]), want)
+    finally:
+        env.close()
+
+
+PROBE_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import gym_fork
+    from gym_fork.snapshots.set_order import str_hash_probe
+    gym_fork.SnapshotStore(sys.argv[1]).load(sys.argv[2]).save(sys.argv[3])
+    print(json.dumps(str_hash_probe()))
+    """
+)
+
+
+def test_a_pickle_bundle_exported_from_a_store_keeps_the_pickling_processs_hash_probe(tmp_path):
+    """A pickle payload can hold sets whose order follows the string hashes of the process that
+    pickled it; a bundle says whose they were, and a process whose hashes differ checks the env
+    before restoring. Before, a bundle exported from a store by another process was stamped with
+    *that* process's probe: loaded where its hashes hold, the check was skipped and a set could
+    iterate in another order, silently."""
+    st = SnapshotStore(tmp_path / "s")
+    env = gym_fork.ForkableEnv("CartPole-v1", backend="pickle", store=st)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        st.put(snap)
+    finally:
+        env.close()
+    with open(os.path.join(st.path, "snaps", snap.id, "bundle.json")) as f:
+        stored = json.load(f)["str_hash_probe"]
+    out = tmp_path / "bundle"
+    proc = subprocess.run([sys.executable, "-c", PROBE_CHILD, str(st.path), snap.id, str(out)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(out / "bundle.json") as f:
+        exported = json.load(f)["str_hash_probe"]
+    assert theirs != stored and exported == stored

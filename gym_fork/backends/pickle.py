@@ -322,12 +322,16 @@ class PickleBackend(Backend):
         return PickleFile(path, meta["payload_sha256"], meta["payload_size"], meta.get("str_hash_probe"))
 
     def bundle_write(self, payload: bytes | PickleFile, dest_dir: str) -> dict:
-        """``payload.pkl``; its size and sha256 go into the signed metadata."""
+        """``payload.pkl``; its size and sha256 go into the signed metadata, with the string-hash
+        probe of the process that *pickled* it (a store entry's: written by another process, maybe;
+        this one's stamped on it, a bundle exported here passed the set-order check wherever this
+        process's hashes hold, and restored a set in another order, silently)."""
+        probe = payload.str_hash_probe if isinstance(payload, PickleFile) else str_hash_probe()
         payload = payload_bytes(payload)
         with open(os.path.join(dest_dir, PAYLOAD), "wb") as f:
             f.write(payload)
         return {"payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_size": len(payload),
-                "str_hash_probe": str_hash_probe()}
+                "str_hash_probe": probe}
 
     def bundle_read(self, bundle_dir: str, meta: dict, received: dict | None = None) -> tuple[bytes, int]:
         """The pickle bytes (a regular file, opened without following links or blocking, read up

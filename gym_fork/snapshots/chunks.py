@@ -50,7 +50,11 @@ class ChunkFiles:
                     break
                 digest = hashlib.sha256(data).hexdigest()
                 final = self.path(digest)
-                if not os.path.exists(final):
+                # a chunk already there is reused only if it holds these bytes: one damaged on
+                # disk was otherwise trusted by its name, and every later snapshot that shares it
+                # was stored "fine" and could never be restored (a compare, not a hash: ~10 GB/s)
+                held = self._holds(final, data)
+                if held is not True:
                     d = os.path.dirname(final)
                     if not os.path.isdir(d):
                         sessiondir.private_mkdir(d)
@@ -64,10 +68,19 @@ class ChunkFiles:
                         with contextlib.suppress(OSError):
                             os.unlink(tmp)
                         raise
-                    if created is not None:
-                        created.append(digest)
+                    if created is not None and held is None and digest not in created:
+                        created.append(digest)  # (new; a damaged one repaired stays if this write fails)
                 out.append(digest)
         return out
+
+    @staticmethod
+    def _holds(path: str, data: bytes) -> bool | None:
+        """Whether the chunk file ``path`` holds exactly ``data`` (None: there is no such file)."""
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(data) + 1) == data
+        except FileNotFoundError:
+            return None
 
     def remove(self, digests: Iterable[str]) -> None:
         """Delete these chunks (those a failed write created: nothing else refers to them)."""

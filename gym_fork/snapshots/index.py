@@ -158,7 +158,7 @@ class StoreIndex:
         """Pin or unpin a stored snapshot (its PINNED marker, then the index).  Call locked."""
         marker = os.path.join(self.snap_dir(snap_id), PINNED)
         if pinned:
-            open(marker, "w").close()
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o600))  # (private, as every store file)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)

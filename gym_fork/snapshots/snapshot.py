@@ -205,10 +205,8 @@ class Snapshot:
 
     def payload(self) -> Any:
         if self.released:
-            raise SnapshotReleasedError(
-                f"snapshot {self.id} was released (explicitly, or because the env that took it was "
-                "closed); take a new snapshot"
-            )
+            why = getattr(self, "_released_why", None) or "explicitly, or because the env that took it was closed"
+            raise SnapshotReleasedError(f"snapshot {self.id} was released ({why}); take a new snapshot")
         return self._payload
 
     @contextlib.contextmanager

@@ -63,6 +63,17 @@ def _write_json(path: str, obj: Any) -> None:
         json.dump(obj, f, indent=1)
 
 
+def _kept_in_another_store(snap: Snapshot, store: "SnapshotStore") -> bool:
+    """Whether ``snap``'s payload stands for an entry of a store other than ``store``."""
+    other = snap._store
+    if other is None or other is store:
+        return False
+    try:
+        return other._stored.get(snap.payload()) is not None
+    except TypeError:  # (bytes, None: never stored)
+        return False
+
+
 class SnapshotStore:
     """A directory of snapshots with memory and disk budgets; see the module docstring.
 
@@ -244,6 +255,15 @@ class SnapshotStore:
                 self._attach(snap)
                 backend.release(old)
                 return self._snap_dir(snap.id)
+            if _kept_in_another_store(snap, self):
+                # its images are another store's entry (chunked, no MANIFEST): reassembled from
+                # there (and verified) for the write; that store keeps its own copy
+                with snap._open_payload() as payload:
+                    images, fields = backend.store_images(payload)
+                    meta = self._write(snap, images, fields)
+                self._attach(snap, meta)
+                self._enforce_disk(keep={snap.id})
+                return self._snap_dir(snap.id)
             snap.persist(keep_in_memory=False)  # e.g. a CRIU dump into the session dir
             payload = snap.payload()
             images, fields = backend.store_images(payload)
@@ -420,7 +440,8 @@ class SnapshotStore:
             refs = self._refs(idx)
             sizes = {c: self._chunks.disk_bytes(c) for c in refs}
             for sid in disk_evictions(idx["snapshots"], self._recipe, refs, sizes, self.max_bytes, keep):
-                self._remove_locked(idx, sid)
+                self._remove_locked(idx, sid, why=f"evicted from the store {self.path} by its disk budget "
+                                                  f"(max_bytes={self.max_bytes}; pin() keeps one)")
                 self.stats["evicted"] += 1
             self._index.write(idx)
             self._chunks.drop_unreferenced(refs)
@@ -445,7 +466,7 @@ class SnapshotStore:
             + " must stay. Unpin some (snap.unpin() or `gym-fork snapshots rm ID`) or raise max_bytes.",
             RuntimeWarning, stacklevel=4)
 
-    def _remove_locked(self, idx: dict, sid: str) -> None:
+    def _remove_locked(self, idx: dict, sid: str, why: str | None = None) -> None:
         d = self._snap_dir(sid)
         trash = os.path.join(self.path, f"{_TMP_PREFIX}rm-{sid}-{os.urandom(3).hex()}")
         with contextlib.suppress(FileNotFoundError):
@@ -455,6 +476,7 @@ class SnapshotStore:
         self._recipes.pop(sid, None)
         s = self._handles.get(sid)
         if s is not None:
+            s._released_why = why or f"removed from the store {self.path}"
             s.release()
 
     def remove(self, snap_id: str) -> None:
