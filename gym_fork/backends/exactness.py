@@ -27,9 +27,12 @@ from __future__ import annotations
 import copy
 import os
 import random
+import select
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import warnings
 from typing import Any, Callable
 
@@ -123,47 +126,151 @@ def _private_workspace(env: Any) -> str | None:
     return tmp
 
 
+#: how long the original's fork() child may take to answer, at least (and 20x what a copy took)
+REFERENCE_TIMEOUT_S = 10.0
+
+
+def _in_private_workspace(env: Any, actions: list) -> list:
+    """``_run(env, actions)`` with the env's workspace (if any) a private copy, as a fork() child
+    works: the original's directory is not the copy's."""
+    original = getattr(getattr(env, "unwrapped", env), "workspace", None)
+    private = _private_workspace(env)
+    rec = files.Record()
+    rec.workspace, rec.foreign = private, (os.path.normpath(os.path.abspath(original)) if private else None)
+    try:
+        # the copies' own warnings are not the user's (Gymnasium's "step() after
+        # terminated", for a snapshot taken at an episode's end)
+        with files.tracking(rec), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _run(env, actions)
+    finally:
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def original_answers(env: Any, actions: list, rng_state: dict[str, Any], timeout: float) -> list | None:
+    """What the original ``env`` answers to ``actions`` (as :func:`_run`), asked in a ``fork()``
+    child so that the original itself is not touched; None when no child could answer (it failed
+    to pickle its answers, crashed or took longer than ``timeout`` seconds).
+
+    Two pickled copies compared with each other can be alike and both wrong: an env holding a
+    module's sentinel, or a dict keyed by ``id()``, loses the same thing in every copy. Only the
+    original shows what a copy should have answered."""
+    r, w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()  # (a buffer not yet written would be the child's too)
+        except Exception:  # noqa: BLE001
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (3.12+: "multi-threaded, fork() may deadlock")
+        pid = os.fork()
+    if pid == 0:  # the child: answer, then leave without running the parent's exit handlers
+        code = 1
+        try:
+            os.close(r)
+            set_global_rng_state(rng_state)  # (random reseeds itself in a fork child)
+            data = cloudpickle.dumps(_in_private_workspace(env, actions))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+            code = 0
+        except BaseException:  # noqa: BLE001 - the parent sees no answer
+            pass
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    status = -1
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return None
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        while True:
+            try:
+                status = os.waitpid(pid, 0)[1]
+                break
+            except ChildProcessError:  # (reaped already: SIGCHLD ignored, as Ray does; the pipe says)
+                status = 0
+                break
+            except InterruptedError:
+                continue
+    if status != 0:
+        return None
+    try:
+        return cloudpickle.loads(b"".join(chunks))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _first_difference(a: list, b: list, who: str) -> tuple[str | None, int]:
+    """Where two runs' answers first differ (as words, and the step index), or (None, 0).
+    ``who``: what each run is, as in "one copy"."""
+    steps = lambda run: [x for x in run if not isinstance(x, _Reset)]  # noqa: E731
+    if len(steps(a)) != len(steps(b)):
+        return f"{who}'s episode ended after {len(steps(a))} steps, the other's after {len(steps(b))}", 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        when = f"at the reset() after {i} step(s)" if isinstance(x, _Reset) else f"at step {i + 1}"
+        if isinstance(x, _Raised) or isinstance(y, _Raised):
+            if not (isinstance(x, _Raised) and isinstance(y, _Raised) and tuple(x) == tuple(y)):
+                raised = x if isinstance(x, _Raised) else y
+                return f"{when} {who} raised {raised[0]}: {raised[1]}", i
+            continue
+        if isinstance(x, _Reset) != isinstance(y, _Reset):
+            return f"{when} only one was reset", i
+        for name, u, v in zip(("observation", "info") if isinstance(x, _Reset) else _FIELDS, x, y):
+            if not _same(u, v):
+                return f"{when} their {name}s differ", i
+    return None, 0
+
+
 def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
-                   unpack: Callable[[Any], Any] | None = None) -> tuple[str | None, int]:
-    """Step two copies unpickled from ``blob`` with the same ``steps`` actions, one after the other.
+                   unpack: Callable[[Any], Any] | None = None,
+                   original: Any = None) -> tuple[str | None, int]:
+    """Step two copies unpickled from ``blob`` with the same ``steps`` actions, one after the other
+    (and the original, when given, in a ``fork()`` child).
 
     Args:
         blob: the pickled env (or a tuple holding it; ``unpack`` picks the env out).
         action_space: where the actions come from (a copy is seeded, the space is not touched).
         steps: how many actions (fewer if an episode ends).
         unpack: maps the unpickled object to the env (default: the object itself).
+        original: the env ``blob`` was pickled from, in this process: its own answers (asked in a
+            ``fork()`` child, :func:`original_answers`) are compared with the first copy's.
 
     Returns:
-        ``(None, n)`` when both copies answered identically for ``n`` steps (``n == 0``: both
-        raised at once, e.g. before ``reset()``, so nothing was compared); else ``(where they first
-        differed, as words, n)``.
+        ``(None, n)`` when both copies (and the original) answered identically for ``n`` steps
+        (``n == 0``: all raised at once, e.g. before ``reset()``, so nothing was compared); else
+        ``(where they first differed, as words, n)``; the words begin with "the original and a
+        pickled copy" when a copy differs from the original.
     """
     saved = global_rng_state()
     space = copy.deepcopy(action_space)
     space.seed(12345)
     actions = [space.sample() for _ in range(steps)]
     runs = []
+    started = time.monotonic()
     try:
         for _ in range(2):
             obj = cloudpickle.loads(blob)
             env = unpack(obj) if unpack else obj
-            original = getattr(getattr(env, "unwrapped", env), "workspace", None)
-            private = _private_workspace(env)
-            rec = files.Record()  # as in a fork() child: the original's directory is not the copy's
-            rec.workspace, rec.foreign = private, (os.path.normpath(os.path.abspath(original)) if private else None)
             try:
-                # the copies' own warnings are not the user's (Gymnasium's "step() after
-                # terminated", for a snapshot taken at an episode's end)
-                with files.tracking(rec), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    runs.append(_run(env, actions))
+                runs.append(_in_private_workspace(env, actions))
             finally:
                 try:
                     env.close()
                 except Exception:  # noqa: BLE001 - a copy that fails to close says nothing about exactness
                     pass
-                if private:
-                    shutil.rmtree(private, ignore_errors=True)
+        took = (time.monotonic() - started) / 2
     finally:
         set_global_rng_state(saved)
     a, b = runs
@@ -172,18 +279,19 @@ def copies_diverge(blob: bytes, action_space: Any, steps: int = 8,
             raise UnsupportedEnvError(
                 f"{x[1]} (a pickled copy, stepped in a copy of the workspace as a fork() child is, reached "
                 "into the original's directory; nothing was snapshotted)")
-    steps = lambda run: [x for x in run if not isinstance(x, _Reset)]  # noqa: E731
-    compared = sum(1 for x in steps(a) if not isinstance(x, _Raised))
-    if len(steps(a)) != len(steps(b)):
-        return f"one copy's episode ended after {len(steps(a))} steps, the other's after {len(steps(b))}", compared
-    for i, (x, y) in enumerate(zip(a, b)):
-        when = f"at the reset() after {i} step(s)" if isinstance(x, _Reset) else f"at step {i + 1}"
-        if isinstance(x, _Raised) or isinstance(y, _Raised):
-            if not (isinstance(x, _Raised) and isinstance(y, _Raised) and tuple(x) == tuple(y)):
-                raised = x if isinstance(x, _Raised) else y
-                return f"{when} one copy raised {raised[0]}: {raised[1]}", i
-            continue
-        for name, u, v in zip(("observation", "info") if isinstance(x, _Reset) else _FIELDS, x, y):
-            if not _same(u, v):
-                return f"{when} their {name}s differ", i
-    return None, compared
+    compared = sum(1 for x in a if not isinstance(x, (_Raised, _Reset)))
+    if original is not None:
+        ref = original_answers(original, actions, saved, max(REFERENCE_TIMEOUT_S, 20 * took))
+        if ref is None:
+            warnings.warn(
+                "gym_fork could not compare a pickled copy with the original env (a fork() child stepping the "
+                "original did not answer: it crashed, hung or returned what cloudpickle cannot pickle); the "
+                "pickle snapshot was checked copy against copy only, which misses state that every copy loses "
+                "alike (an object compared with `is`, a dict keyed by id()). backend='criu' needs no check.",
+                RuntimeWarning, stacklevel=4)
+        else:
+            why, at = _first_difference(ref, a, "the original")
+            if why is not None:
+                return f"the original and a pickled copy, stepped with the same actions, diverge: {why}", at
+    why, at = _first_difference(a, b, "one copy")
+    return (why, at) if why is not None else (None, compared)

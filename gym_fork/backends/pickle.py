@@ -5,9 +5,17 @@ NumPy (classic control, toy text, most custom envs).  It *refuses* Gymnasium's `
 envs (Box2D, MuJoCo, ALE): their pickle holds only constructor arguments, so a naive pickle
 "restores" a fresh, different env without any error.  Every first snapshot of an env is also
 checked (and again its 2nd, 4th, 8th, ..., from those later states): the copy must hold the
-original's state attribute by attribute, and two copies stepped with the same actions, then reset,
-must answer identically (:mod:`gym_fork.backends.exactness`: state outside the pickle, such as the
-global RNGs of ``random``/``numpy``/``torch``, is caught).
+original's state attribute by attribute (``__slots__`` too), and a copy stepped with the same
+actions, then reset, must answer as the original does, asked in a ``fork()`` child (an object
+compared with ``is``, a dict keyed by ``id()``), and as a second copy does (state outside the
+pickle; :mod:`gym_fork.backends.exactness`).  Every snapshot looks for sets whose order a pickle
+changes, arrays that share memory and a module's sentinel objects
+(:mod:`gym_fork.snapshots.set_order`).  And every call into the env is watched for draws from
+generators outside the pickle -- the global RNGs of ``random``/``numpy``/``torch``, a generator
+the env's module keeps (:mod:`gym_fork.backends.rng_watch`): once the env drew from one, its
+snapshots and restores are refused, and a restored copy that draws raises at that call.  What the
+checks cannot see is state a C library or another module keeps, reached only in steps the checks
+did not take: ``backend="criu"`` copies the whole process.
 
 A snapshot's payload is the pickle's bytes while it is only in memory, and a :class:`PickleFile`
 once it is on disk (``Snapshot.persist()``, or a :class:`~gym_fork.SnapshotStore` that spilled or
@@ -22,17 +30,20 @@ import hmac
 import os
 import platform
 import shutil
+import types
+from collections import deque
 from typing import Any
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from gym_fork.backends.base import Backend, Handle, LocalHandle
+from gym_fork.backends.base import _READS, Backend, Handle, LocalHandle
 from gym_fork.backends.exactness import copies_diverge
+from gym_fork.backends.rng_watch import RngWatch
 from gym_fork.errors import BundleDamagedError, BundleError, SnapshotCorruptedError, UnpicklableEnvError, UnsupportedEnvError
 from gym_fork.snapshots.bundle import check_field
-from gym_fork.snapshots.set_order import copy_problem, str_hash_probe
+from gym_fork.snapshots.set_order import copy_problem, slot_items, str_hash_probe
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.files import read_bounded
 from gym_fork.worker.commands import EnvServer, EnvSource, build_env
@@ -64,26 +75,37 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
     state) recursively; callables and modules are compared by identity of their qualified name only.
     """
     seen = set() if seen is None else seen
+    if type(a) is not type(b):
+        return f"{path} (type {type(a).__name__} vs {type(b).__name__})"
+    if isinstance(a, (int, float, complex, str, bytes, bool, type(None), np.generic)):
+        # (before `seen`: equal small ints and strings are one object, met all over the graph)
+        return None if (a == b or (a != a and b != b)) else path
     if depth > 12 or id(a) in seen:
         return None
     seen.add(id(a))
-    if type(a) is not type(b):
-        return f"{path} (type {type(a).__name__} vs {type(b).__name__})"
     if isinstance(a, np.ndarray):
         ok = a.dtype == b.dtype and a.shape == b.shape and (a.dtype == object or a.tobytes() == b.tobytes())
         return None if ok else path
     if isinstance(a, np.random.Generator):
         return None if a.bit_generator.state == b.bit_generator.state else path
-    if isinstance(a, (int, float, complex, str, bytes, bool, type(None), np.generic)):
-        return None if (a == b or (a != a and b != b)) else path
     if isinstance(a, dict):
-        if a.keys() != b.keys():
+        # keys matched by position (a pickle keeps a dict's order): a key that is an object
+        # compared by identity is the copy's own object, equal in state, not in identity
+        if len(a) != len(b):
             return f"{path} (keys)"
-        for k in a:
-            d = state_difference(a[k], b[k], f"{path}[{k!r}]", depth + 1, seen)
+        for (ka, va), (kb, vb) in zip(a.items(), b.items()):
+            if state_difference(ka, kb, f"{path} (key {ka!r})", depth + 1, seen):
+                return f"{path} (keys)"
+            d = state_difference(va, vb, f"{path}[{ka!r}]", depth + 1, seen)
             if d:
                 return d
         return None
+    if isinstance(a, (set, frozenset)):
+        if len(a) != len(b) or (all(map(_by_value, a)) and a != b):
+            return f"{path} (elements)"
+        return None
+    if isinstance(a, deque):
+        a, b = list(a), list(b)
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return f"{path} (length)"
@@ -96,8 +118,23 @@ def state_difference(a: Any, b: Any, path: str = "env", depth: int = 0, seen: se
         return None
     da, db = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
     if isinstance(da, dict) and isinstance(db, dict):
-        return state_difference(da, db, path, depth + 1, seen)
+        d = state_difference(da, db, path, depth + 1, seen)
+        if d:
+            return d
+    # __slots__ (a __getstate__ may leave some out: the copy then lacks them, or holds others)
+    sa, sb = dict(slot_items(a)), dict(slot_items(b))
+    if sa.keys() != sb.keys():
+        return f"{path} (slots {sorted(sa.keys() ^ sb.keys())} set in one only)"
+    for k in sa:
+        d = state_difference(sa[k], sb[k], f"{path}.{k}", depth + 1, seen)
+        if d:
+            return d
     return None
+
+
+def _by_value(x: Any) -> bool:
+    """An element a set holds by value (equal across a pickle), not by identity."""
+    return type(x).__eq__ is not object.__eq__ or isinstance(x, (type, types.FunctionType, types.ModuleType))
 
 
 class PickleFile:
@@ -157,9 +194,46 @@ def _hash_order_problem(payload: bytes, where: str) -> None:
             "list), or save it with backend='criu'. Nothing was restored.")
 
 
+class _Lineage:
+    """What the handles of one env lineage (an env, its restores and forks) learned about it: the
+    first draw its env made from a generator outside its pickle (:mod:`.rng_watch`), as words."""
+
+    outside: str | None = None
+
+
 class _PickleHandle(LocalHandle):
     verified = False  # the exactness check ran (and could step the copies) for this env lineage
     snapshots = 0  # taken through this handle (the check runs again at the 2nd, 4th, 8th, ...)
+    restored = False  # made by restore(): a draw from outside the pickle makes it go on differently
+
+    def __init__(self, server: EnvServer, lineage: _Lineage) -> None:
+        super().__init__(server)
+        self.lineage = lineage
+        self.rngs = RngWatch(server.env)
+
+    def request(self, cmd: str, *args: Any) -> Any:
+        if cmd in _READS or self.lineage.outside is not None and not self.restored:
+            return super().request(cmd, *args)
+        before = self.rngs.fingerprint()
+        try:
+            return super().request(cmd, *args)
+        finally:
+            drew = self.rngs.changed(before)
+            if drew is not None:
+                self._drew(cmd, drew)
+
+    def _drew(self, cmd: str, rng: str) -> None:
+        when = "at reset()" if cmd == "reset" else f"at step {self.server.steps}" if cmd == "step" else f"in {cmd!r}"
+        what = (f"the env drew from {rng} {when}, which a pickle snapshot does not hold, so a restored copy "
+                "draws other numbers there")
+        if self.lineage.outside is None:
+            self.lineage.outside = what
+        if self.restored:
+            # this copy is such a restored copy: from this call on it is not the original's future
+            raise UnsupportedEnvError(
+                f"{what}: this env, restored from a pickle snapshot, has just gone on differently from the "
+                "original. Use backend='criu', which snapshots the whole process; or keep all randomness on the "
+                "env (its own np_random / random.Random / torch.Generator, which the pickle holds).")
 
     def kill(self) -> None:
         if not self.closed:
@@ -173,6 +247,16 @@ class PickleBackend(Backend):
     name = "pickle"
     storable = True  # a persisted payload is a file (PickleFile) that a SnapshotStore can keep
 
+    def __init__(self) -> None:
+        self.lineage = _Lineage()  # shared by the handles it makes (an env's, its restores', forks')
+
+    def _refuse_outside_rng(self, what: str) -> None:
+        if self.lineage.outside is not None:
+            raise UnsupportedEnvError(
+                f"{what} refused: {self.lineage.outside}. The pickle snapshots of this env cannot be exact; "
+                "use backend='criu', which snapshots the whole process, or keep all randomness on the env (its "
+                "own np_random / random.Random / torch.Generator). Nothing was done.")
+
     def start(self, source: EnvSource) -> tuple[Handle, dict]:
         env = build_env(source)
         try:
@@ -181,12 +265,13 @@ class PickleBackend(Backend):
             env.close()
             raise
         server = EnvServer(env)
-        return _PickleHandle(server), server.cmd_meta()
+        return _PickleHandle(server, self.lineage), server.cmd_meta()
 
     def snapshot(self, handle: Handle, snap_id: str, *, ready_copy: bool = True) -> tuple[bytes, int]:
         # (ForkableEnv.snapshot holds the handle's gate: no other thread steps the env meanwhile)
         assert isinstance(handle, _PickleHandle)
         handle.check_whole("snapshot()")
+        self._refuse_outside_rng("snapshot()")
         s = handle.server
         try:
             blob = cloudpickle.dumps((s.env, s.last_obs, s.last_info, s.steps))
@@ -244,7 +329,12 @@ class PickleBackend(Backend):
                 f"a pickled copy of {name} differs from the original at {diff} (its state does not "
                 "survive pickling); use backend='criu'"
             )
-        why, stepped = copies_diverge(blob, env.action_space, unpack=lambda t: t[0])
+        why, stepped = copies_diverge(blob, env.action_space, unpack=lambda t: t[0], original=env)
+        if why is not None and why.startswith("the original"):
+            raise UnsupportedEnvError(
+                f"{why}, so a restore of {name} would go on differently: part of its state does not survive "
+                "pickling (an object compared with `is`, a dict keyed by id(), state a __getstate__ leaves "
+                "out). Use backend='criu', which snapshots the whole process.")
         if why is not None:
             raise UnsupportedEnvError(
                 f"two pickled copies of {name} stepped with the same actions diverge ({why}): part of its "
@@ -258,6 +348,7 @@ class PickleBackend(Backend):
     def restore(self, payload: bytes | PickleFile, binds: Any = None) -> Handle:
         if binds:
             raise UnsupportedEnvError("private directories need the criu backend (mount namespaces), not pickle")
+        self._refuse_outside_rng("restore()")
         if isinstance(payload, PickleFile):
             data = payload.read()  # sha256 checked first
             if payload.blob is None and payload.str_hash_probe != str_hash_probe():
@@ -269,8 +360,8 @@ class PickleBackend(Backend):
             raise SnapshotCorruptedError(f"the pickle snapshot does not load: {type(e).__name__}: {e}") from e
         server = EnvServer(env)
         server.last_obs, server.last_info, server.steps = obs, info, steps
-        h = _PickleHandle(server)
-        h.verified = True
+        h = _PickleHandle(server, self.lineage)
+        h.verified = h.restored = True
         return h
 
     def release(self, payload: bytes | PickleFile) -> None:

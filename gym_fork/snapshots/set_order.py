@@ -12,7 +12,9 @@ process, where strings also hash differently).
 
 from __future__ import annotations
 
+import sys
 import types
+from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter, is_not
 from typing import Any
@@ -48,6 +50,9 @@ def _hash_stable(x: Any) -> bool:
 #: what to do about a set whose order a copy would change
 SET_ORDER_FIX = ("iterate it in a fixed order (sorted(...)), or keep a dict (ordered by insertion) or a list "
                  "instead; or use backend='criu', which snapshots the whole process")
+#: what to do about an object a module holds as a global (compared with ``is``, e.g. a sentinel)
+MODULE_GLOBAL_FIX = ("compare with a value that pickles as itself (None, an Enum member, a class) instead of "
+                     "a module-level object(); or use backend='criu', which snapshots the whole process")
 #: what to do about arrays that share memory
 SHARED_MEMORY_FIX = ("keep the one array and index it where it is used (self.grid[1] at each use, not a view "
                      "stored beside it), or store a copy; or use backend='criu', which snapshots the whole process")
@@ -134,13 +139,23 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env", *,
                 continue
             pairs = enumerate(x)
             kind = "item"
+        elif isinstance(x, deque):
+            pairs = enumerate(x)
+            kind = "item"
         elif isinstance(x, type) or (callable(x) and not hasattr(x, "__dict__")):
             continue
         else:
+            if depth and not address_only and type(x).__eq__ is object.__eq__:  # (identity: a module's own?)
+                name = module_global_name(x)
+                if name is not None:
+                    return (f"{_path(entry, path)} (the module global {name}, a {type(x).__name__} that a pickled "
+                            "copy holds as a new object: `is` tests against the global fail in the copy)",
+                            MODULE_GLOBAL_FIX)
             d = getattr(x, "__dict__", None)
-            if not isinstance(d, dict):
+            slots = slot_items(x)
+            if not isinstance(d, dict) and not slots:
                 continue
-            pairs = d.items()
+            pairs = chain(d.items(), slots) if isinstance(d, dict) else slots
             kind = "attr"
         for k, v in pairs:
             if not isinstance(v, leaves):  # (lists and tuples of plain values: _plain, when popped)
@@ -150,6 +165,61 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env", *,
                 if v.dtype.hasobject:  # an object array holds Python objects: walk them as a list's items
                     push((v.ravel().tolist() if v.base is None else list(v.flat), (entry, k, kind), depth + 1))
     return None if address_only else _shared_memory(arrays, in_lists, seen, path)
+
+
+def slot_items(x: Any) -> list[tuple[str, Any]]:
+    """The ``__slots__`` attributes ``x`` has set, across its classes (a pickle holds them)."""
+    out = []
+    for cls in type(x).__mro__:
+        names = cls.__dict__.get("__slots__", ())
+        for name in (names,) if isinstance(names, str) else names:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                out.append((name, object.__getattribute__(x, name)))
+            except AttributeError:  # (declared, not set)
+                pass
+    return out
+
+
+# id -> (module, name) of module globals compared by identity, rebuilt when modules come or go
+_globals_cache: tuple[int, dict[int, tuple[str, str]]] = (-1, {})
+
+
+def module_global_name(x: Any) -> str | None:
+    """``"module.name"`` when ``x`` is a module's global (a sentinel ``_UNSET = object()``) that a
+    pickle copies: its unpickled copy is a new object, so ``copy.attr is module._UNSET`` is false
+    where the original's was true. None for objects pickled by reference (an Enum member, a
+    logger): they come back as themselves."""
+    global _globals_cache
+    n = len(sys.modules)
+    if _globals_cache[0] != n:
+        found: dict[int, tuple[str, str]] = {}
+        for mod_name, mod in list(sys.modules.items()):
+            try:
+                items = list(vars(mod).items())
+            except TypeError:
+                continue
+            for k, v in items:
+                t = type(v)  # (not isinstance: a deprecated global's __class__ warns when read)
+                if (t.__eq__ is object.__eq__ and not issubclass(t, _BY_NAME) and not callable(v)
+                        and not issubclass(t, _LEAVES) and not k.startswith("__")):
+                    found.setdefault(id(v), (mod_name, k))
+        _globals_cache = (n, found)
+    hit = _globals_cache[1].get(id(x))
+    if hit is None:
+        return None
+    mod = sys.modules.get(hit[0])
+    if mod is None or vars(mod).get(hit[1]) is not x:  # (gone: its id may be another object's now)
+        return None
+    try:
+        import cloudpickle
+
+        if cloudpickle.loads(cloudpickle.dumps(x)) is x:  # pickled by reference
+            return None
+    except Exception:  # noqa: BLE001 - not picklable: the snapshot itself says so
+        return None
+    return f"{hit[0]}.{hit[1]}"
 
 
 def _list_arrays(seq: list | tuple, kinds: set[type], entry: tuple, arrays: list, in_lists: set[int]) -> None:
