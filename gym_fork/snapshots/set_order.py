@@ -167,18 +167,34 @@ def copy_problem(obj: Any, cross_process: bool = False, path: str = "env", *,
     return None if address_only else _shared_memory(arrays, in_lists, seen, path)
 
 
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names = _SLOT_NAMES.get(cls)
+    if names is None:
+        found: list[str] = []
+        for c in cls.__mro__:
+            declared = c.__dict__.get("__slots__", ())
+            for name in (declared,) if isinstance(declared, str) else declared:
+                if name not in ("__dict__", "__weakref__"):
+                    # (a private name is stored mangled: __x of class C is _C__x)
+                    found.append(f"_{c.__name__.lstrip('_')}{name}" if name.startswith("__") else name)
+        names = _SLOT_NAMES[cls] = tuple(found)
+    return names
+
+
 def slot_items(x: Any) -> list[tuple[str, Any]]:
     """The ``__slots__`` attributes ``x`` has set, across its classes (a pickle holds them)."""
+    names = _slot_names(type(x))
+    if not names:
+        return []
     out = []
-    for cls in type(x).__mro__:
-        names = cls.__dict__.get("__slots__", ())
-        for name in (names,) if isinstance(names, str) else names:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            try:
-                out.append((name, object.__getattribute__(x, name)))
-            except AttributeError:  # (declared, not set)
-                pass
+    for name in names:
+        try:
+            out.append((name, object.__getattribute__(x, name)))
+        except AttributeError:  # (declared, not set)
+            pass
     return out
 
 
