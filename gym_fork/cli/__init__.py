@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, not a traceback
+        print(f"gym-fork {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

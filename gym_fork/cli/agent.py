@@ -28,20 +28,43 @@ INSECURE_HELP = (
 )
 
 
+def _port(text: str) -> int:
+    """A TCP port for argparse: 0..65535 (said as a usage error, not bind()'s OverflowError)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r} (give 0..65535; 0: any free port)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: give 0..65535 (0: any free port)")
+    return port
+
+
+def _at_least_one(text: str) -> int:
+    """A connection limit for argparse: a whole number >= 1 (0 would refuse every connection,
+    so it is refused here rather than silently read as "the default")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n} (leave the option out for the default)")
+    return n
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=7000, help="TCP port (0: any free; printed)")
+    p.add_argument("--port", type=_port, default=7000, help="TCP port, 0..65535 (0: any free; printed)")
     p.add_argument("--state-dir", required=True, help="private (0700) directory for received checkpoints")
     p.add_argument("--token-file", help="file with the shared token (else $GYM_FORK_TOKEN)")
     p.add_argument("--node", help="this node's name (default: hostname)")
     p.add_argument("--cert", help="TLS certificate (PEM; with --key) instead of one made at start")
     p.add_argument("--key", help="TLS private key (PEM)")
     p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
-    p.add_argument("--max-connections", type=int, default=None,
-                   help="connections at once, hosted env workers' included (default: what the fd limit "
+    p.add_argument("--max-connections", type=_at_least_one, default=None,
+                   help="connections at once (at least 1), hosted env workers' included (default: what the fd limit "
                    "allows, at most 256); more are closed at once")
-    p.add_argument("--max-unauthenticated", type=int, default=None,
-                   help="connections still in their handshake at once (default: half of --max-connections, "
+    p.add_argument("--max-unauthenticated", type=_at_least_one, default=None,
+                   help="connections still in their handshake at once (at least 1; default: half of --max-connections, "
                    "at most 32)")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds for a connection's whole TLS + token handshake (default 10)")

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"gym-fork bench: {name} must be at least 1, got {value}", file=sys.stderr)
             return 2
     backends = prepare_env_options(args, "bench")
-    if backends is None:
-        return 2
+    if isinstance(backends, int):
+        return backends
     try:
         report = measure_costs(resolve(args.env), backends=backends, steps=args.steps, reps=args.reps,
                                horizon=args.horizon, seed=args.seed, verbose=not args.json)

@@ -60,21 +60,32 @@ def env_errors() -> tuple[type[BaseException], ...]:
     return gym.error.Error, GymForkError, ImportError
 
 
-def prepare_env_options(args: argparse.Namespace, command: str) -> list[str] | None:
+def prepare_env_options(args: argparse.Namespace, command: str) -> list[str] | int:
     """The backends ``args`` names, after putting the current directory on the path (for
-    ``module:factory``) and importing the ``--import`` modules; None, with the usage error said
-    on stderr, when a backend is unknown."""
+    ``module:factory``) and importing the ``--import`` modules; else the exit status, with the
+    reason said on stderr: 2 when a backend is unknown or none is named, 1 when a module does
+    not import."""
     from gym_fork.check import BACKENDS
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
-    if unknown or not backends:
-        print(f"gym-fork {command}: unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}", file=sys.stderr)
-        return None
+    if not backends:
+        print(f"gym-fork {command}: --backends names no backend; give at least one of {', '.join(BACKENDS)} "
+              "(comma-separated)", file=sys.stderr)
+        return 2
+    if unknown:
+        print(f"gym-fork {command}: unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}",
+              file=sys.stderr)
+        return 2
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     for name in args.imports:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - the user's module: said in one line, not a traceback
+            print(f"gym-fork {command}: --import {name} failed: {type(e).__name__}: {e} (is it installed or in "
+                  f"the current directory? `python -c 'import {name}'` shows the traceback)", file=sys.stderr)
+            return 1
     return backends
 
 
@@ -95,9 +106,12 @@ def resolve(target: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from gym_fork.check import check_env
 
-    backends = prepare_env_options(args, "check")
-    if backends is None:
+    if args.steps < 1:  # 0 steps would compare nothing and pass
+        print(f"gym-fork check: --steps must be at least 1, got {args.steps}", file=sys.stderr)
         return 2
+    backends = prepare_env_options(args, "check")
+    if isinstance(backends, int):
+        return backends
     try:
         report = check_env(resolve(args.env), backends=backends, steps=args.steps, seed=args.seed,
                            skip_render_check=not args.render_check, verbose=True)

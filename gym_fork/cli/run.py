@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import socket
 import sys
@@ -15,9 +16,25 @@ DESCRIPTION = (
     "Start `python train.py ...` in its own PID namespace with stdio in O_APPEND log files "
     "owned by this supervisor, so the whole job tree can be checkpointed. A "
     "gym_fork.sb3.LiveMigrationCallback in the script asks this supervisor to move the job "
-    "to a `gym-fork agent`; this process exits once the target confirms."
+    "to a `gym-fork agent`; this process exits once the target confirms.\n\n"
+    "SIGTERM, SIGINT (Ctrl-C) or SIGHUP to this supervisor stops the job: it gets the same signal, "
+    "and SIGKILL if it still runs after --stop-timeout seconds; the exit status is then 128 + the "
+    "signal's number (130 for Ctrl-C).  The job is PID 1 of its namespace, so a signal sent straight "
+    "to its pid reaches it only when it handles that signal (Python handles SIGINT): signal this "
+    "supervisor instead.  A job killed by a signal gives 128 + its number too (137: SIGKILL)."
 )
 EPILOG = "example:\n  gym-fork run --node A --log-dir logs -- python train.py"
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -34,6 +51,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster for 'ray:<node id>' targets (LiveMigrationCallback(RayNode(...))); "
                    "default $RAY_ADDRESS, else 'auto'. Only this supervisor connects to Ray, when the job asks to move")
+    p.add_argument("--stop-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT/SIGHUP to this supervisor, how long the job has to stop after "
+                   "getting the same signal before it is killed (SIGKILL; default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
 
@@ -67,4 +87,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     targets = TargetContext(token=token, tls=args.tls_ca or False, insecure=args.insecure,
                             options={"ray_address": args.ray_address})
-    return supervise(cmd, node=args.node, log_dir=args.log_dir, token=token, targets=targets)
+    return supervise(cmd, node=args.node, log_dir=args.log_dir, token=token, targets=targets,
+                     stop_timeout=args.stop_timeout)

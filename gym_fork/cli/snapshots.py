@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -43,10 +45,19 @@ EPILOG = (
 
 
 def _parse_bytes(text: str) -> int:
+    """A disk budget for argparse: bytes, or with a unit (500M, 2G, 1.5GiB); a finite number
+    >= 0 (inf, nan and negative budgets are usage errors, not a traceback or a silent no-op)."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().rstrip("B").rstrip("I")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    return int(float(num) * units[unit])
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a disk budget: give a number of bytes >= 0, "
+                                         "optionally with a unit (e.g. 500M, 2G)")
+    return int(value)
 
 
 def _human(n: float) -> str:
@@ -144,6 +155,9 @@ def run(args: Any) -> int:
                 print(f"kept unreferenced chunks: the quarantined entries {', '.join(out['chunks_kept_for'])} have "
                       f"unreadable recipes, so their chunks cannot be told apart (`gym-fork snapshots gc {d} "
                       "--drop-quarantined` deletes those entries and then the chunks)")
+            if out["evicted"]:  # the budget's evictions (least recently used, unpinned)
+                print(f"evicted {out['evicted']} least recently used snapshots ({_human(out['evicted_bytes'])}) "
+                      f"to fit --max-bytes {_human(args.max_bytes)}")
             print(f"removed {out['tmp_removed']} temporary entries and {out['chunks_removed']} unreferenced "
                   f"chunks; {out['snapshots']} snapshots, {_human(out['disk_bytes'])} on disk"
                   + (f"; {out['quarantined']} damaged entries in quarantine" if out["quarantined"] else ""))

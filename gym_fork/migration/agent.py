@@ -101,8 +101,10 @@ class Agent:
                             targets=TargetContext(token=token, insecure=insecure))
         self.tls = None if insecure else server_tls(cert, key, name=f"gym-fork agent {self.node}")
         conns, unauth = default_limits()
-        self.max_connections = max_connections or conns
-        self.max_unauthenticated = min(max_unauthenticated or unauth, self.max_connections)
+        # None is "the default"; 0 is refused below, not silently read as the default
+        self.max_connections = conns if max_connections is None else max_connections
+        self.max_unauthenticated = min(unauth if max_unauthenticated is None else max_unauthenticated,
+                                       self.max_connections)
         if self.max_connections < 1 or self.max_unauthenticated < 1 or not handshake_timeout > 0:
             raise ValueError("connection limits must be at least 1 and the handshake timeout positive")
         self.handshake_timeout = handshake_timeout

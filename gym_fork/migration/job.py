@@ -36,21 +36,61 @@ from gym_fork.worker.channel import Channel, ChannelClosed, socket_inode
 log = logging.getLogger("gym_fork.job")
 
 # The launcher: a new PID namespace whose init is the job (so one SIGKILL ends the whole tree and
-# CRIU dumps it as one tree), in its own session.
+# CRIU dumps it as one tree), in its own session.  As PID 1 of its namespace the job gets only the
+# signals it has a handler for (the kernel drops the others, even SIGTERM from outside), so the
+# launcher relays SIGTERM/SIGINT/SIGHUP: to the job when it catches the signal, by ending it
+# (SIGKILL) when it would have had the default action (terminate), not at all when it ignores it.
+# It exits the way the job did: a signal death is re-raised (as the relayed signal when it ended
+# the job for one), so the supervisor's Popen.returncode says e.g. -9 or -15.
 _LAUNCHER = """
-import ctypes, os, signal, sys
+import ctypes, os, resource, signal, sys
 if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:
     sys.stderr.write("gym-fork run: unshare(CLONE_NEWPID) failed: %s\\n" % os.strerror(ctypes.get_errno()))
     os._exit(125)
+pid = 0
+ended_for = []
+def relay(sig, _frame):
+    if pid <= 0:
+        return
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            masks = dict(line.split(":", 1) for line in f if line.startswith(("SigIgn", "SigCgt")))
+        caught, ignored = (int(masks[k], 16) >> (sig - 1) & 1 for k in ("SigCgt", "SigIgn"))
+    except (OSError, KeyError, ValueError):
+        caught, ignored = 1, 0
+    try:
+        if caught:
+            os.kill(pid, sig)
+        elif not ignored:
+            ended_for.append(sig)
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, relay)
 pid = os.fork()
 if pid == 0:
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
     os.setsid()
     os.execvp(sys.argv[1], sys.argv[1:])
+_, st = os.waitpid(pid, 0)
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
-_, st = os.waitpid(pid, 0)
+if os.WIFSIGNALED(st):
+    sig = os.WTERMSIG(st)
+    if sig == signal.SIGKILL and ended_for:
+        sig = ended_for[0]
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the job's core (if any) is its own, not ours
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
 os._exit(os.waitstatus_to_exitcode(st) & 0xFF)
 """
+
+# The signals that make `gym-fork run` stop its job, and how long the job then has before SIGKILL.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_TIMEOUT_S = 10.0
 
 
 def _dump_tree(images: str, pid: int, ino: int) -> None:
@@ -83,6 +123,7 @@ class JobHost:
         self.targets = Targets(targets or TargetContext(token=token))
         self.returncode: int | None = None
         self.moved_to: str | None = None  # the target, once the job runs there
+        self.stops: list[int] = []  # signals asking to stop the job (`gym-fork run`'s handlers add them)
 
     def _exited(self) -> bool:
         if self.returncode is not None:
@@ -102,8 +143,8 @@ class JobHost:
         return self.returncode is not None
 
     def serve(self) -> str:
-        """Answer the job's requests until it exits (returns ``"exited"``) or moved away
-        (``"migrated"``)."""
+        """Answer the job's requests until it exits (returns ``"exited"``), moved away
+        (``"migrated"``) or a signal in ``stops`` asks to stop it (``"stopped"``; see :func:`stop_job`)."""
         try:
             return self._serve()
         finally:
@@ -115,6 +156,8 @@ class JobHost:
             if self._exited():
                 self.chan.close()
                 return "exited"
+            if self.stops:
+                return "stopped"
             if not chan_open:
                 time.sleep(0.1)
                 continue
@@ -221,17 +264,38 @@ class JobHost:
 
 
 def supervise(cmd: list[str], *, node: str, log_dir: str, token: bytes | None,
-              targets: TargetContext | None = None) -> int:
+              targets: TargetContext | None = None, stop_timeout: float = STOP_TIMEOUT_S) -> int:
     """Run ``cmd`` as a managed job (``gym-fork run``): in a new PID namespace and session, stdio
     in O_APPEND logs (the supervisor owns the files, so the job's tree holds nothing CRIU could
-    not move), with a control channel for migration requests.
+    not move), with a control channel for migration requests.  SIGTERM, SIGINT or SIGHUP to this
+    process stops the job (:func:`stop_job`, ``stop_timeout`` seconds before SIGKILL).
 
     Returns:
-        The job's exit status; 0 once it moved away.
+        The job's exit status (128 + the signal's number when a signal ended it, or when one
+        asked this supervisor to stop it); 0 once it moved away; 1 when it could not start.
     """
-    os.makedirs(log_dir, exist_ok=True)
-    out = open(os.path.join(os.path.abspath(log_dir), "stdout.log"), "ab")  # O_APPEND: a moved job appends
-    err = open(os.path.join(os.path.abspath(log_dir), "stderr.log"), "ab")
+    log_dir = os.path.abspath(log_dir)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        out = open(os.path.join(log_dir, "stdout.log"), "ab")  # O_APPEND: a moved job appends
+        err = open(os.path.join(log_dir, "stderr.log"), "ab")
+    except OSError as e:
+        print(f"gym-fork run: cannot write the job's logs in {log_dir}: {e.strerror or e}; give --log-dir a "
+              "directory you can create and write to", file=sys.stderr)
+        return 1
+    err_start = os.fstat(err.fileno()).st_size  # the log is appended to: this job's part starts here
+    # Ask, don't raise: a signal is served between the job's requests (never in a migration's middle).
+    stops: list[int] = []
+    previous = {s: signal.signal(s, lambda sig, _f: stops.append(sig)) for s in _STOP_SIGNALS}
+    try:
+        return _supervise(cmd, node, log_dir, token, targets, stop_timeout, out, err, err_start, stops)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _supervise(cmd: list[str], node: str, log_dir: str, token: bytes | None, targets: TargetContext | None,
+               stop_timeout: float, out, err, err_start: int, stops: list[int]) -> int:
     ours, theirs = socket.socketpair()
     ino = socket_inode(theirs.fileno())
     env = dict(os.environ, **{CONTROL_ENV: str(theirs.fileno()), "GYM_FORK_NODE": node})
@@ -265,24 +329,65 @@ def supervise(cmd: list[str], *, node: str, log_dir: str, token: bytes | None,
 
     signal.signal(signal.SIGUSR1, forward)
     host = JobHost(Channel(ours), pid, ino, token=token, node=node, popen=popen, targets=targets)
+    host.stops = stops
     how = host.serve()
     if how == "migrated":
         print(f"gym-fork run: the job now runs on {host.targets.describe(host.moved_to or '')}; "
               "this supervisor exits", flush=True)
         return 0
+    if how == "stopped":
+        return stop_job(host, stops, stop_timeout)
     rc = host.returncode if host.returncode is not None else 1
     if rc != 0:  # its stderr is in a log file: say so, with the lines that tell why
-        err_log = os.path.join(os.path.abspath(log_dir), "stderr.log")
-        print(f"gym-fork run: the job exited with code {rc}; the end of {err_log}:\n"
-              f"{_last_lines(err_log, 8)}", file=sys.stderr, flush=True)
-    return rc
+        err_log = os.path.join(log_dir, "stderr.log")
+        print(f"gym-fork run: the job {_ended(rc)}; the end of {err_log}:\n"
+              f"{_last_lines(err_log, 8, err_start)}", file=sys.stderr, flush=True)
+    return 128 - rc if rc < 0 else rc  # a signal's death as the shell says it: 128 + its number
 
 
-def _last_lines(path: str, n: int) -> str:
-    """The last ``n`` lines of a log that may be large (a long training's): its last 16 KiB."""
+def _ended(rc: int) -> str:
+    """How the job ended, from its Popen-style return code (-N: signal N)."""
+    if rc >= 0:
+        return f"exited with code {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    return f"was killed by {name} (exit status {128 - rc})"
+
+
+def stop_job(host: JobHost, stops: list[int], timeout: float) -> int:
+    """Stop the job because ``stops[0]`` (SIGTERM, SIGINT or SIGHUP) came to the supervisor: send
+    it to the launcher, which relays it to the job (see ``_LAUNCHER``); SIGKILL the job when it
+    still runs after ``timeout`` seconds or when another such signal comes.  Returns 128 + the
+    signal's number, the shell's status for a command ended by that signal."""
+    sig = stops[0]
+    name = signal.Signals(sig).name
+    popen = host.popen
+    assert popen is not None
+    print(f"gym-fork run: got {name}: stopping the job (pid {host.pid}): {name} sent to it, SIGKILL if it still "
+          f"runs in {timeout:g} s", file=sys.stderr, flush=True)
+    try:
+        os.kill(popen.pid, sig)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while popen.poll() is None and time.monotonic() < deadline and len(stops) == 1:
+        time.sleep(0.02)
+    if popen.poll() is None:
+        why = "another signal came" if len(stops) > 1 else f"it did not stop within {timeout:g} s"
+        print(f"gym-fork run: {why}: killed the job (SIGKILL)", file=sys.stderr, flush=True)
+        host.kill()
+    host.chan.close()
+    return 128 + sig
+
+
+def _last_lines(path: str, n: int, start: int = 0) -> str:
+    """The last ``n`` lines of a log that may be large (a long training's): its last 16 KiB,
+    from offset ``start`` on (what this job wrote: the log is appended to, run after run)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - (16 << 10), 0))
+            f.seek(max(f.seek(0, os.SEEK_END) - (16 << 10), start))
             text = f.read().decode(errors="replace")
     except OSError:
         return f"(no log at {path})"

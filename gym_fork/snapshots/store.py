@@ -432,19 +432,25 @@ class SnapshotStore:
         return (sum(e.get("own_bytes", 0) for e in idx["snapshots"].values())
                 + sum(self._chunks.disk_bytes(c) for c in refs))
 
-    def _enforce_disk(self, keep: set = frozenset()) -> None:
+    def _enforce_disk(self, keep: set = frozenset()) -> tuple[int, int]:
+        """Evict until the disk budget holds; returns how many snapshots were evicted and the
+        bytes that freed (their own files and the chunks only they used), for gc's report."""
         if self.max_bytes is None:
-            return
+            return 0, 0
         with self._index.locked():
             idx = self._index.reconcile()
             refs = self._refs(idx)
             sizes = {c: self._chunks.disk_bytes(c) for c in refs}
+            evicted = freed = 0
             for sid in disk_evictions(idx["snapshots"], self._recipe, refs, sizes, self.max_bytes, keep):
+                freed += idx["snapshots"][sid].get("own_bytes", 0)
                 self._remove_locked(idx, sid, why=f"evicted from the store {self.path} by its disk budget "
                                                   f"(max_bytes={self.max_bytes}; pin() keeps one)")
                 self.stats["evicted"] += 1
+                evicted += 1
             self._index.write(idx)
             self._chunks.drop_unreferenced(refs)
+            freed += sum(sizes[c] for c, n in refs.items() if n <= 0)
             left = (sum(e.get("own_bytes", 0) for e in idx["snapshots"].values())
                     + sum(sizes[c] for c, n in refs.items() if n > 0))
             if left <= self.max_bytes:
@@ -452,6 +458,7 @@ class SnapshotStore:
             elif not self._over_budget_said:  # only pinned (and the just written) snapshots are left
                 self._over_budget_said = True  # said once per excess, not at every write
                 self._warn_over_budget(idx, left, keep)
+        return evicted, freed
 
     def _warn_over_budget(self, idx: dict, left: int, keep: Collection[str]) -> None:
         """A budget the store cannot keep is said, not silently broken: every evictable snapshot
@@ -502,7 +509,8 @@ class SnapshotStore:
         """Remove what crashed writers left (temp dirs, orphan chunks), check every entry (the
         damaged ones go to quarantine), reconcile the index and enforce the disk budget.  Safe
         while other processes use the store (it takes the lock).  ``drop_quarantined``: also
-        delete the quarantined entries (each deletion is logged and reported)."""
+        delete the quarantined entries (each deletion is logged and reported).  ``evicted`` and
+        ``evicted_bytes`` in the result: the snapshots the disk budget evicted, and the bytes freed."""
         out: dict[str, Any] = {"tmp_removed": 0, "chunks_removed": 0, "quarantine_dropped": [], "chunks_kept_for": []}
         with self._index.locked():
             for name in os.listdir(self.path):
@@ -522,7 +530,7 @@ class SnapshotStore:
             if not out["chunks_kept_for"]:
                 out["chunks_removed"] = self._chunks.sweep(refs)
             self._index.write(idx)
-        self._enforce_disk()
+        out["evicted"], out["evicted_bytes"] = self._enforce_disk()
         out["snapshots"] = len(self.list())
         out["quarantined"] = len(self.damaged())
         out["disk_bytes"] = self.disk_bytes()
