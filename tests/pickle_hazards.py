@@ -8,6 +8,7 @@ code does, so cloudpickle pickles its classes by reference."""
 from __future__ import annotations
 
 import random
+import threading
 from collections import deque
 
 import gymnasium as gym
@@ -15,6 +16,7 @@ import numpy as np
 
 _UNSET = object()  # a sentinel, compared with `is`: a pickled copy holds a new object instead
 _RNG = random.Random(7)  # a module-level generator the env draws from now and then
+_LOCK = threading.Lock()  # what an info may hand out that no pickle can carry
 
 
 class _Base(gym.Env):
@@ -171,6 +173,22 @@ class ObjectKeyedEnv(_Base):
         self.t += 1
         self.score[self.keys[int(action)]] += 1
         return self._out(float(sum(v * (i + 1) for i, v in enumerate(self.score.values()))))
+
+
+class LockInInfoEnv(_Base):
+    """Exact, but its info holds a lock: the original's answers cannot come back from the fork()
+    child that stepped it (a pipe carries pickles)."""
+
+    def step(self, action):
+        self.t += 1
+        out = self._out(float(action))
+        if self.t >= 3:  # (not in the info a snapshot at step 1 keeps)
+            out[4]["lock"] = _LOCK
+        return out
+
+
+def lock_in_info():
+    return LockInInfoEnv()
 
 
 def sentinel():

@@ -107,3 +107,17 @@ def test_the_learner_drawing_from_the_global_rngs_between_steps_is_not_the_env()
         env.restore(snap)
     finally:
         env.close()
+
+
+def test_when_the_original_cannot_answer_the_check_says_it_compared_copies_only():
+    env = gym_fork.ForkableEnv(hz.lock_in_info, backend="pickle")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        with pytest.warns(RuntimeWarning, match="could not compare a pickled copy with the original"):
+            snap = env.snapshot()
+        first = _obs(env, [1, 2])
+        env.restore(snap)
+        assert _obs(env, [1, 2]) == first
+    finally:
+        env.close()
