@@ -17,7 +17,7 @@ versions=${GYM_FORK_PYTHONS-3.13}
 tests=(tests/unit tests/test_fork_tier.py tests/test_agent_envs.py tests/test_errors.py tests/test_bundle.py
        tests/compat/test_boundary.py tests/compat/test_copy.py tests/compat/test_check.py
        tests/compat/test_wrappers.py tests/compat/test_vector.py tests/test_random_operations.py
-       tests/test_pickle_store.py tests/test_interrupts.py tests/test_criu_working_dir.py)
+       tests/test_pickle_store.py tests/test_pickle_hazards.py tests/test_interrupts.py tests/test_criu_working_dir.py)
 deselect="not torch and not atari"  # the tests that need torch or ALE (installed in .venv only)
 failed=()
 
