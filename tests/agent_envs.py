@@ -1202,3 +1202,33 @@ else:
 print(" ".join(env.step(0)[4]["first"] for _ in range(3)))
 env.close()
 """
+
+
+class LateWriterEnv(_Base):
+    """Reads a file outside any workspace each step; at step ``arm_at`` it leaves a writer behind
+    that overwrites the file 0.2 s later, between steps: a thread (``how="thread"``) or a SIGALRM
+    handler on a timer it arms (``how="alarm"``) -- no process of its own."""
+
+    def __init__(self, path: str, how: str, arm_at: int = 3) -> None:
+        super().__init__()
+        self.path, self.how, self.arm_at = path, how, arm_at
+
+    def _write(self, *_args) -> None:
+        with open(self.path, "w") as f:
+            f.write("LATE")
+
+    def step(self, action):
+        self.t += 1
+        if self.t == self.arm_at:
+            if self.how == "thread":
+                threading.Timer(0.2, self._write).start()
+            else:
+                signal.signal(signal.SIGALRM, self._write)
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with open(self.path) as f:
+            data = f.read()
+        return self._obs(float(len(data) + int(action))), 0.0, *self._done(), {"data": data}
+
+
+def late_writer(path: str, how: str):
+    return LateWriterEnv(path, how)

@@ -1222,3 +1222,33 @@ def test_a_proc_pid_file_held_at_a_dump_is_dumped_again_or_refused(monkeypatch):
         assert step(env, 0)[0][0] == 2.0
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("how", ["thread", "alarm"])
+@pytest.mark.parametrize("op", ["restore", "fork"])
+def test_a_file_written_between_steps_by_a_thread_or_a_signal_handler(tmp_path, how, op):
+    """The env's own thread (or a SIGALRM handler on a timer it armed) writes a file outside any
+    workspace 0.2 s after a step. The controller asked the worker again before going back only
+    when the env had started processes: a restore or fork then went on from the file as written
+    later, silently. A worker with another thread or an armed timer now says so with its reply,
+    and the write is refused at the restore/fork like a child's (found by an audit)."""
+    from gym_fork.errors import UncapturedFilesError
+
+    path = str(tmp_path / "state.txt")
+    with open(path, "w") as f:
+        f.write("ORIGINAL")
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.late_writer, path, how), backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        for a in (1, 0):
+            env.step(a)  # (the 3rd step arms the writer)
+        time.sleep(0.6)
+        with open(path) as f:
+            assert f.read() == "LATE"
+        with pytest.raises(UncapturedFilesError, match="state.txt"):
+            env.restore(snap) if op == "restore" else env.fork(snap)
+        assert env.step(1)[4]["data"] == "LATE"  # untouched: it runs on
+    finally:
+        env.close()

@@ -25,7 +25,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from typing import Any
@@ -73,7 +75,10 @@ def flush(chan: Any) -> None:
     log_buffers.flush()  # (a copy killed by a restore leaves no lines behind in its memory)
     fswatch.drain()  # what the env's children and native code changed (one read() when nothing)
     written = files.pending()
-    spawned = fswatch.spawned and not fswatch.spawn_told
+    # Not only the env's processes write files between replies: its threads do, and a signal
+    # handler on a timer it armed. Then, too, the controller asks again before it goes back.
+    spawned = not fswatch.spawn_told and (fswatch.spawned or threading.active_count() > 1
+                                          or signal.getitimer(signal.ITIMER_REAL)[0] > 0)
     if not _events and written is None and not spawned:
         return
     events = _events[:]
