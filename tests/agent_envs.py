@@ -1232,3 +1232,28 @@ class LateWriterEnv(_Base):
 
 def late_writer(path: str, how: str):
     return LateWriterEnv(path, how)
+
+
+class SharedMemoryFileEnv(_Base):
+    """A tool that keeps its state in a POSIX shared-memory file (``/dev/shm``, a tmpfs):
+    appended each step by Python (``how="python"``) or by a shell (``how="shell"``), and read
+    back into the observation."""
+
+    def __init__(self, path: str, how: str) -> None:
+        super().__init__()
+        self.path, self.how = path, how
+
+    def step(self, action):
+        self.t += 1
+        if self.how == "python":
+            with open(self.path, "a") as f:
+                f.write(str(int(action)))
+        else:
+            subprocess.run(["sh", "-c", f"printf {int(action)} >> {self.path}"], check=True)
+        with open(self.path) as f:
+            data = f.read()
+        return self._obs(float(len(data) * 10 + int(action))), 0.0, *self._done(), {"data": data}
+
+
+def shared_memory_file(path: str, how: str):
+    return SharedMemoryFileEnv(path, how)

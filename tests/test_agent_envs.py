@@ -1252,3 +1252,25 @@ def test_a_file_written_between_steps_by_a_thread_or_a_signal_handler(tmp_path, 
         assert env.step(1)[4]["data"] == "LATE"  # untouched: it runs on
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("how", ["python", "shell"])
+def test_a_file_in_dev_shm_is_refused_like_any_outside_file(how):
+    """/dev/shm is a tmpfs of ordinary files, but both the audit hook and the kernel watch
+    skipped everything under /dev: an env (or its shell) appending to /dev/shm/x restored and
+    forked with the file as it was later, and forked copies shared it -- silently. Its writes
+    are refused now, naming the file and the fix (found by an audit)."""
+    from gym_fork.errors import UncapturedFilesError
+
+    path = f"/dev/shm/gym-fork-test-{os.getpid()}-{how}.txt"
+    open(path, "w").close()
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.shared_memory_file, path, how), backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        with pytest.raises(UncapturedFilesError, match=path):
+            env.snapshot()
+        assert env.step(2)[4]["data"] == "12"  # untouched: it runs on
+    finally:
+        env.close()
+        os.unlink(path)

@@ -84,7 +84,7 @@ def test_the_command_prints_the_table_or_json_and_refuses_bad_input():
     assert data["horizon"] == 20 and [r["backend"] for r in data["rows"]] == ["in process", "fork tier (copy-on-write)"]
 
     bad = _bench("CartPole-v1", "--backends", "fork,nope")
-    assert bad.returncode == 2 and "unknown backend(s) ['nope']" in bad.stderr
+    assert bad.returncode == 2 and "unknown backend(s) nope; choose from fork, criu, pickle" in bad.stderr
     bad = _bench("CartPole-v1", "--reps", "0")
     assert bad.returncode == 2 and "--reps must be at least 1" in bad.stderr
     unknown = _bench("NoSuchEnv-v0", "--backends", "fork")

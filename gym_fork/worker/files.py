@@ -65,6 +65,9 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _TMPFILE = getattr(os, "O_TMPFILE", 0)
 _WRITE_MODE = frozenset("wax+")
 _SYSTEM = ("/dev/", "/proc/", "/sys/")
+# ... except POSIX shared memory: /dev/shm is a tmpfs of files like any other (an env's tool keeps
+# state there, and a copy would share it), not device nodes; gym_fork's ring slots are its own
+_SHARED_MEMORY, _OWN_SHARED = "/dev/shm/", "/dev/shm/gym_fork-"
 
 
 class Record:
@@ -361,7 +364,8 @@ def _path(raw: Any, dir_fd: Any, rec: Record) -> str | None:
             return None  # relative to a directory descriptor (shutil.rmtree's walk: its event names the tree)
         p = os.path.join(os.getcwd(), p)
     p = os.path.normpath(p)
-    if p.startswith(_SYSTEM) or "/__pycache__" in p or p in ("/dev", "/proc", "/sys"):
+    if p.startswith(_SYSTEM) and (not p.startswith(_SHARED_MEMORY) or p.startswith(_OWN_SHARED)) \
+            or "/__pycache__" in p or p in ("/dev", "/proc", "/sys"):
         return None
     if rec.workspace and _under(p, rec.workspace):
         return None

@@ -164,8 +164,8 @@ def _writable_mounts() -> list[tuple[str, str]]:
         dev, point, opts, fstype = parts[2], _unescape(parts[4]), parts[5].split(","), rparts[0]
         if fstype in _SKIP_TYPES or "ro" in opts or dev in seen:
             continue
-        if point.startswith(("/proc", "/sys", "/dev")) and point not in ("/",):
-            continue  # the audit hook ignores these too: device nodes, kernel state
+        if point.startswith(("/proc", "/sys", "/dev")) and point not in ("/", "/dev/shm"):
+            continue  # the audit hook ignores these too: device nodes, kernel state (not /dev/shm's files)
         seen.add(dev)
         out.append((point, fstype))
     return out
