@@ -402,6 +402,67 @@ def test_job_migration_failure_keeps_training(netnodes, reference_job, tmp_path)
     assert (done["timesteps"], done["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
 
 
+def _descendant_running(root: int, needle: bytes) -> int | None:
+    """A process under ``root`` (up to 6 levels) whose command line holds ``needle``."""
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if needle not in f.read():
+                    continue
+            q = int(p)
+            for _ in range(6):
+                with open(f"/proc/{q}/stat") as f:
+                    q = int(f.read().rsplit(")", 1)[1].split()[1])
+                if q == root:
+                    return int(p)
+                if q <= 1:
+                    break
+        except (OSError, ValueError, IndexError):
+            pass
+    return None
+
+
+def test_job_migration_to_a_slow_target_runs_one_copy(netnodes, reference_job, tmp_path):
+    """The target restores the job, then is slow to answer (paused here 14 s: a large job's
+    restore, a busy machine). The source gave up waiting for the verdict after its connection
+    timeout (10 s) and trained on, while the target ran its restored copy too: two copies of one
+    job, silently (found by an audit). Now the restored copy waits for the source's commit, and
+    the source waits for the verdict: exactly one copy runs, and ends as the unmoved job does."""
+    agent = netnodes.agents["B"]
+    logd = str(tmp_path / "logs")
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(out=_run_job(netnodes, netnodes.target["B"], logd, at=700)))
+    runner.start()
+    paused = False
+    try:
+        deadline = time.monotonic() + 100
+        while runner.is_alive() and time.monotonic() < deadline:
+            if _descendant_running(agent.proc.pid, b"migration_train") is not None:
+                os.kill(agent.proc.pid, signal.SIGSTOP)
+                paused = True
+                time.sleep(14)
+                os.kill(agent.proc.pid, signal.SIGCONT)
+                break
+            time.sleep(0.002)
+    finally:
+        if paused:
+            os.kill(agent.proc.pid, signal.SIGCONT)
+        runner.join(200)
+    assert paused, "the job never reached the target"
+    r, lines = result["out"]
+    time.sleep(2)  # (a second copy would still be writing)
+    lines = _lines(f"{logd}/stdout.log")
+    done = [x for x in lines if x.get("done")]
+    assert len(done) == 1, [x.get("migrations") for x in done]
+    assert [m["status"] for m in done[0]["migrations"]] == ["arrived"], done[0]["migrations"]
+    ref = [x for x in reference_job if x.get("done")][0]
+    assert (done[0]["timesteps"], done[0]["policy_sha"]) == (ref["timesteps"], ref["policy_sha"])
+    assert {x["node"] for x in lines if "ret" in x and x["t"] > 700} == {"B"}
+    _clean(agent)
+
+
 # --- streamed images (hashed in one pass on each side; trailer signed for this session) -----------
 @pytest.fixture(params=["sha256", "blake3"])
 def alg(request):

@@ -28,6 +28,7 @@ from gym_fork.migration.control import CONTROL_ENV
 from gym_fork.migration.targets import TargetContext, Targets
 from gym_fork.migration.wire.auth import bundle_key
 from gym_fork.migration.wire.connect import Background
+from gym_fork.migration.wire.messages import recv_msg, send_msg
 from gym_fork.migration.wire.streams import DumpThread, send_images
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import bundle_meta, sign_meta
@@ -87,6 +88,11 @@ if os.WIFSIGNALED(st):
     os.kill(os.getpid(), sig)
 os._exit(os.waitstatus_to_exitcode(st) & 0xFF)
 """
+
+#: how long the source waits for the target's verdict once the images are sent (its restore of
+#: a large job takes long); the job is paused meanwhile, and a target that never answers is given
+#: up (the target then gets no commit, and stops its restored copy)
+VERDICT_TIMEOUT_S = 300.0
 
 # The signals that make `gym-fork run` stop its job, and how long the job then has before SIGKILL.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -196,6 +202,24 @@ class JobHost:
         self.returncode = self.returncode if self.returncode is not None else -9
         self.chan.close()
 
+    def _commit(self, sock: socket.socket, target: str) -> None:
+        """Tell the target, whose restored copy of the job waits, that the move is committed: from
+        here on this source stops, whatever it hears back (one copy runs, never two: a copy the
+        commit did not reach is stopped there). A missing acknowledgement is logged loudly."""
+        try:
+            send_msg(sock, {"commit": True})
+        except OSError as e:  # not sent: the target stops its copy, and so do we: said loudly
+            log.error("job %d: the commit to %s could not be sent (%s); the target stops its restored copy when "
+                      "it hears none, and this source stops too: check %s for the job", self.pid, target, e, target)
+            return
+        try:
+            ack = recv_msg(sock)
+        except (OSError, EOFError) as e:
+            ack = {"committed": None, "message": f"{type(e).__name__}: {e}"}
+        if not (isinstance(ack, dict) and ack.get("committed") is True):
+            log.error("job %d: %s did not acknowledge the commit (%s); the job runs there if the commit arrived, "
+                      "else nowhere: check %s", self.pid, target, ack, target)
+
     def migrate_out(self, req: dict) -> bool:
         """Move the job to ``req["target"]``. Returns True once the target confirmed (the caller
         then kills the source); False after telling the job why not (it trains on)."""
@@ -219,6 +243,7 @@ class JobHost:
             t0 = time.time()
             c = conn.result()
             sock = c.sock
+            sock.settimeout(VERDICT_TIMEOUT_S)  # (the connect timeout was for the handshake)
             tl["connect_wait_s"] = time.time() - t0
             tl["prewarmed"] = float(c.prewarmed)
             tl.update(c.timings)
@@ -237,15 +262,17 @@ class JobHost:
             try:
                 reply, nbytes = send_images(sock, {"op": "job", "t_freeze": t_freeze, "timeline": tl}, images,
                                             target, trailer, dumper.done, dumper.failed, limit)
+                tl["transfer_restore_s"] = time.time() - t0
+                if not reply.get("ok"):
+                    raise RemoteRestoreError(f"{c.hello.get('node')!r} at {target} did not restore the job: "
+                                             f"{reply.get('error')}: {reply.get('message')}", reply.get("error", ""))
+                if reply.get("commit") == "wanted":
+                    self._commit(sock, target)
             except ValueError:
                 dumper.raise_error()
                 raise
             finally:
                 sock.close()
-            tl["transfer_restore_s"] = time.time() - t0
-            if not reply.get("ok"):
-                raise RemoteRestoreError(f"{c.hello.get('node')!r} at {target} did not restore the job: "
-                                         f"{reply.get('error')}: {reply.get('message')}", reply.get("error", ""))
             log.info("job %d moved to %s (%s): %d bytes, dump %.3fs (streamed meanwhile), transfer+restore %.3fs",
                      self.pid, c.hello.get("node"), target, nbytes, tl["dump_s"], tl["transfer_restore_s"])
             return True

@@ -36,6 +36,9 @@ from gym_fork.snapshots.bundle import canonical_meta
 from gym_fork.worker.channel import Channel, socket_inode
 
 RECEIVE_TIMEOUT_S = 60.0
+#: how long a restored job waits, frozen, for its source to commit the move (the source stops
+#: then); without a commit the restored copy is killed: one copy of a job runs, never two
+COMMIT_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -249,19 +252,40 @@ def receive_job(site: JobSite, conn: socket.socket, req: dict, who: str) -> None
     arrived = {"status": "arrived", "node": site.node, "source": meta.get("source"), "t_freeze": meta["t_freeze"],
                "t_resume": time.time(), "bytes": timings["bytes"],
                "timeline": {**req.get("timeline", {}), **meta.get("timeline", {}), **timings}}
+    # Two phases: the restored job waits (blocked on its migration request) until the source,
+    # told that it is ready here, commits -- and stops. Before, the job ran on here as soon as it
+    # was restored; a source that gave up waiting for the verdict (a slow restore, a lost reply)
+    # trained on too: two copies of one job, silently.
+    try:
+        send_msg(conn, {"ok": True, "node": site.node, "pid": pid, "timings": timings, "commit": "wanted"})
+        conn.settimeout(COMMIT_TIMEOUT_S)
+        commit = recv_msg(conn)
+        if not (isinstance(commit, dict) and commit.get("commit") is True):
+            raise MigrationError(f"the source answered {commit!r}, not a commit")
+    except Exception as e:  # noqa: BLE001 - no commit: the source runs the job on; not here too
+        host.kill()
+        site.job_ended(host, "refused")
+        site.log.warning("%s: job restored as pid %d, but its source did not commit the move (%s: %s): the "
+                         "restored copy was stopped; the job runs on at its source", who, pid, type(e).__name__, e)
+        return
     try:
         chan.send(arrived)  # the restored job continues now
     except OSError as e:
         host.kill()
         site.job_ended(host, "refused")
-        send_msg(conn, {"ok": False, "error": "RestoreError", "message": f"the restored job did not take its reply: {e}"})
+        site.log.error("%s: the restored job (pid %d) did not take its reply after the source committed (%s): "
+                       "the job is lost; its source stopped", who, pid, e)
+        try:
+            send_msg(conn, {"committed": False, "message": f"the restored job did not take its reply: {e}"})
+        except OSError:
+            pass
         return
     with site.lock:
         site.jobs[pid] = host
     try:
-        send_msg(conn, {"ok": True, "node": site.node, "pid": pid, "timings": timings})
+        send_msg(conn, {"committed": True})
     except OSError:
-        pass  # the source is gone; the job runs here anyway (it was told it arrived)
+        pass  # the source committed (it stops whatever it hears now); the job runs here
     site.log.info("%s: job restored as pid %d from %s", who, pid, meta.get("source"))
 
     def supervise() -> None:
