@@ -25,12 +25,12 @@ from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle, RemoteHandle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
-                             NotSendableError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
+                             NotSendableError, UncapturableStateError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
 from gym_fork.interrupts import held
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.proxy import call as proxy_call
 from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
-from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir
+from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir, tree_stat
 from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
 from gym_fork.worker import files
 from gym_fork.worker.commands import MUTABLE_ACTIONS, make_source, own_action, pickle_policy
@@ -735,7 +735,19 @@ class ForkableEnv(gym.Wrapper):
         ready = self._restore_rate.likely() if restore_soon is None else restore_soon
         return self._snapshot(ready_copy=ready, counted=True)
 
-    def _snapshot(self, *, ready_copy: bool, counted: bool = False) -> Snapshot:
+    def _written_meanwhile(self) -> list[str]:
+        """The directories a snapshot copies after the processes' memory (the workspace, private
+        directories) when the env may change them on its own while it is snapshotted: its worker
+        said it has threads, a timer or processes (the same word a restore asks again on)."""
+        chan = getattr(self._handle, "chan", None)
+        if not getattr(chan, "spawned", False):
+            return []
+        out = [self._workspace.path] if self._workspace is not None else []
+        if self._private is not None:
+            out += [f"/proc/{self._handle.pid}/root{d}" for d in self._private.dirs]
+        return out
+
+    def _snapshot(self, *, ready_copy: bool, counted: bool = False, retry: bool = True) -> Snapshot:
         """:meth:`snapshot`; ``ready_copy``: prepare a restore ahead (the backend's hint, see
         :class:`~gym_fork.snapshots.snapshot.RestoreRate`); ``counted``: one of the snapshots the
         env's restore rate counts (those the user takes)."""
@@ -743,6 +755,8 @@ class ForkableEnv(gym.Wrapper):
         # a snapshot copies the local worker, which the target of a live migration cannot replay
         self._end_live("a snapshot was taken (snapshot(), or fork()/explore() from the current state)")
         sid = new_id()
+        watched = self._written_meanwhile()
+        before = tree_stat.signature(watched) if watched else None
         with self._one_call("a snapshot was taken"):  # no other thread's step between its requests
             self._settle_interrupted()  # (the snapshot's steps and actions are read after it)
             payload, size = self._backend.snapshot(self._handle, sid, ready_copy=ready_copy)
@@ -771,6 +785,22 @@ class ForkableEnv(gym.Wrapper):
             except BaseException:
                 snap.release()
                 raise
+        if before is not None:
+            changed = tree_stat.first_change(before, tree_stat.signature(watched))
+            if changed is not None and changed.startswith(f"/proc/{self._handle.pid}/root/"):
+                changed = changed[len(f"/proc/{self._handle.pid}/root"):]  # (a private directory, as the env sees it)
+            if changed is not None:
+                self._snapshots.pop(snap.id, None)
+                snap.release()
+                if retry:  # (a write just before the dump froze the tree is no race: once more)
+                    return self._snapshot(ready_copy=ready_copy, counted=counted, retry=False)
+                raise UncapturableStateError(
+                    f"gym_fork cannot snapshot this env exactly: while it was snapshotted, a thread or process of "
+                    f"the env changed {changed} (its directory is copied after the processes' memory, so the "
+                    "copy of the file would not go with the copy of the memory). Change such files only inside "
+                    "step() and reset() (a thread or server that writes them on its own is not snapshotted "
+                    "consistently), or keep them outside the workspace and private directories. No snapshot was "
+                    "kept; the env keeps running.", [])
         if self._store is not None:
             self._store.add(snap)  # may move older in-memory snapshots to disk (memory budget)
         self._parent_id = snap.id

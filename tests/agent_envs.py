@@ -1257,3 +1257,40 @@ class SharedMemoryFileEnv(_Base):
 
 def shared_memory_file(path: str, how: str):
     return SharedMemoryFileEnv(path, how)
+
+
+class WorkspaceThreadEnv(_Base):
+    """A background thread keeps ``workspace/count.txt`` equal to a counter in memory (under a
+    lock), bumping both every millisecond; each step observes both. In any exact copy they are
+    equal. ``workspace``: the directory (the env's workspace)."""
+
+    def __init__(self, workspace: str) -> None:
+        super().__init__()
+        self.workspace = workspace
+        self.lock = threading.Lock()
+        self.counter = 0
+        self._write()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _write(self) -> None:
+        with open(os.path.join(self.workspace, "count.txt"), "w") as f:
+            f.write(str(self.counter))
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                self.counter += 1
+                self._write()
+            time.sleep(0.001)
+
+    def step(self, action):
+        self.t += 1
+        with self.lock:
+            with open(os.path.join(self.workspace, "count.txt")) as f:
+                on_disk = int(f.read())
+            counter = self.counter
+        return self._obs(float(counter - on_disk)), 0.0, *self._done(), {"counter": counter, "file": on_disk}
+
+
+def workspace_thread(workspace: str):
+    return WorkspaceThreadEnv(workspace)

@@ -1274,3 +1274,22 @@ def test_a_file_in_dev_shm_is_refused_like_any_outside_file(how):
     finally:
         env.close()
         os.unlink(path)
+
+
+def test_a_workspace_written_by_a_thread_while_it_is_snapshotted_is_refused(tmp_path):
+    """The workspace is copied after the CRIU dump, when the env's processes run again: a thread
+    that keeps a file in step with its memory wrote it meanwhile, and a restored copy found the
+    file ahead of its memory (counter 11, file 10), silently; some such snapshots could never be
+    restored ("bad size"). The files' stat signatures before the dump and after the copy now
+    tell: such a snapshot is taken again once, then refused naming the file (found by an audit)."""
+    ws = str(tmp_path / "ws")
+    os.makedirs(ws)
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.workspace_thread, ws), workspace=ws, backend="criu")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        with pytest.raises(UncapturableStateError, match=r"changed .*count\.txt.*only inside\s+step\(\)"):
+            env.snapshot()
+        assert env.step(1)[0][1] == 0.0  # untouched: it runs on
+    finally:
+        env.close()

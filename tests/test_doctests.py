@@ -37,6 +37,7 @@ MODULES = [
     "gym_fork.backends.treecapture",
     "gym_fork.backends.exactness",
     "gym_fork.backends.rng_watch",
+    "gym_fork.snapshots.tree_stat",
     "gym_fork.wrapped",
     "gym_fork.check",
     "gym_fork.costs",
