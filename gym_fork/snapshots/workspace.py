@@ -8,7 +8,15 @@ The contract with the env (the simplest one that works with CRIU restores, where
 open files are fixed):
 
 * the env opens workspace files only *during* a step (``with open(...)``, a SQLite connection
-  per step) and holds no workspace file open between steps;
+  per step) and holds no workspace file open between steps, for writing or for reading (the
+  worker's scan refuses a snapshot while it does: a descriptor names the original's file, not the
+  copy a restore or fork puts back);
+* the workspace is self-contained: a symlink in it that names a workspace file does so by a
+  relative path inside it (``ln -s data.txt current``; one by the workspace's absolute path
+  would lead every branch back into the original), and no file in it is hard-linked to a file
+  outside it (a copy separates the two names).  A capture refuses either by name
+  (:func:`check_capturable`); a symlink to a path outside the workspace is copied as it is
+  (writes through it are files outside the workspace, refused as such);
 * it finds its workspace through an attribute ``workspace`` (an absolute path) on its
   ``unwrapped`` env.  ``restore()`` keeps the same path and swaps the directory's *content*;
   a ``fork()`` child gets a new directory ``DIR.branch-<id>`` and gym_fork sets the child's
@@ -182,6 +190,102 @@ def copy_tree(src: str, dst: str) -> None:
     shutil.copystat(src, dst)  # cp copied what is in src, not src itself
 
 
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _leaves_and_comes_back(rel: str, target: str) -> bool:
+    """Whether the relative link target ``target`` of the entry ``rel`` (relative to the
+    workspace root) climbs out of the workspace on its way (``../ws/data.txt``), read lexically."""
+    depth = len([c for c in os.path.dirname(rel).split("/") if c])
+    for c in target.split("/"):
+        if c in ("", "."):
+            continue
+        if c == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        else:
+            depth += 1
+    return False
+
+
+def check_capturable(root: str) -> None:
+    """Refuse a workspace that a copy cannot reproduce as an independent directory.
+
+    * A symlink whose target names the workspace by its own path (``ln -s $PWD/data.txt
+      current``: an absolute path into it, or a relative one that climbs out of it and back in)
+      is copied as it is: in every ``fork()`` branch (``DIR.branch-<id>``) and in a workspace a
+      bundle is loaded into it still names the *original's* file, and each copy would write
+      there.  A relative link inside the workspace (``ln -s data.txt current``) is copied right.
+    * A regular file with more links (``st_nlink``) than it has names in the workspace is
+      hard-linked to a file outside it: the capture copies its content, after which the two names
+      are separate files, and what the env writes through one no longer shows through the other.
+
+    Raises:
+        UncapturableStateError: naming each such entry and what to do instead.
+    """
+    import stat
+
+    from gym_fork.errors import UncapturableStateError
+
+    root = os.path.normpath(os.path.abspath(root))
+    real = os.path.realpath(root)
+    homes = (root,) if real == root else (root, real)
+    links: list[str] = []
+    inodes: dict[tuple[int, int], list] = {}  # (dev, ino) -> [st_nlink, names in the workspace]
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        d = os.path.join(root, rel) if rel else root
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                name = os.path.join(rel, e.name) if rel else e.name
+                try:
+                    if e.is_symlink():
+                        target = os.readlink(e.path)
+                        if os.path.isabs(target):
+                            if any(_under(os.path.normpath(target), h) for h in homes):
+                                links.append(f"{name} -> {target}")
+                        elif _leaves_and_comes_back(name, target) and _under(
+                                os.path.normpath(os.path.join(root, os.path.dirname(name), target)), root):
+                            links.append(f"{name} -> {target}")
+                    elif e.is_dir(follow_symlinks=False):
+                        todo.append(name)
+                    elif e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+                            inodes.setdefault((st.st_dev, st.st_ino), [st.st_nlink, []])[1].append(name)
+                except OSError:
+                    continue  # gone meanwhile: not in the capture either
+    hard = [names for nlink, names in inodes.values() if nlink > len(names)]
+    problems, fixes = [], []
+    if links:
+        problems.append(f"{len(links)} symlink{'s' if len(links) > 1 else ''} naming the workspace by its own "
+                        f"path ({', '.join(sorted(links)[:5])}{', ...' if len(links) > 5 else ''}), which every "
+                        "fork() branch and every workspace a saved snapshot is loaded into would follow back into "
+                        f"{root}")
+        fixes.append("make such a link relative and inside the workspace (os.symlink('data.txt', "
+                     "os.path.join(self.workspace, 'current')), ln -s data.txt current), so each copy's link "
+                     "names that copy's file")
+    if hard:
+        shown = sorted(", ".join(sorted(names)) for names in hard)
+        problems.append(f"{len(hard)} file{'s' if len(hard) > 1 else ''} hard-linked to a file outside the "
+                        f"workspace ({'; '.join(shown[:5])}{'; ...' if len(shown) > 5 else ''}), whose other "
+                        "name a restore or fork would separate from the copy it puts back")
+        fixes.append("copy the file into the workspace instead of linking it (shutil.copy2), or keep every "
+                     "name of it inside the workspace (tools that hard-link by themselves: git clone of a local "
+                     "repository, use --no-hardlinks; uv, set UV_LINK_MODE=copy)")
+    if problems:
+        raise UncapturableStateError(
+            f"gym_fork cannot snapshot this env exactly: its workspace {root} holds " + "; and ".join(problems)
+            + ". To fix: " + " | ".join(fixes) + ". No snapshot was kept; the env keeps running.")
+
+
 def _prune(src: str, dst: str) -> None:
     """Remove from ``dst`` everything but the directories that ``src`` has as directories too
     (recursively), so that copying ``src`` into it then leaves exactly ``src``'s content."""
@@ -214,6 +318,12 @@ class Workspace:
             shutil.rmtree(self.path, ignore_errors=True)
 
     def capture(self, snap_id: str) -> str:
+        """Copy the live directory into a new capture for snapshot ``snap_id``; returns its path.
+
+        Raises:
+            UncapturableStateError: the directory holds what no copy of it reproduces (see
+                :func:`check_capturable`); nothing was copied."""
+        check_capturable(self.path)
         dst = os.path.join(sessiondir.session_dir(), f"ws-{sessiondir.check_id(snap_id)}")
         tmp = dst + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -242,10 +352,16 @@ class Workspace:
 
 
 def attach(snap, ws: Workspace) -> None:
-    """Capture ``ws`` for ``snap``; the capture is deleted when the snapshot goes away."""
+    """Capture ``ws`` for ``snap``; the capture is deleted when the snapshot goes away.  Where
+    the workspace cannot be captured (:func:`check_capturable`) the snapshot is released and
+    the error raised: no snapshot exists whose files would come back wrong."""
     import weakref
 
-    snap.workspace = ws.capture(snap.id)
+    try:
+        snap.workspace = ws.capture(snap.id)
+    except BaseException:
+        snap.release()
+        raise
     snap.workspace_path = ws.path
     weakref.finalize(snap, drop_capture, snap.workspace)
 

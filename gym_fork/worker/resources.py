@@ -14,8 +14,9 @@ and how it can be captured:
 ``"criu"``
     a CRIU dump of the worker's whole tree restores it exactly (threads, child processes, pipes
     and unix sockets between the tree's processes, unlinked files up to :data:`GHOST_LIMIT`,
-    anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files with their offset,
-    ptys the env opened itself (both ends in the tree: an interactive shell, as pexpect runs one),
+    anonymous shared memory, eventfd/timerfd/inotify/epoll, read-only files outside the env's
+    workspace with their offset, ptys the env opened itself (both ends in the tree: an
+    interactive shell, as pexpect runs one),
     interval timers (``signal.alarm``/``setitimer``) and POSIX timers, which a forked child does not
     have, and the env's own ``os.register_at_fork(after_in_child=...)`` hooks, which a forked
     child runs);
@@ -24,7 +25,9 @@ and how it can be captured:
     abstract unix sockets: a restored copy would otherwise collide with the original's address);
 ``"none"``
     nothing captures it: a socket or pipe to a process outside the tree or to another machine, a
-    file open for writing (its content is not in any image), shared memory or a shared file
+    file open for writing (its content is not in any image), a file of the env's ``workspace=``
+    held open for reading or writing (the workspace is captured as files: a restore or fork puts
+    back other inodes than the one the descriptor names), shared memory or a shared file
     mapping other processes can write, a terminal or a GPU device.  ``fix`` says what to do.
 
 The scan also reports the tree's shape (:class:`Scan`): whether the worker is the init of its PID
@@ -712,9 +715,24 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
                                 "snapshots; keep it smaller, or keep it in workspace=DIR under a name")
         return Resource("unlinked-file", pid, f"{path} ({st.st_size} bytes)", "criu", fd,
                         detail={"size": st.st_size})
+    if writing and flags & os.O_APPEND and (st.st_dev, st.st_ino) in logs:
+        return None  # the worker's own log (worker_log=): appended to by every copy
+    if _in_workspace(path):
+        # The workspace is captured as files: a restore swaps the directory's content (new
+        # inodes) and a fork() child works in a copy of its own, while a descriptor held open
+        # across steps still names the original's file -- a reader reads stale or another copy's
+        # content (and a CRIU image of it fails on the file's new size), a writer writes there.
+        how = "open for writing" if writing else "open for reading"
+        sqlite = _is_sqlite(proc, name)
+        return Resource("file", pid, f"{path} ({'SQLite database ' if sqlite else ''}{how}, in the env's workspace)",
+                        "none", fd, detail={"path": path},
+                        fix="a workspace file is captured by its content, and a descriptor held open between steps "
+                            "would still name the original's file after a restore or in a fork() child, not the "
+                            "copy put back: open it only during a step (with open(...) inside step()) and close it "
+                            "before the step returns" + ("; for SQLite: connect per step (also for reading) and "
+                                                          "close the connection before the step returns"
+                                                          if sqlite else ""))
     if writing:
-        if flags & os.O_APPEND and (st.st_dev, st.st_ino) in logs:
-            return None  # the worker's own log (worker_log=): appended to by every copy
         if mounts.under_private(path):  # each restored copy gets its own copy of the file
             if _is_sqlite(proc, name):
                 return Resource("file", pid, f"{path} (SQLite database held open, in a private directory)", "none",
@@ -737,6 +755,19 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
                             "and open it only during a step (for SQLite: connect per step); if it is a log the "
                             f"env only appends to, say so: ForkableEnv(..., untracked_paths=[{path!r}])")
     return Resource("file", pid, f"{path} (open for reading)", "criu", fd, detail={"path": path})
+
+
+def _in_workspace(path: str) -> bool:
+    """Whether ``path`` (as ``/proc`` names an open file: symlinks resolved) lies in the env's
+    declared workspace (:func:`gym_fork.worker.files.set_workspace`)."""
+    rec = files._active or files._worker
+    ws = getattr(rec, "workspace", None)
+    if not ws:
+        return False
+    for d in {ws, os.path.realpath(ws)}:
+        if path == d or path.startswith(d.rstrip("/") + "/"):
+            return True
+    return False
 
 
 def _log_resource(proc: str, pid: int, fd: int, path: str, flags: int, st: os.stat_result) -> Resource | None:

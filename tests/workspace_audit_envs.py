@@ -1,0 +1,203 @@
+"""Envs for tests/test_workspace_audit.py: workspaces that a copy of the directory cannot reproduce
+(a symlink naming the workspace by its own path, a file hard-linked to one outside it) and envs
+that hold a workspace file open between steps (read-only too).  Module-level classes, so that a
+worker unpickles them by reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+
+
+class _Base(gym.Env):
+    metadata = {"render_modes": []}
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-1e12, 1e12, (2,), np.float64)
+        self.action_space = gym.spaces.Discrete(4)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2), {}
+
+
+class LinkedDataEnv(_Base):
+    """Appends each action to ``data.txt`` through a symlink ``current`` in the workspace, made at
+    reset as ``how`` says: ``"absolute"`` ($PWD/data.txt), ``"relative"`` (data.txt) or
+    ``"climbing"`` (../<workspace name>/data.txt: out of the workspace and back in)."""
+
+    def __init__(self, how: str = "relative"):
+        super().__init__()
+        self.how = how
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        ws = self.workspace
+        with open(os.path.join(ws, "data.txt"), "w"):
+            pass
+        link = os.path.join(ws, "current")
+        if os.path.lexists(link):
+            os.unlink(link)
+        target = {"absolute": os.path.join(ws, "data.txt"), "relative": "data.txt",
+                  "climbing": os.path.join("..", os.path.basename(ws), "data.txt")}[self.how]
+        os.symlink(target, link)
+        return r
+
+    def relink(self, how: str) -> None:
+        """Make ``current`` again, as ``how`` says (between steps: the env's own fix)."""
+        self.how = how
+        link = os.path.join(self.workspace, "current")
+        os.unlink(link)
+        os.symlink("data.txt" if how == "relative" else os.path.join(self.workspace, "data.txt"), link)
+
+    def step(self, a):
+        self.t += 1
+        p = os.path.join(self.workspace, "current")
+        with open(p, "a") as f:
+            f.write(str(int(a)))
+        with open(p) as f:
+            d = f.read()
+        return np.array([self.t, len(d)], float), 0.0, False, False, {"d": d}
+
+
+def linked_data(how: str = "relative") -> LinkedDataEnv:
+    return LinkedDataEnv(how)
+
+
+class HardLinkedEnv(_Base):
+    """Two names of one file, ``a.txt`` in the workspace and ``other``: ``other`` outside the
+    workspace (a path to an existing file the test made), or None for ``b.txt`` inside it (made
+    at reset). Appends through ``a.txt``, reads the other name."""
+
+    def __init__(self, other: str | None = None):
+        super().__init__()
+        self.other = other
+
+    def _other(self) -> str:
+        return self.other or os.path.join(self.workspace, "b.txt")
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        a = os.path.join(self.workspace, "a.txt")
+        if os.path.lexists(a):
+            os.unlink(a)
+        if self.other is None:
+            b = self._other()
+            if os.path.lexists(b):
+                os.unlink(b)
+            with open(b, "w"):
+                pass
+        os.link(self._other(), a)
+        return r
+
+    def unlink_outside(self) -> None:
+        """Give ``a.txt`` a content of its own (the env's own fix: a copy, not a link)."""
+        a = os.path.join(self.workspace, "a.txt")
+        with open(a) as f:
+            data = f.read()
+        os.unlink(a)
+        with open(a, "w") as f:
+            f.write(data)
+        self.other = os.path.join(self.workspace, "b.txt")
+        with open(self.other, "w") as f:
+            f.write(data)
+
+    def step(self, a):
+        self.t += 1
+        with open(os.path.join(self.workspace, "a.txt"), "a") as f:
+            f.write(str(int(a)))
+        with open(self._other()) as f:
+            d = f.read()
+        return np.array([self.t, len(d)], float), 0.0, False, False, {"d": d}
+
+
+def hard_linked(other: str | None = None) -> HardLinkedEnv:
+    return HardLinkedEnv(other)
+
+
+class HeldOpenEnv(_Base):
+    """Keeps ``state.txt`` in its workspace open between steps, as ``how`` says: ``"read"`` (a
+    read-only file object it reads the state through), ``"write"`` (``log.txt`` opened for
+    appending, a line per step), ``"sqlite-ro"`` (a read-only SQLite connection to ``app.db`` for queries, writes
+    through a connection per step) or ``"child"`` (a child process whose stdin is the file).
+    Each step rewrites the state through a per-step open."""
+
+    def __init__(self, how: str = "read"):
+        super().__init__()
+        self.how = how
+        self.held = None
+        self.proc = None
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        ws = self.workspace
+        p = os.path.join(ws, "state.txt")
+        with open(p, "w") as f:
+            f.write("00000000\n")
+        if self.how == "sqlite-ro":
+            c = sqlite3.connect(os.path.join(ws, "app.db"))
+            c.execute("create table if not exists m (t, a)")
+            c.commit()
+            c.close()
+        if self.held is None and self.proc is None:
+            if self.how == "read":
+                self.held = open(p)
+            elif self.how == "write":
+                self.held = open(os.path.join(ws, "log.txt"), "a", buffering=1)
+            elif self.how == "sqlite-ro":
+                self.held = sqlite3.connect(f"file:{os.path.join(ws, 'app.db')}?mode=ro", uri=True)
+            elif self.how == "child":
+                with open(p) as f:
+                    self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], stdin=f,
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return r
+
+    def step(self, a):
+        self.t += 1
+        p = os.path.join(self.workspace, "state.txt")
+        if self.how == "sqlite-ro":
+            c = sqlite3.connect(os.path.join(self.workspace, "app.db"))
+            c.execute("insert into m values (?, ?)", (self.t, int(a)))
+            c.commit()
+            c.close()
+            ro = self.held or sqlite3.connect(f"file:{os.path.join(self.workspace, 'app.db')}?mode=ro", uri=True)
+            n, s = ro.execute("select count(*), coalesce(sum(a), 0) from m").fetchone()
+            if ro is not self.held:
+                ro.close()
+            return np.array([self.t, n * 1000 + s], float), 0.0, False, False, {}
+        if self.how == "read" and self.held is not None:
+            self.held.seek(0)
+            v = int(self.held.read().strip() or 0)
+        else:
+            with open(p) as f:
+                v = int(f.read().strip() or 0)
+        if self.how == "write" and self.held is not None:
+            self.held.write(f"step {self.t}\n")
+        with open(p, "r+") as f:
+            f.write(f"{(v * 3 + int(a) + 1) % 10**8:08d}\n")
+        return np.array([self.t, v], float), 0.0, False, False, {}
+
+    def let_go(self) -> None:
+        """Close what it held (the env's own fix): from now on it opens everything per step."""
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def close(self):
+        self.let_go()
+
+
+def held_open(how: str = "read") -> HeldOpenEnv:
+    return HeldOpenEnv(how)
