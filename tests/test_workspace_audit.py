@@ -127,6 +127,22 @@ def test_a_file_hard_linked_outside_the_workspace_is_refused(tmp_path):
         env.close()
 
 
+def test_a_read_only_file_hard_linked_from_outside_is_kept(tmp_path):
+    """A local `git clone` hard-links its read-only objects: neither name is ever written, so the
+    capture's copy changes nothing, and the workspace is not refused for it."""
+    ws, outside = str(tmp_path / "ws"), str(tmp_path / "object")
+    with open(outside, "w") as f:
+        f.write("blob")
+    os.chmod(outside, 0o444)
+    env = gym_fork.ForkableEnv(functools.partial(envs.read_only_linked, outside), workspace=ws)
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        _restores_exactly(env)
+    finally:
+        env.close()
+
+
 def test_hard_links_inside_the_workspace_are_kept(tmp_path):
     ws = str(tmp_path / "ws")
     env = gym_fork.ForkableEnv(envs.hard_linked, workspace=ws)

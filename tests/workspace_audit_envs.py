@@ -201,3 +201,31 @@ class HeldOpenEnv(_Base):
 
 def held_open(how: str = "read") -> HeldOpenEnv:
     return HeldOpenEnv(how)
+
+
+class ReadOnlyLinkedEnv(_Base):
+    """A read-only file hard-linked into the workspace as ``ref.txt`` from ``other`` (as a local
+    ``git clone`` links its objects), read each step beside ``log.txt``, which the env appends to."""
+
+    def __init__(self, other: str):
+        super().__init__()
+        self.other = other
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        ref = os.path.join(self.workspace, "ref.txt")
+        if not os.path.lexists(ref):
+            os.link(self.other, ref)
+        return r
+
+    def step(self, a):
+        self.t += 1
+        with open(os.path.join(self.workspace, "log.txt"), "a") as f:
+            f.write(str(int(a)))
+        with open(os.path.join(self.workspace, "ref.txt")) as f, open(os.path.join(self.workspace, "log.txt")) as g:
+            d = f.read() + g.read()
+        return np.array([self.t, len(d)], float), 0.0, False, False, {"d": d}
+
+
+def read_only_linked(other: str) -> ReadOnlyLinkedEnv:
+    return ReadOnlyLinkedEnv(other)

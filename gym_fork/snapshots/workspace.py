@@ -218,9 +218,11 @@ def check_capturable(root: str) -> None:
       is copied as it is: in every ``fork()`` branch (``DIR.branch-<id>``) and in a workspace a
       bundle is loaded into it still names the *original's* file, and each copy would write
       there.  A relative link inside the workspace (``ln -s data.txt current``) is copied right.
-    * A regular file with more links (``st_nlink``) than it has names in the workspace is
+    * A writable regular file with more links (``st_nlink``) than it has names in the workspace is
       hard-linked to a file outside it: the capture copies its content, after which the two names
       are separate files, and what the env writes through one no longer shows through the other.
+      (A read-only one, such as the git objects a local ``git clone`` links, is not written
+      through either name: it is kept.)
 
     Raises:
         UncapturableStateError: naming each such entry and what to do instead.
@@ -258,7 +260,9 @@ def check_capturable(root: str) -> None:
                         todo.append(name)
                     elif e.is_file(follow_symlinks=False):
                         st = e.stat(follow_symlinks=False)
-                        if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+                        # (read-only files are left out: a git object that `git clone` linked from a
+                        # local repository is never written, so separating its names changes nothing)
+                        if st.st_nlink > 1 and stat.S_ISREG(st.st_mode) and st.st_mode & 0o222:
                             inodes.setdefault((st.st_dev, st.st_ino), [st.st_nlink, []])[1].append(name)
                 except OSError:
                     continue  # gone meanwhile: not in the capture either
