@@ -139,11 +139,27 @@ def check_movable(env: Any) -> None:
 
     Raises:
         EnvClosedError: the env was closed.
-        MigrationError: not the criu backend, or the env has a workspace.
+        MigrationError: not the criu backend, a criu backend without CRIU (fork-only mode: inside
+            a ``gym-fork run`` job, or where CRIU is unavailable), or the env has a workspace.
     """
     env._check_open()
     if env.backend != "criu":
         raise MigrationError(f"only the criu backend can migrate (this env uses {env.backend!r})")
+    be = getattr(env, "_backend", None)
+    if getattr(be, "mode", None) == "fork":  # (a migrated env's stand-in backend has no mode)
+        from gym_fork.migration.control import is_managed_job
+
+        if is_managed_job():
+            raise MigrationError(
+                "env.migrate() is not available inside a managed job (`gym-fork run`): its env workers run "
+                "without CRIU checkpoints of their own (CRIU cannot dump the nested PID namespaces they would "
+                "need), so one cannot move alone. Move the whole job instead -- workers and snapshots move "
+                "with it: gym_fork.sb3.LiveMigrationCallback(target) in SB3 training, or "
+                "gym_fork.migration.control.request_migration(target) at a step boundary. "
+                "The env keeps running here, unchanged")
+        raise MigrationError(
+            "migration needs CRIU, and this env's criu backend runs in fork-only mode "
+            f"({getattr(be, 'unavailable', None) or 'CRIU is unavailable'}); the env keeps running here, unchanged")
     ws = getattr(env, "_workspace", None)
     if ws is not None:
         raise MigrationError(

@@ -8,22 +8,32 @@ happens inside a later ``step()``/``reset()`` (or :meth:`LiveMigration.result`).
 pauses twice: for the snapshot and for the switch.
 
 The comparison is what makes it exact: a worker whose answers depend on anything outside its
-process (clock, network, files) diverges and the move is abandoned, the env untouched. Because
-the target *re-executes* the steps, envs with outside effects must use ``live=False``.
+process (clock, network, files) diverges and the move is abandoned, the env untouched. Each
+request and its answer are recorded as they were when the answer came back (copies: the learner
+may then change either in place -- a reused action buffer, an observation normalised in place, a
+vector env's info; about 1-3 us a step, the digests are taken in the background). Before the
+switch the worker's random generators are compared too (the env's ``np_random`` and those of its
+wrappers, ``random``, ``numpy.random``, torch's): an answer does not show a generator seeded
+differently on the target (``reset()`` without a seed on an env never seeded draws its seed from
+the OS), so such a move is abandoned as well. Because the target *re-executes* the steps, envs
+with outside effects must use ``live=False``.
 Anything but plain requests (``snapshot``, ``restore``, ``fork``, ``migrate``, ``close``)
 cancels a live migration first, and so does an error answer from the local worker.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from gym_fork.criu.status import dump_size_bound
-from gym_fork.errors import DivergedError, GymForkError, MigrationError
+from gym_fork.errors import ConcurrentUseError, DivergedError, GymForkError, MigrationError, WorkerError
 from gym_fork.migration.client import (MigratedBackend, NetworkHandle, check_migratable, ship_snapshot,
                                        switch_to_remote)
 from gym_fork.migration.wire.auth import load_token
@@ -34,6 +44,57 @@ log = logging.getLogger("gym_fork.migration")
 
 FINAL_OPS = 16  # catch up in the background until at most this many requests are left
 MAX_ROUNDS = 50  # a learner faster than the target's replay: switch anyway after this many rounds
+
+# values recorded as they are: nothing can change them in place
+_IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None), complex, range, np.float64, np.float32,
+                        np.float16, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32, np.uint16,
+                        np.uint8, np.bool_})
+
+
+class _Unknown(Exception):
+    """:func:`_frozen` met a type it does not copy."""
+
+
+def _frozen(obj: Any) -> Any:
+    """A copy of ``obj`` that nothing the caller does later changes, with the same
+    :func:`canonical_digest`: plain arrays copied, tuples, lists and dicts rebuilt, immutable
+    scalars kept. About 4x cheaper than the digest itself (a step's answer: 1-3 us), which is then
+    taken off the learner's path (the background thread's catch-up). Raises _Unknown for any
+    other type (the caller digests or deep-copies the original right away)."""
+    t = type(obj)
+    if t in _IMMUTABLE:
+        return obj
+    if t is np.ndarray:
+        if obj.dtype.hasobject:
+            raise _Unknown
+        return obj.copy()
+    if t is tuple:
+        return tuple([_frozen(x) for x in obj])
+    if t is dict:
+        return {_frozen(k): _frozen(v) for k, v in obj.items()}
+    if t is list:
+        return [_frozen(x) for x in obj]
+    if isinstance(obj, np.generic):
+        return obj
+    raise _Unknown
+
+
+def _own_args(args: tuple) -> tuple:
+    """The request's arguments as they are now, for the target's replay: copies where the caller
+    could change them in place afterwards (a policy filling one action buffer for every step)."""
+    for a in args:  # (the usual step: one int)
+        if type(a) not in _IMMUTABLE:
+            break
+    else:
+        return args
+    try:
+        return _frozen(args)
+    except _Unknown:
+        pass
+    try:
+        return copy.deepcopy(args)
+    except Exception:  # noqa: BLE001 - uncopyable: as it is (changed later, it only fails the move)
+        return args
 
 
 class _RecordingHandle:
@@ -112,9 +173,9 @@ class LiveMigration:
         self._snap = snap
         self._timings = timings
         self._lock = threading.Lock()
-        self._ops: list[tuple[str, tuple]] = []  # what the learner sent since the snapshot
+        self._ops: list[tuple[str, tuple]] = []  # what the learner sent since the snapshot (copies)
         self._digests: list[bytes | None] = []  # their answers' digests (None: not computed yet)
-        self._answers: list[Any] = []  # answers whose digest is still to compute (background)
+        self._answers: list[Any] = []  # copies of the answers whose digest is still to compute
         self._replayed = 0  # ops the target has replayed and matched
         self._state = "shipping"  # -> ready -> done | failed | cancelled
         self._error: BaseException | None = None
@@ -145,7 +206,20 @@ class LiveMigration:
         and switch. Returns the report (``downtime_s``: the learner's two pauses, the
         ``migrate()`` call (``timings["start_s"]``, a fork-tier snapshot) + the switch;
         bytes, timings, catch-up rounds). Raises the migration's error if it failed or was
-        cancelled -- the env then runs locally, unchanged. Call it from the learner's thread."""
+        cancelled -- the env then runs locally, unchanged. Call it from the learner's thread.
+
+        Raises:
+            ConcurrentUseError: a ``step_send()`` (or ``rollout_send()``) waits for its reply:
+                switching now would lose that step. Read it first (``step_receive()``), then call
+                ``result()`` again; nothing was changed.
+        """
+        if not self._finished.is_set() and self._recording._sent is not None:
+            raise ConcurrentUseError(
+                f"result() of the live migration to {self.target} while this env's "
+                f"{self._recording._sent[0]!r} request, sent with step_send() or rollout_send(), waits for "
+                "its reply: switching now would lose it. Read it first (step_receive() / rollout_receive()), "
+                "then call result() again (or just keep stepping: the switch happens inside a later step). "
+                "Nothing was changed: the migration and the env go on.")
         if not self._finished.is_set():
             if not self._ready.wait(timeout) and not self._finished.is_set():
                 raise TimeoutError(f"the live migration to {self.target} is not ready after {timeout} s")
@@ -162,17 +236,26 @@ class LiveMigration:
         self._cancel_from_learner(why)
 
     def _record(self, cmd: str, args: tuple, answer: Any) -> None:
-        written = self.env._outside_writes() if self._state in ("shipping", "ready") else None
-        if written:  # the target would replay this request and write those files a second time
-            self._cancel_from_learner(f"the env wrote files outside its workspace ({', '.join(written[:3])}), "
-                                      "which a replay on the target would write again")
-            return
-        with self._lock:
-            state = self._state
-            if state in ("shipping", "ready"):
-                self._ops.append((cmd, args))
-                self._answers.append(answer)
-                self._digests.append(None)
+        state = self._state
+        if state in ("shipping", "ready"):
+            written = self.env._outside_writes()
+            if written:  # the target would replay this request and write those files a second time
+                self._cancel_from_learner(f"the env wrote files outside its workspace ({', '.join(written[:3])}), "
+                                          "which a replay on the target would write again")
+                return
+            # taken now: once this returns, the learner may change the action it sent (one buffer
+            # for every step) or the answer it got (obs normalised in place, a vector env's info)
+            op = (cmd, _own_args(args))
+            try:
+                answer, digest = _frozen(answer), None  # digested later, off the learner's path
+            except _Unknown:
+                answer, digest = None, canonical_digest(answer)
+            with self._lock:
+                state = self._state
+                if state in ("shipping", "ready"):
+                    self._ops.append(op)
+                    self._answers.append(answer)
+                    self._digests.append(digest)
         if state == "ready":
             self._switch()
         elif state in ("failed", "cancelled"):
@@ -187,7 +270,8 @@ class LiveMigration:
         self._thread.join()  # it stopped using the remote handle when it set "ready"
         t0 = time.monotonic()
         try:
-            self._catch_up(self._remote, len(self._ops))
+            # (nothing recorded: the target is the snapshot itself, generators included)
+            self._catch_up(self._remote, len(self._ops), final=bool(self._ops))
         except BaseException as e:  # noqa: BLE001 - diverged, or the target died: stay local
             self._fail(e)
             self._uninstall()
@@ -278,10 +362,11 @@ class LiveMigration:
                 self._state = "ready"
         self._ready.set()
 
-    def _catch_up(self, remote: Any, upto: int) -> None:
-        """Have the target replay ops [replayed, upto) and check every answer."""
+    def _catch_up(self, remote: Any, upto: int, final: bool = False) -> None:
+        """Have the target replay ops [replayed, upto) and check every answer; ``final`` (the
+        switch's): then compare the random generators of both workers too."""
         lo = self._replayed
-        if upto <= lo:
+        if upto <= lo and not final:
             return
         with self._lock:
             ops = self._ops[lo:upto]
@@ -289,7 +374,7 @@ class LiveMigration:
         for i, ans in todo:  # digest outside the lock: the learner keeps appending meanwhile
             self._digests[i] = canonical_digest(ans)
             self._answers[i] = None
-        theirs = remote.request("replay", ops)
+        theirs, generators = self._replay_final(remote, ops) if final else (remote.request("replay", ops), None)
         for j, d in enumerate(theirs):
             if d != self._digests[lo + j]:
                 cmd = ops[j][0]
@@ -298,6 +383,41 @@ class LiveMigration:
                     "answered differently from the source: this env depends on something outside its "
                     "process (clock, network, shared files), so it cannot be live-migrated; use live=False")
         self._replayed = upto
+        if generators is not None:
+            ours, theirs_g = generators
+            differ = sorted(k for k in set(ours) | set(theirs_g) if ours.get(k) != theirs_g.get(k))
+            if differ:
+                raise DivergedError(
+                    f"after replaying the {upto} requests made since the snapshot, the target's random "
+                    f"generators differ from the source's ({', '.join(differ[:5])}) although every answer "
+                    "matched: the env drew randomness from outside its process meanwhile (e.g. reset() without "
+                    "a seed on an env never seeded takes its seed from the OS), so the target would go on "
+                    "differently. Seed the env (reset(seed=...)) before migrating it live, or use live=False; "
+                    "the env runs here, unchanged")
+
+    def _replay_final(self, remote: Any, ops: list) -> tuple[list, tuple[dict, dict] | None]:
+        """The switch's replay: the target replays ``ops`` and then reports its random generators
+        (their digests, by name) while the local worker reports its own (learner's thread: this
+        is the switch's pause). Returns the replay's digests and (ours, theirs), or None where the
+        worker runs older code that cannot report them."""
+        remote.send("replay", ops, True)
+        try:
+            ours = self._local.request("rng_digests")
+        except WorkerError as e:
+            if not (e.remote_type == "ValueError" and "unknown worker command" in str(e)):
+                raise
+            ours = None  # a worker restored from an image of older gym_fork code (so is the target)
+        try:
+            theirs = remote.receive()
+        except WorkerError:
+            if ours is not None:
+                raise
+            theirs = None  # (it refused the argument, replaying nothing)
+        if ours is None:
+            log.warning("live migration to %s: this env's worker runs older gym_fork code, which cannot "
+                        "report its random generators; switching without comparing them", self.target)
+            return (theirs[0] if theirs is not None else remote.request("replay", ops)), None
+        return theirs[0], (ours, theirs[1])
 
     def _release_snapshot(self) -> None:
         try:

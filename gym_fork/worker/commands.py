@@ -556,10 +556,42 @@ class EnvServer:
         return reseed_env(self.env, seed, self.reseeded,
                           skip=("torch.default_generator",) if self.torch_ahead else ())
 
-    def cmd_replay(self, ops: list) -> list:
+    def cmd_rng_digests(self) -> dict:
+        """The digest of each random generator the env may draw from, by name, read without
+        drawing (an env never seeded stays so): ``random``'s, ``numpy.random``'s, torch's when it is
+        loaded, and those each layer of the env stack (and its spaces) holds as an attribute
+        (``np_random``). Live migration compares them on source and target before it switches: an
+        answer does not show a generator seeded from the OS on one side only."""
+        import random
+
+        from gym_fork.worker.channel import canonical_digest
+
+        states: dict[str, Any] = {"random": _mt_state(random.getstate()), "numpy.random": np.random.get_state()}
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            try:
+                states["torch"] = torch.random.get_rng_state().numpy()
+            except Exception:  # noqa: BLE001 - a torch that cannot say: not compared
+                pass
+        layer, depth = self.env, 0
+        while True:
+            for name, value in list(getattr(layer, "__dict__", {}).items()):
+                if isinstance(value, gym.spaces.Space):
+                    name, value = name + "._np_random", value.__dict__.get("_np_random")
+                state = _generator_state(value)
+                if state is not None:
+                    states[f"{depth}:{type(layer).__name__}.{name}"] = state
+            if not isinstance(layer, gym.Wrapper):
+                break
+            layer, depth = layer.env, depth + 1
+        return {k: canonical_digest(v) for k, v in states.items()}
+
+    def cmd_replay(self, ops: list, generators: bool = False) -> list | tuple[list, dict]:
         """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of
         each result (or of its error). Live migration's catch-up: the target replays what the
-        source answered while the snapshot travelled (:mod:`gym_fork.migration.live`)."""
+        source answered while the snapshot travelled (:mod:`gym_fork.migration.live`).
+        ``generators`` (the last replay, before the switch): returns ``(digests,``
+        :meth:`cmd_rng_digests` ``)``, the generators as the replay left them."""
         from gym_fork.worker.channel import canonical_digest
 
         out = []
@@ -570,7 +602,26 @@ class EnvServer:
                 out.append(canonical_digest(self.dispatch(cmd, args)))
             except Exception as e:  # noqa: BLE001 - the source saw this error too (or it diverged)
                 out.append(canonical_digest(("error", type(e).__name__, str(e))))
-        return out
+        return (out, self.cmd_rng_digests()) if generators else out
+
+
+def _generator_state(value: Any) -> Any:
+    """The state of a random generator (None: ``value`` is none, or has no state to read)."""
+    import random
+
+    if isinstance(value, np.random.Generator):
+        return value.bit_generator.state
+    if isinstance(value, np.random.RandomState):
+        return value.get_state()
+    if isinstance(value, random.Random) and not isinstance(value, random.SystemRandom):
+        return _mt_state(value.getstate())
+    return None
+
+
+def _mt_state(state: tuple) -> tuple:
+    """A ``random.Random`` state with its 625 ints as one array (a digest 50x cheaper)."""
+    version, internal, gauss = state
+    return version, np.array(internal, dtype=np.uint64), gauss
 
 
 def host_pid() -> int:
