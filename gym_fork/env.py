@@ -31,7 +31,7 @@ from gym_fork.proxy import WorkerEnv, read
 from gym_fork.proxy import call as proxy_call
 from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir, tree_stat
-from gym_fork.snapshots.workspace import Workspace, attach as attach_workspace
+from gym_fork.snapshots.workspace import Workspace, aliases_of, attach as attach_workspace, binds_for as workspace_binds
 from gym_fork.worker import files
 from gym_fork.worker.commands import MUTABLE_ACTIONS, make_source, own_action, pickle_policy
 
@@ -133,6 +133,9 @@ class ForkableEnv(gym.Wrapper):
 
     _store: Any = None  # a gym_fork.SnapshotStore: budgets, persistence
     _workspace: Any = None  # a Workspace whose files every snapshot captures
+    # the other paths this env's worker sees its workspace at: those a restored snapshot's
+    # processes knew it by (bound in the worker's mount namespace, see _workspace_binds)
+    _ws_known: tuple[str, ...] = ()
     _origin: Any = None  # (env, env_kwargs, wrappers) it was built from: gym_fork.check_env builds more
     # forked with rng="reseed": a policy rolled out here (rollout(policy=...)) is reseeded from
     # the copy's seed too, as explore() does for its branches
@@ -286,10 +289,18 @@ class ForkableEnv(gym.Wrapper):
                 raise BackendUnavailableError("private_dirs needs the criu backend running as root")
             pd = private_dirs_mod.PrivateDirs(private)
             root, binds = pd.new_copy(snapshot.private_dirs)
+        # the directory first: a process of the snapshot's tree that knew its workspace by the
+        # path it was captured from sees this one there (ForkableEnv._workspace_binds)
+        ws = Workspace(workspace) if workspace is not None else None
+        ws_binds = (workspace_binds(snapshot, ws.path)
+                    if ws is not None and getattr(snapshot, "workspace", None) and _can_bind(be) else [])
+        per = [*(binds or ()), *ws_binds]
         try:
             snapshot._note_restored()
             with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
-                handle = be.restore(payload) if binds is None else be.restore(payload, binds)
+                handle = be.restore(payload, per) if per else be.restore(payload)
+            if ws is not None:
+                _refuse_unbound_tree(be, [handle], snapshot, [ws.path])
         except BaseException:
             if root is not None:
                 private_dirs_mod.remove([root])
@@ -297,13 +308,14 @@ class ForkableEnv(gym.Wrapper):
         env = cls._from_handle(be, handle, steps=snapshot.steps, parent_id=snapshot.id,
                                lineage=snapshot.lineage, record_actions=record_actions, store=store)
         env._untracked = untracked
+        env._ws_known = tuple(alias for _own, alias in ws_binds)
         env._request("untracked", list(untracked))  # not those the snapshot's process was told
         if pd is not None:
             env._set_private(pd)
             pd.switch(root)
-        if workspace is not None:
+        if ws is not None:
             try:
-                env._workspace = Workspace(workspace)
+                env._workspace = ws
                 if getattr(snapshot, "workspace", None):
                     env._workspace.restore_from(snapshot.workspace)
                 env._request("setattr", "workspace", env._workspace.path, "unwrapped")
@@ -778,7 +790,7 @@ class ForkableEnv(gym.Wrapper):
             self._restore_rate.taken(snap)
         snap._mirror = self._meta  # replaced, never changed in place (_refresh_meta): no copy needed
         if self._workspace is not None:
-            attach_workspace(snap, self._workspace)
+            attach_workspace(snap, self._workspace, self._ws_known)
         if self._private is not None:
             try:
                 private_dirs_mod.attach(snap, self._private, self._handle.pid)
@@ -830,9 +842,13 @@ class ForkableEnv(gym.Wrapper):
         # here, instead of one per block)
         with self._one_call("a restore was made"), held():  # the worker it replaces takes no other call
             roots, binds = self._private_copies(snapshot, 1)
+            ws_binds = self._workspace_binds(snapshot, self._workspace.path if self._workspace else None)
+            per = [*(binds[0] if binds else ()), *ws_binds]
             try:
                 with snapshot._open_payload() as payload:
-                    new = self._backend.restore(payload, binds[0]) if binds else self._backend.restore(payload)
+                    new = self._backend.restore(payload, per) if per else self._backend.restore(payload)
+                if self._workspace is not None:
+                    _refuse_unbound_tree(self._backend, [new], snapshot, [self._workspace.path])
             except BaseException:
                 private_dirs_mod.remove(roots)
                 raise
@@ -843,7 +859,7 @@ class ForkableEnv(gym.Wrapper):
                     new.kill()
                     private_dirs_mod.remove(roots)
                     raise
-            return self._adopt_restored(new, snapshot, roots[0] if roots else None)
+            return self._adopt_restored(new, snapshot, roots[0] if roots else None, ws_binds)
 
     @contextlib.contextmanager
     def _one_call(self, what: str):
@@ -863,11 +879,13 @@ class ForkableEnv(gym.Wrapper):
             if claimed:
                 handle._release()
 
-    def _adopt_restored(self, new: Handle, snapshot: Snapshot, private_root: str | None) -> tuple[Any, dict]:
+    def _adopt_restored(self, new: Handle, snapshot: Snapshot, private_root: str | None,
+                        ws_binds: Sequence[tuple[str, str]] = ()) -> tuple[Any, dict]:
         """Run on ``new``, a worker the backend restored from ``snapshot``, with everything else
         the snapshot holds put back too: the workspace's files (restore() and a vector env's
         fork_into() alike: a worker without them would read its old trajectory's files) and
-        the private directories' copy ``private_root``. Returns the snapshot's ``(obs, info)``."""
+        the private directories' copy ``private_root``; ``ws_binds``: the workspace binds the
+        worker was restored with (:meth:`_workspace_binds`). Returns the snapshot's ``(obs, info)``."""
         # Ctrl-C waits until the switch is whole: cut in the middle, the env ran the restored
         # worker and counted the old one's steps (or on half-restored files); see interrupts.held
         with held():
@@ -875,6 +893,7 @@ class ForkableEnv(gym.Wrapper):
                 snapshot._store.touch(snapshot)
             snapshot._note_restored()
             self._switch_to(new, snapshot)
+            self._ws_known = tuple(alias for _own, alias in ws_binds)
             if self._private is not None:
                 self._private.switch(private_root)
             if self._workspace is not None and getattr(snapshot, "workspace", None):
@@ -930,16 +949,29 @@ class ForkableEnv(gym.Wrapper):
             self._check_snapshot(snap)
             with snap._open_payload() as payload:
                 capacity.check_copies(payload, n, max_copies=max_copies)
-                roots, binds = self._private_copies(snap, n)
+                # each child's workspace first: its processes may run before the worker answers
+                # (a tool server restored with the tree), and see it at the snapshot's paths too
+                branches = self._workspace_branches(snap, n, keep_workspace)
                 try:
-                    if binds:
-                        handles = self._backend.restore_many(payload, n, binds, restoring=False)
+                    roots, binds = self._private_copies(snap, n)
+                except BaseException:
+                    for b in branches:
+                        b.discard(force=True)
+                    raise
+                ws_binds = [self._workspace_binds(snap, b.path) for b in branches] if branches else []
+                per = [[*(binds[i] if binds else ()), *(ws_binds[i] if ws_binds else ())] for i in range(n)]
+                try:
+                    if any(per):
+                        handles = self._backend.restore_many(payload, n, per, restoring=False)
                     elif policies:
                         handles = self._backend.restore_many(payload, n, policies=policies, restoring=False)
                     else:
                         handles = self._backend.restore_many(payload, n, restoring=False)
+                    _refuse_unbound_tree(self._backend, handles, snap, [b.path for b in branches])
                 except BaseException:
                     private_dirs_mod.remove(roots)
+                    for b in branches:
+                        b.discard(force=True)
                     raise
         finally:
             if own:
@@ -955,9 +987,9 @@ class ForkableEnv(gym.Wrapper):
                 child._set_private(private_dirs_mod.PrivateDirs(self._private.dirs))
                 child._private.switch(roots[i])
             children.append(child)
-            if self._workspace is not None and getattr(snap, "workspace", None):
-                child._workspace = self._workspace.branch(snap.workspace, uuid.uuid4().hex[:8],
-                                                          keep=keep_workspace)
+            if branches:
+                child._workspace = branches[i]
+                child._ws_known = tuple(alias for _own, alias in ws_binds[i])
                 child._ws_finalizer = weakref.finalize(child, child._workspace.discard)
                 child._request("setattr", "workspace", child._workspace.path, "unwrapped")
             if rng == "reseed":  # sent to all, then answered: the copies reseed side by side
@@ -1139,6 +1171,33 @@ class ForkableEnv(gym.Wrapper):
         self._private = pd
         self._untracked = (*self._untracked, *pd.dirs, os.path.join(sessiondir.session_dir(), "pdl-*"))
         self._private_finalizer = weakref.finalize(self, pd.discard)
+
+    def _workspace_branches(self, snapshot: Snapshot, n: int, keep: bool) -> list[Workspace]:
+        """A new workspace directory for each of ``n`` fork() children, holding ``snapshot``'s
+        files (none when this env has no workspace or the snapshot captured none)."""
+        if self._workspace is None or not getattr(snapshot, "workspace", None):
+            return []
+        out: list[Workspace] = []
+        try:
+            for _ in range(n):
+                out.append(self._workspace.branch(snapshot.workspace, uuid.uuid4().hex[:8], keep=keep))
+        except BaseException:
+            for b in out:
+                b.discard(force=True)
+            raise
+        return out
+
+    def _workspace_binds(self, snapshot: Snapshot, own: str | None) -> list[tuple[str, str]]:
+        """The binds a worker restored from ``snapshot`` into the workspace ``own`` runs with:
+        ``(own, path)`` for every other path the snapshot's processes may know the workspace by
+        (:func:`gym_fork.snapshots.workspace.binds_for`) -- a tool server started with
+        ``cwd=workspace`` or given its path, restored with the tree, then works in ``own`` and
+        never in the directory of the env the snapshot was taken from.  Only where the backend
+        gives workers mount namespaces (criu, as root); elsewhere ``[]`` (the worker's audit hook
+        still refuses the env's own use of the old path, see :mod:`gym_fork.worker.files`)."""
+        if own is None or not getattr(snapshot, "workspace", None) or not _can_bind(self._backend):
+            return []
+        return workspace_binds(snapshot, own)
 
     def _private_copies(self, snapshot: Snapshot, n: int) -> tuple[list[str], list | None]:
         """Fresh copies of ``snapshot``'s private directories for ``n`` new workers: ``(their
@@ -1441,6 +1500,37 @@ def _own_attr(env: ForkableEnv, name: str) -> bool:
     Gymnasium's ``hasattr(self, name)`` check, which a Wrapper without ``__getattr__`` passes
     only for its own attributes."""
     return hasattr(type(env), name) or name in env.__dict__
+
+
+def _refuse_unbound_tree(backend: Backend, handles: Sequence[Handle], snapshot: Snapshot, owns: Sequence[str]) -> None:
+    """Where workers get no mount namespace (no root): refuse new workers (restored from
+    ``snapshot`` into the workspaces ``owns``) with a process in their tree that knows the
+    workspace by a path that is not theirs -- started there, or given it in its arguments or
+    environment -- which would go on working in another env's files.  The handles are killed
+    (and the error raised) before anything was switched to them."""
+    if (backend.name != "criu" or not getattr(snapshot, "workspace", None) or _can_bind(backend)
+            or len(owns) != len(handles)):
+        return
+    from gym_fork.backends.treecapture import tree_process_naming
+
+    for handle, own in zip(handles, owns):
+        others = [a for a in aliases_of(snapshot) if a != own]
+        hit = tree_process_naming(handle.pid, others) if others and handle.pid else None
+        if hit is not None:
+            for h in handles:
+                h.kill()
+            raise UnsupportedEnvError(
+                f"gym_fork: a process of snapshot {snapshot.id}'s tree knows the workspace by a path that is not "
+                f"this copy's ({hit}); the copy works in {own}, and without root gym_fork cannot show it its own "
+                "directory at that path (a mount namespace per copy needs CAP_SYS_ADMIN): the process would go on "
+                "working in another env's files. Run as root, or have the env start such tools during a step, "
+                "from self.workspace, instead of keeping them running across snapshots. Nothing was changed.")
+
+
+def _can_bind(backend: Backend) -> bool:
+    """Whether ``backend`` can start a worker in a mount namespace of its own with binds (the
+    criu backend as root: CRIU restores and fork-tier copies alike)."""
+    return backend.name == "criu" and getattr(backend, "mode", None) in ("root", "fork") and os.geteuid() == 0
 
 
 def _private_dirs_backend(backend: str | Backend) -> str | Backend:

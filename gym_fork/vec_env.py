@@ -22,7 +22,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (VecEnv, VecEnvIndices
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
+from gym_fork.env import ForkableEnv, _refuse_unbound_tree, check_rng, close_envs, start_envs
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
@@ -521,17 +521,22 @@ class ForkableVecEnv(VecEnv):
         for env in targets:
             env._end_live("fork_into() replaces the worker")
         roots, binds = targets[0]._private_copies(snapshot, len(targets))  # private_dirs: a copy each
+        # each slot's workspace shown at the paths the snapshot's processes know (ForkableEnv._workspace_binds)
+        ws_binds = [env._workspace_binds(snapshot, env._workspace.path if env._workspace else None) for env in targets]
+        per = [[*(binds[k] if binds else ()), *ws_binds[k]] for k in range(len(targets))]
         try:
             with snapshot._open_payload() as payload:  # a stored snapshot's images, reassembled
-                handles = (targets[0]._backend.restore_many(payload, len(targets), binds) if binds
+                handles = (targets[0]._backend.restore_many(payload, len(targets), per) if any(per)
                            else targets[0]._backend.restore_many(payload, len(targets)))
+            if all(env._workspace is not None for env in targets):
+                _refuse_unbound_tree(targets[0]._backend, handles, snapshot, [env._workspace.path for env in targets])
         except BaseException:
             private_dirs.remove(roots)
             raise
         # Each slot takes its new worker exactly as ForkableEnv.restore does: the old one is
         # stopped, and the slot's workspace files and private directories are put back too.
         for k, (i, env, handle) in enumerate(zip(idx, targets, handles)):
-            self._obs[i], info = env._adopt_restored(handle, snapshot, roots[k] if roots else None)
+            self._obs[i], info = env._adopt_restored(handle, snapshot, roots[k] if roots else None, ws_binds[k])
             self.reset_infos[i] = _reset_info(snapshot, info)
         if rng == "reseed":  # the simulated state, and so the observation, stays as it is
             seed_list = [int(s) for s in seeds] if seeds is not None else [

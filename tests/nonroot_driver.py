@@ -123,6 +123,80 @@ class ShellSum(gym.Env):
             self.child.wait()
 
 
+class NotesTool(gym.Env):
+    """Appends a line per step to ``notes.txt`` in its workspace: through a shell started in the
+    workspace at the first reset and kept running (``"server"``), or itself, through a path it
+    derived at reset (``"derived"``)."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (2,), np.float64)
+    action_space = gym.spaces.Discrete(4)
+
+    def __init__(self, how="server"):
+        self.how, self.child, self.t, self.notes = how, None, 0, None
+
+    def reset(self, *, seed=None, options=None):
+        import subprocess
+
+        super().reset(seed=seed)
+        self.t = 0
+        self.notes = os.path.join(self.workspace, "notes.txt")
+        open(self.notes, "w").close()
+        if self.how == "server" and self.child is None:
+            self.child = subprocess.Popen(["sh", "-c", "while read x; do echo $x >> notes.txt; echo ok; done"],
+                                          cwd=self.workspace, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          text=True, bufsize=1)
+        return np.array([0.0, 0.0]), {}
+
+    def step(self, a):
+        self.t += 1
+        if self.child is not None:
+            self.child.stdin.write(f"{self.t}:{int(a)}\n")
+            self.child.stdout.readline()
+        else:
+            with open(self.notes, "a") as f:
+                f.write(f"{self.t}:{int(a)}\n")
+        with open(os.path.join(self.workspace, "notes.txt")) as f:
+            n = len(f.read().splitlines())
+        return np.array([self.t, n]), 0.0, False, False, {}
+
+    def close(self):
+        if self.child is not None:
+            self.child.kill()
+            self.child.wait()
+
+
+def workspace_copies(how: str) -> dict:
+    """A copy whose process (``how="server"``) or own code (``"derived"``) knows the original's
+    workspace path: refused, and the original's notes stay its own (no mount namespaces here)."""
+    import tempfile
+
+    import gym_fork
+
+    ws = os.path.join(tempfile.mkdtemp(), "ws")
+    env = gym_fork.ForkableEnv(lambda: NotesTool(how), workspace=ws)
+    out = {}
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+        try:
+            kid = env.fork(snap, 1)[0]
+            try:
+                kid.step(2)
+                out["refused"] = None
+            except Exception as e:  # noqa: BLE001
+                out["refused"] = f"{type(e).__name__}: {e}"
+            kid.close()
+        except Exception as e:  # noqa: BLE001
+            out["refused"] = f"{type(e).__name__}: {e}"
+        with open(os.path.join(ws, "notes.txt")) as f:
+            out["original_notes"] = f.read().split()
+        out["original_goes_on"] = env.step(3)[0].tolist()
+    finally:
+        env.close()
+    return out
+
+
 def same(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
@@ -369,7 +443,8 @@ def main_userns() -> dict:
     tree = {"ShellSum": (ShellSum, 5, 45)}
     for key, fn in (("fork_tier", lambda: exactness("auto")), ("criu_dumps", lambda: exactness(False)),
                     ("tree_auto", lambda: exactness("auto", tree)), ("tree_criu", lambda: exactness(False, tree)),
-                    ("branching", branching), ("persist", persist_and_bundle), ("timeout", timeout_check)):
+                    ("branching", branching), ("persist", persist_and_bundle), ("timeout", timeout_check),
+                    ("ws_server", lambda: workspace_copies("server")), ("ws_derived", lambda: workspace_copies("derived"))):
         try:
             res[key] = fn()
         except Exception:  # noqa: BLE001

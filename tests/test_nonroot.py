@@ -137,6 +137,16 @@ def test_userns_criu_and_fork_tier_as_plain_user(as_user):
     to = _ok(res, "timeout")
     assert to["message"] and "did not finish within" in to["message"], to
     assert to["leaked"] == [], to
+    # a copy that would work in the original's workspace (no mount namespaces without root): a
+    # kept-running tool started there is refused at the fork, the env's own use of a path it derived
+    # before the copy in its step; the original's notes stay its own either way
+    ws = _ok(res, "ws_server")
+    assert ws["refused"] and "UnsupportedEnvError" in ws["refused"] and "working directory" in ws["refused"], ws
+    assert "without root" in ws["refused"], ws
+    wd = _ok(res, "ws_derived")
+    assert wd["refused"] and "ForeignWorkspaceError" in wd["refused"] and "Derive paths" in wd["refused"], wd
+    for r in (ws, wd):
+        assert r["original_notes"] == ["1:1"] and r["original_goes_on"] == [2.0, 2.0], r
 
 
 def test_userns_disabled_falls_back_to_fork_tier(as_user):

@@ -8,7 +8,11 @@ diverges (found by an audit; each refusal below was silently accepted before):
 * a workspace file held open between steps, read-only too: a restored or forked copy read the
   original's (stale) inode, forks saw each other's rows, or the CRIU image could not be restored;
   and the refusal of one held open for writing tells to open it during a step, not to declare it
-  private or untracked (it is in the workspace already).
+  private or untracked (it is in the workspace already);
+* a copy's tool processes (a server started in the workspace or given its path, a tool run each
+  step with a path the env derived once) wrote into the workspace of the env the snapshot was
+  taken from: the original's files changed under it and the copy read the wrong ones.  As root,
+  every copy now runs in a mount namespace that shows its own workspace at those paths.
 """
 
 from __future__ import annotations
@@ -206,5 +210,82 @@ def test_a_workspace_file_held_open_for_writing_is_told_to_open_it_during_a_step
         for wrong in ("private_dirs", "untracked_paths", "workspace=DIR", "put it in"):
             assert wrong not in msg, (wrong, msg)
         env.step(2)
+    finally:
+        env.close()
+
+
+# --- a copy's tools, which know the workspace by the path they were given -------------------------
+
+TOOLS = ["server-cwd", "server-arg", "server-env", "tool-arg", "derived"]
+
+
+def _notes(ws: str) -> str:
+    return _read(os.path.join(ws, "notes.txt"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root (see tests/test_nonroot.py)")
+@pytest.mark.parametrize("how", TOOLS)
+def test_a_copys_tools_work_in_its_own_workspace_at_the_paths_they_were_given(tmp_path, how):
+    """fork(): each child's tools write the child's own files, not the parent's (before: the
+    parent's notes.txt got every child's lines, and each child read the parent's file); the same
+    for a copy of a copy, and for a child's snapshot restored into the parent."""
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(functools.partial(envs.tool, how), workspace=ws)
+    kids, grand = [], []
+    try:
+        env.reset(seed=0)
+        _run(env, (1, 2))
+        snap = env.snapshot()
+        at_snap = _notes(ws)
+        first = _run(env)
+        after_first = _notes(ws)
+        env.restore(snap)
+        kids = env.fork(snap, 2)
+        for k in kids:
+            assert _run(k) == first
+            assert _notes(k._workspace.path) == after_first
+        assert _notes(ws) == at_snap  # the children wrote none of it
+        assert _run(env) == first
+        k0 = kids[0]
+        ks = k0.snapshot()
+        at_ks = _notes(k0._workspace.path)
+        later = _run(k0, (3, 0, 3))
+        k0_files = _notes(k0._workspace.path)
+        env.restore(ks)  # a child's snapshot, in the parent's workspace
+        assert _notes(ws) == at_ks
+        assert _run(env, (3, 0, 3)) == later
+        grand = k0.fork(ks, 1)  # a copy of a copy
+        assert _run(grand[0], (3, 0, 3)) == later
+        assert _notes(grand[0]._workspace.path) == k0_files
+        assert _notes(k0._workspace.path) == k0_files  # neither touched the child's files
+        assert _notes(kids[1]._workspace.path) == after_first
+    finally:
+        for k in [*grand, *kids]:
+            k.close()
+        env.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root (see tests/test_nonroot.py)")
+def test_a_loaded_snapshots_server_works_in_the_new_workspace(tmp_path):
+    """from_snapshot(load_snapshot(...), workspace=NEW) while the env it was saved from still runs:
+    the restored server writes NEW, not the running env's directory."""
+    ws, ws2 = str(tmp_path / "ws"), str(tmp_path / "other")
+    env = gym_fork.ForkableEnv(functools.partial(envs.tool, "server-arg"), workspace=ws)
+    try:
+        env.reset(seed=0)
+        _run(env, (1, 2))
+        snap = env.snapshot()
+        path = snap.save(str(tmp_path / "bundle"))
+        at_snap = _notes(ws)
+        first = _run(env)
+        loaded = gym_fork.load_snapshot(path)
+        other = gym_fork.ForkableEnv.from_snapshot(loaded, workspace=ws2)
+        try:
+            assert _run(other) == first
+            assert _notes(ws2) == _notes(ws)
+            _run(other, (0, 0))
+            assert _notes(ws) == at_snap + "".join(f"{t}:{a}\n" for t, a in zip(range(3, 8), ACTS))
+        finally:
+            other.close()
     finally:
         env.close()

@@ -192,11 +192,14 @@ def test_workspace_file_is_captured_and_restored_exactly(tmp_path):
         env.close()
 
 
-def test_branch_writing_into_its_parents_workspace_is_refused(tmp_path):
+def test_branch_using_its_parents_workspace_path_never_writes_the_parents_files(tmp_path):
     """A branch works in its own copy of the workspace; an env that kept the parent's path would
-    write into the parent's directory: the write itself is refused, in the branch's step (it was
-    only found at the branch's next snapshot, after the parent's file had changed -- and an
-    explore() branch, never snapshotted, went unnoticed), and the parent's file is untouched."""
+    write into the parent's directory (it was only found at the branch's next snapshot, after the
+    parent's file had changed -- and an explore() branch, never snapshotted, went unnoticed).  As
+    root the branch's mount namespace shows its own copy at that path, so the write lands there
+    (as it would in the parent); without root the write is refused in the branch's step, naming
+    the fix (also checked as a plain user, tests/test_nonroot.py).  Either way the parent's file
+    is untouched."""
     from gym_fork.errors import WorkerError
 
     ws = str(tmp_path / "ws")
@@ -207,8 +210,12 @@ def test_branch_writing_into_its_parents_workspace_is_refused(tmp_path):
         env.snapshot()  # the parent's own workspace: fine
         kid = env.fork()[0]
         try:
-            with pytest.raises(WorkerError, match=r"ForeignWorkspaceError.*log\.txt refused.*Derive paths"):
-                _traj(kid, [2])
+            if os.geteuid() == 0:
+                assert _traj(kid, [2])[0][1] == 2.0  # its own file: the parent's line and its own
+                assert len(_lines(os.path.join(kid._workspace.path, "log.txt"))) == 2
+            else:
+                with pytest.raises(WorkerError, match=r"ForeignWorkspaceError.*log\.txt refused.*Derive paths"):
+                    _traj(kid, [2])
             assert len(_lines(os.path.join(ws, "log.txt"))) == 1  # the parent's one line only
             kid.snapshot()  # nothing was written outside its own workspace
         finally:

@@ -229,3 +229,72 @@ class ReadOnlyLinkedEnv(_Base):
 
 def read_only_linked(other: str) -> ReadOnlyLinkedEnv:
     return ReadOnlyLinkedEnv(other)
+
+
+_APPEND = ("import os, sys\n"
+           "path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.environ['NOTES_DIR'], 'notes.txt')\n"
+           "for line in sys.stdin:\n"
+           "    with open(path, 'a') as f:\n"
+           "        f.write(line)\n"
+           "    sys.stdout.write('ok\\n')\n"
+           "    sys.stdout.flush()\n")
+
+
+class ToolEnv(_Base):
+    """An agent env whose tool writes its workspace, knowing it by the path it was given: a
+    helper started at the first reset and kept running (``"server-cwd"``: started in the
+    workspace, writes ``notes.txt``; ``"server-arg"``: the file's absolute path as its argument;
+    ``"server-env"``: the workspace in its environment) or run anew each step with the path
+    the env derived at reset (``"tool-arg"``), or the env's own writes through that derived
+    path (``"derived"``).  The helper appends each step's line to ``notes.txt``; the observation
+    is the step and how many lines the file holds (read through ``self.workspace``)."""
+
+    def __init__(self, how: str = "server-cwd"):
+        super().__init__()
+        self.how = how
+        self.proc = None
+        self.notes = None
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        self.notes = os.path.join(self.workspace, "notes.txt")  # derived once
+        with open(self.notes, "w"):
+            pass
+        if self.how.startswith("server") and self.proc is None:
+            argv, cwd, env = [sys.executable, "-c", _APPEND], "/", dict(os.environ)
+            if self.how == "server-cwd":
+                argv, cwd = argv + ["notes.txt"], self.workspace
+            elif self.how == "server-arg":
+                argv = argv + [self.notes]
+            else:
+                env["NOTES_DIR"] = self.workspace
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True)
+        return r
+
+    def step(self, a):
+        self.t += 1
+        line = f"{self.t}:{int(a)}\n"
+        if self.proc is not None:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+            self.proc.stdout.readline()
+        elif self.how == "tool-arg":
+            subprocess.run([sys.executable, "-c", _APPEND, self.notes], input=line, text=True, check=True,
+                           stdout=subprocess.DEVNULL)
+        else:
+            with open(self.notes, "a") as f:
+                f.write(line)
+        with open(os.path.join(self.workspace, "notes.txt")) as f:
+            lines = f.read().splitlines()
+        return np.array([self.t, len(lines)], float), 0.0, False, False, {"last": lines[-1] if lines else ""}
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def tool(how: str = "server-cwd") -> ToolEnv:
+    return ToolEnv(how)

@@ -876,9 +876,11 @@ Binds = Sequence[tuple[str, str]]
 
 def _enter_private(handle: RemoteHandle, binds: Binds | None) -> None:
     """A fork-tier copy moves into a mount namespace of its own with ``binds`` (before it runs
-    any env code: its first request)."""
+    any env code: its first request).  Which of them are private directories the copy knows
+    already (its frozen parent's memory); the others show its workspace at the paths the
+    snapshot's processes knew it by (:func:`gym_fork.snapshots.workspace.binds_for`)."""
     if binds:
-        handle.request("private_dirs", [t for _s, t in binds], list(binds))
+        handle.request("private_dirs", None, [list(b) for b in binds])
 
 
 _WRAPPER = "#!/bin/sh\n# gym_fork: criu in another mount namespace; how: \"$0.conf\" (see criu.py)\n. \"$0.conf\"\n"

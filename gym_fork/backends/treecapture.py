@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import threading
 import weakref
+from collections.abc import Sequence
 
 from gym_fork.errors import UncapturableStateError
 from gym_fork.worker.resources import Resource, Scan
@@ -209,3 +211,52 @@ def image_lock(images_dir: str):
     except OSError:
         serial = False
     return _serial if serial else contextlib.nullcontext()
+
+
+def tree_process_naming(pid: int, paths: Sequence[str]) -> str | None:
+    """The first descendant of process ``pid`` whose working directory, command line or
+    environment names a path in (or equal to) one of ``paths``, described for an error message
+    ("pid 12 (python3): its working directory /x/ws"), or None.
+
+    Where a restored or cloned tree cannot be shown its own workspace at the paths it knew (no
+    mount namespaces without root), a process of it that knows the old path would go on working
+    in another env's directory; these are the ways a tool is usually told where to work."""
+    from gym_fork.criu.status import children_by_parent
+
+    kids = children_by_parent()
+    todo, seen = list(kids.get(pid, ())), set()
+    wanted = [os.fsencode(p.rstrip("/")) for p in paths if p]
+    # a whole path: not DIR inside DIR.branch-<id> (a copy's own directory)
+    pattern = re.compile(b"(" + b"|".join(re.escape(w) for w in wanted) + rb")(?=[/\0:=\s'\"]|$)") if wanted else None
+
+    def named(blob: bytes) -> bytes | None:
+        m = pattern.search(blob) if pattern is not None else None
+        return m.group(1) if m else None
+
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        todo.extend(kids.get(p, ()))
+        try:
+            with open(f"/proc/{p}/comm", "rb") as f:
+                comm = os.fsdecode(f.read().strip())
+        except OSError:
+            continue
+        try:
+            cwd = os.fsencode(os.readlink(f"/proc/{p}/cwd"))
+            if named(cwd + b"/"):
+                return f"pid {p} ({comm}): its working directory {os.fsdecode(cwd)}"
+        except OSError:
+            pass
+        for what, source in (("command line", "cmdline"), ("environment", "environ")):
+            try:
+                with open(f"/proc/{p}/{source}", "rb") as f:
+                    blob = f.read()
+            except OSError:
+                continue
+            hit = named(blob)
+            if hit is not None:
+                return f"pid {p} ({comm}): its {what} names {os.fsdecode(hit)}"
+    return None

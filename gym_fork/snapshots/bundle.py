@@ -105,6 +105,8 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
         if snap.workspace is not None:  # the env's files at the snapshot moment
             meta["workspace"] = workspace.pack(snap.workspace, os.path.join(tmp, "workspace"), times=True)
             meta["workspace_path"] = snap.workspace_path
+            if getattr(snap, "workspace_aliases", ()):
+                meta["workspace_aliases"] = list(snap.workspace_aliases)
         if getattr(snap, "private_dirs", None):  # the env's private directories at the snapshot moment
             meta["private_dirs"] = private_dirs.pack(snap, os.path.join(tmp, "private_dirs"))
         sign_meta(meta, key)
@@ -135,7 +137,7 @@ _COMMON: dict[str, tuple] = {
     "python": (str,), "python_version": (str,), "kernel": (str,), "machine": (str,),
 }
 _OPTIONAL: dict[str, tuple] = {"workspace": (dict,), "workspace_path": (str, type(None)), "session": (str,),
-                               "private_dirs": (list,)}
+                               "private_dirs": (list,), "workspace_aliases": (list,)}
 
 
 def _type_names(types: tuple) -> str:

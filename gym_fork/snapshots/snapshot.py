@@ -86,6 +86,7 @@ class Snapshot:
     pinned: bool = False  # protected from a SnapshotStore's disk budget (see pin())
     workspace: str | None = None  # private copy of the env's workspace at this moment (workspace.py)
     workspace_path: str | None = None  # the live workspace directory it was captured from
+    workspace_aliases: tuple[str, ...] = ()  # other paths its worker saw that directory at (workspace.binds_for)
     private_dirs: str | None = None  # the env's private_dirs at this moment, copied (private_dirs.py)
     private_dirs_paths: tuple[str, ...] | None = None  # which directories those are
     _file_finalizers: tuple = ()  # deletes captured files on release() (or when garbage-collected)
@@ -122,7 +123,8 @@ class Snapshot:
                    snap_id=meta["id"], env_id=meta.get("env_id"))
         snap.created = meta.get("created", snap.created)
         snap.bundle_path = path
-        adopt_workspace(snap, os.path.join(path, "workspace"), meta.get("workspace"), meta.get("workspace_path"), path)
+        adopt_workspace(snap, os.path.join(path, "workspace"), meta.get("workspace"), meta.get("workspace_path"), path,
+                        meta.get("workspace_aliases"))
         private_dirs.adopt(snap, os.path.join(path, "private_dirs"), meta.get("private_dirs"), path)
         return snap
 

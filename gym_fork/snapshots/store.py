@@ -301,6 +301,8 @@ class SnapshotStore:
                 if snap.workspace is not None:  # the env's files at the snapshot moment
                     meta["workspace"] = pack_workspace(snap.workspace, os.path.join(tmp, "workspace"), times=True)
                     meta["workspace_path"] = snap.workspace_path
+                    if getattr(snap, "workspace_aliases", ()):
+                        meta["workspace_aliases"] = list(snap.workspace_aliases)
                 if getattr(snap, "private_dirs", None):  # the env's private directories at that moment
                     meta["private_dirs"] = private_dirs.pack(snap, os.path.join(tmp, "private_dirs"))
                 sign_meta(meta)

@@ -22,9 +22,15 @@ open files are fixed):
   a ``fork()`` child gets a new directory ``DIR.branch-<id>`` and gym_fork sets the child's
   ``env.unwrapped.workspace`` to it (``setattr`` command) before returning the child.  A child's
   working directory inside ``DIR`` follows it there (an env that ``chdir``ed into its workspace
-  works by relative paths); a path it derived from ``DIR`` before it was copied is refused when
-  it is used (``ForeignWorkspaceError`` from the audit hook, :mod:`gym_fork.worker.files`), so no
-  copy ever reads or writes another env's directory.
+  works by relative paths).  As root (the criu backend), every copy also runs in a mount
+  namespace of its own where ``DIR`` -- and every other path the snapshot's processes knew the
+  workspace by -- shows the copy's own directory (:func:`binds_for`): a path the env derived
+  once, a tool server started in the workspace or given its path (restored with the process
+  tree) all work in the copy's files.  Without root a path the env derived from ``DIR`` before
+  it was copied is refused when it is used (``ForeignWorkspaceError`` from the audit hook,
+  :mod:`gym_fork.worker.files`), and a copy whose tree holds a process started there or given
+  that path is refused when it is made (``UnsupportedEnvError``), so no copy ever reads or
+  writes another env's directory.
 
 Capture happens while the worker is blocked between requests, so the files are quiescent: the
 env holds none of them open for writing (a worker's scan refuses a snapshot of one that does; the
@@ -316,9 +322,10 @@ class Workspace:
         self.keep = keep
         os.makedirs(self.path, exist_ok=True)
 
-    def discard(self) -> None:
-        """Delete the directory if gym_fork made it (a branch) and nobody asked to keep it."""
-        if self.owned and not self.keep:
+    def discard(self, *, force: bool = False) -> None:
+        """Delete the directory if gym_fork made it (a branch) and nobody asked to keep it
+        (``force``: kept or not -- a branch whose env was never made)."""
+        if self.owned and (force or not self.keep):
             shutil.rmtree(self.path, ignore_errors=True)
 
     def capture(self, snap_id: str) -> str:
@@ -355,10 +362,11 @@ class Workspace:
         return Workspace(path, owned=True, keep=keep)
 
 
-def attach(snap, ws: Workspace) -> None:
+def attach(snap, ws: Workspace, aliases: tuple[str, ...] = ()) -> None:
     """Capture ``ws`` for ``snap``; the capture is deleted when the snapshot goes away.  Where
     the workspace cannot be captured (:func:`check_capturable`) the snapshot is released and
-    the error raised: no snapshot exists whose files would come back wrong."""
+    the error raised: no snapshot exists whose files would come back wrong.  ``aliases``: the
+    other paths the worker shows its workspace at (:func:`binds_for`)."""
     import weakref
 
     try:
@@ -367,7 +375,39 @@ def attach(snap, ws: Workspace) -> None:
         snap.release()
         raise
     snap.workspace_path = ws.path
+    snap.workspace_aliases = tuple(a for a in aliases if a != ws.path)
     weakref.finalize(snap, drop_capture, snap.workspace)
+
+
+# --- where a copy's processes look for their workspace ------------------------------------------
+#
+# A copy's worker is told its new directory (``setattr workspace``), but the processes the env
+# started know the workspace by the path they were given: a tool server started with
+# ``cwd=workspace``, a path in its arguments or environment, a path the env derived once.  Restored
+# by CRIU (or cloned), they would go on working in the directory the snapshot was captured from --
+# another env's, silently.  So as root every copy runs in a mount namespace of its own in which
+# each such path shows the copy's own directory (``gym_fork.worker.mounts.enter``; a CRIU restore
+# is born in it).  A snapshot remembers those paths (``workspace_aliases``) so that a copy of a
+# copy binds them all.
+
+
+def aliases_of(snap) -> tuple[str, ...]:
+    """Every path the processes of ``snap`` may know its workspace by: the directory it was
+    captured from and the paths its worker was shown that directory at."""
+    origin = getattr(snap, "workspace_path", None)
+    out = [origin] if origin else []
+    out += [a for a in getattr(snap, "workspace_aliases", None) or () if a not in out]
+    return tuple(out)
+
+
+def binds_for(snap, own: str) -> list[tuple[str, str]]:
+    """``(own, alias)`` for each path the processes of ``snap`` may know its workspace by that is
+    not ``own``: a worker restored from ``snap`` into the workspace ``own`` sees ``own`` there.
+    A path that no longer exists is left out (nothing can be bound on it; a process that still
+    uses it fails there, it reaches no other env's files), as is one inside ``own`` or around it."""
+    own = os.path.abspath(own)
+    return [(own, a) for a in aliases_of(snap)
+            if a != own and not _under(a, own) and not _under(own, a) and os.path.isdir(a)]
 
 
 # --- persistence: a capture inside a bundle or a SnapshotStore entry --------------------------------
@@ -503,7 +543,8 @@ def unpack(src: str, manifest: dict, what: str, dst: str | None = None) -> str:
     return dst
 
 
-def adopt(snap, src: str, manifest: dict | None, origin: str | None, what: str) -> None:
+def adopt(snap, src: str, manifest: dict | None, origin: str | None, what: str,
+          aliases: list | None = None) -> None:
     """Give a loaded ``snap`` the workspace packed at ``src`` (if ``manifest``), verified."""
     if manifest is None:
         return
@@ -511,4 +552,5 @@ def adopt(snap, src: str, manifest: dict | None, origin: str | None, what: str) 
 
     snap.workspace = unpack(src, manifest, what)
     snap.workspace_path = origin
+    snap.workspace_aliases = tuple(a for a in aliases or () if isinstance(a, str) and a.startswith("/"))
     weakref.finalize(snap, drop_capture, snap.workspace)

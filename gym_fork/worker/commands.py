@@ -544,10 +544,12 @@ class EnvServer:
         """The env's ``untracked_paths``: files open for writing there are logs to the fork-tier scan."""
         files.set_untracked(patterns)
 
-    def cmd_private_dirs(self, dirs: list[str], binds: list[tuple[str, str]]) -> None:
-        """The env's private directories (:mod:`gym_fork.worker.mounts`); with ``binds``, this
-        copy moves into a mount namespace of its own where each shows its private copy."""
-        mounts.set_private(dirs)
+    def cmd_private_dirs(self, dirs: list[str] | None, binds: list[tuple[str, str]]) -> None:
+        """The env's private directories (:mod:`gym_fork.worker.mounts`; None: as this process
+        knows them); with ``binds``, this copy moves into a mount namespace of its own where each
+        target shows its source (a private copy, or the copy's own workspace)."""
+        if dirs is not None:
+            mounts.set_private(dirs)
         if binds:
             mounts.enter(binds)
 

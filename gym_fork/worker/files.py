@@ -76,7 +76,7 @@ class Record:
     ``version`` counts changes; ``sent``/``sent_version`` remember what :func:`pending` last
     reported.  ``workspace``: the env's declared workspace (ignored), absolute, or None."""
 
-    __slots__ = ("paths", "version", "sent", "sent_version", "workspace", "foreign")
+    __slots__ = ("paths", "version", "sent", "sent_version", "workspace", "foreign", "aliases")
 
     def __init__(self) -> None:
         self.paths: dict[str, str] = {}
@@ -86,6 +86,8 @@ class Record:
         self.workspace: str | None = None
         # the workspace of the env this one was copied from (a fork() child's parent's): off limits
         self.foreign: str | None = None
+        # other paths showing the workspace itself (binds in a copy's mount namespace): the workspace
+        self.aliases: tuple[str, ...] = ()
 
     def current(self) -> dict[str, str]:
         """The record now: paths the env created and removed again are dropped (no trace left),
@@ -170,8 +172,12 @@ def set_workspace(path: str | None, previous: Any = None) -> None:
     rec.workspace = os.path.normpath(os.path.abspath(path)) if path else None
     if old and rec.workspace and old != rec.workspace:
         # a copy moved to a directory of its own (a fork() child's DIR.branch-<id>): what it
-        # inherited still names the directory it was copied from
-        rec.foreign = old
+        # inherited still names the directory it was copied from -- unless the copy's mount
+        # namespace shows its own directory there (as root: gym_fork.snapshots.workspace.binds_for),
+        # where that path is simply another name of its workspace
+        known = [a for a in (*rec.aliases, old) if a != rec.workspace]
+        rec.aliases = tuple(a for a in known if _same_dir(a, rec.workspace))
+        rec.foreign = None if old in rec.aliases else old
         if rec is _worker:  # (an in-process env shares the learner's working directory)
             _follow_cwd(old, rec.workspace)
     if rec.workspace:
@@ -180,6 +186,13 @@ def set_workspace(path: str | None, previous: Any = None) -> None:
             del rec.paths[p]
         if inside:
             rec.version += 1
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _follow_cwd(old: str, new: str) -> None:
@@ -369,6 +382,8 @@ def _path(raw: Any, dir_fd: Any, rec: Record) -> str | None:
         return None
     if rec.workspace and _under(p, rec.workspace):
         return None
+    if rec.aliases and any(_under(p, a) for a in rec.aliases):
+        return None  # the workspace, by another name (a copy's bind)
     return p
 
 

@@ -67,6 +67,12 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
     cwd = _path_of("/proc/self/cwd")  # by path: the env may work inside a private directory
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
+    for source, _target in binds:
+        # A source may be covered in the namespace this copy inherited (a copy of a copy: its
+        # parent showed another directory at the path that is now this copy's own workspace)
+        for _ in range(16):
+            if libc.umount2(os.fsencode(source), MNT_DETACH) != 0:
+                break  # EINVAL: not a mount point (the usual case)
     for source, target in binds:
         # Take off the copy this process inherited (its parent's), so the new one sits on the
         # real directory: a bind stacked on the old copy would vanish when the controller deletes
@@ -76,7 +82,7 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
                 break  # EINVAL: no longer a mount point
         _check(libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND | MS_REC, None),
                f"binding {source} on {target}")
-    if cwd is not None and under_private(cwd):
+    if cwd is not None and (under_private(cwd) or any(_within(cwd, t) for _s, t in binds)):
         # The working directory, like a descriptor, still points into the copy this process
         # inherited (the previous worker's, deleted once that one was replaced): an env that
         # chdir'ed into its private directory must go on in its own copy, at the same path.
@@ -85,6 +91,10 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
         except OSError:
             pass
     reopen_files()
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _path_of(link: str) -> str | None:
