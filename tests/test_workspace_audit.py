@@ -289,3 +289,39 @@ def test_a_loaded_snapshots_server_works_in_the_new_workspace(tmp_path):
             other.close()
     finally:
         env.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root (see tests/test_nonroot.py)")
+@pytest.mark.parametrize("how", ["server-cwd", "derived"])
+def test_a_copys_snapshot_can_be_saved_and_loaded_elsewhere(tmp_path, how):
+    """A fork() child runs in a mount namespace of its own; its snapshots can still be saved
+    (CRIU dumps them) and loaded into a third workspace, where its tools go on from there. Before,
+    saving failed: the child had entered its namespace after it was forked, holding files on the
+    parent's mounts, which CRIU cannot dump ("Can't lookup mount")."""
+    ws, ws3 = str(tmp_path / "ws"), str(tmp_path / "third")
+    env = gym_fork.ForkableEnv(functools.partial(envs.tool, how), workspace=ws)
+    kids = []
+    try:
+        env.reset(seed=0)
+        _run(env, (1, 2))
+        kids = env.fork(env.snapshot(), 1)
+        k = kids[0]
+        _run(k, (3,))
+        ks = k.snapshot()
+        path = ks.save(str(tmp_path / "bundle"))
+        at_ks = _notes(k._workspace.path)
+        later = _run(k, (0, 3))
+        k_files = _notes(k._workspace.path)
+        parent_files = _notes(ws)
+        other = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(path), workspace=ws3)
+        try:
+            assert _notes(ws3) == at_ks
+            assert _run(other, (0, 3)) == later
+            assert _notes(ws3) == k_files
+            assert _notes(k._workspace.path) == k_files and _notes(ws) == parent_files
+        finally:
+            other.close()
+    finally:
+        for k in kids:
+            k.close()
+        env.close()

@@ -501,12 +501,20 @@ class CriuBackend(Backend):
         if len(per) != n:
             raise ValueError(f"{len(per)} bind lists for {n} copies")
         if isinstance(payload, ForkPayload):
-            if payload.chan is not None:
+            # Copies that need binds come from CRIU images when CRIU is here: a forked copy that
+            # entered a mount namespace of its own would hold files (its executable, libraries,
+            # fds) on the mounts of the namespace it was forked in, and files it opens later on
+            # those of its own -- a process CRIU can no longer dump ("Can't lookup mount"), so
+            # such a copy could never be persisted, bundled or migrated. A restored tree is born
+            # in its namespace (see _restore_wrapper). The images are kept with the snapshot.
+            if payload.chan is not None and not (any(per) and self.mode != "fork"):
                 if policies and n > 1 and not any(per) and not payload.spawned:
                     return self._clone_preloaded(payload, n, list(policies))
                 return self._clone_many(payload, n, per, restoring)
             if payload.image is None:
-                raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
+                if payload.chan is None:
+                    raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
+                self.persist(payload)
             payload = payload.image
         self._require_criu("restoring a persisted snapshot")
         self._verify(payload)
@@ -875,8 +883,9 @@ Binds = Sequence[tuple[str, str]]
 
 
 def _enter_private(handle: RemoteHandle, binds: Binds | None) -> None:
-    """A fork-tier copy moves into a mount namespace of its own with ``binds`` (before it runs
-    any env code: its first request).  Which of them are private directories the copy knows
+    """Without CRIU (mode ``fork``, root): a fork-tier copy moves into a mount namespace of its
+    own with ``binds`` before it runs any env code (its first request); nothing ever dumps such a
+    copy, which CRIU could not (see :meth:`CriuBackend.restore_many`).  Which of them are private directories the copy knows
     already (its frozen parent's memory); the others show its workspace at the paths the
     snapshot's processes knew it by (:func:`gym_fork.snapshots.workspace.binds_for`)."""
     if binds:
