@@ -1529,7 +1529,8 @@ def _refuse_unbound_tree(backend: Backend, handles: Sequence[Handle], snapshot: 
 
 def _can_bind(backend: Backend) -> bool:
     """Whether ``backend`` can start a worker in a mount namespace of its own with binds (the
-    criu backend as root: CRIU restores and fork-tier copies alike)."""
+    criu backend as root: a CRIU restore, from a fork-tier snapshot too, or -- without CRIU -- a
+    fork-tier copy binding at its first request; see ``CriuBackend.restore_many``)."""
     return backend.name == "criu" and getattr(backend, "mode", None) in ("root", "fork") and os.geteuid() == 0
 
 

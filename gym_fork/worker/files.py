@@ -181,7 +181,7 @@ def set_workspace(path: str | None, previous: Any = None) -> None:
         if rec is _worker:  # (an in-process env shares the learner's working directory)
             _follow_cwd(old, rec.workspace)
     if rec.workspace:
-        inside = [p for p in rec.paths if _under(p, rec.workspace)]
+        inside = [p for p in rec.paths if is_under(p, rec.workspace)]
         for p in inside:
             del rec.paths[p]
         if inside:
@@ -199,7 +199,7 @@ def _follow_cwd(old: str, new: str) -> None:
     """An env that ``chdir``ed into its workspace goes on in its own copy of it."""
     try:
         cwd = os.getcwd()
-        if _under(cwd, old):
+        if is_under(cwd, old):
             os.chdir(os.path.join(new, os.path.relpath(cwd, old)))
     except OSError:
         pass
@@ -229,7 +229,7 @@ def _refuse_foreign(rec: Record, event: str, args: tuple) -> None:
         if not p:
             continue
         p = os.path.normpath(p if p[0] == "/" else os.path.join(os.getcwd(), p))
-        if _under(p, rec.foreign):  # type: ignore[arg-type]
+        if is_under(p, rec.foreign):  # type: ignore[arg-type]
             raise ForeignWorkspaceError(
                 f"gym_fork: {event} of {p} refused: this env is a copy (a fork() child, or restored into "
                 f"another env) working in its own copy of the workspace, {rec.workspace}; {p} is in "
@@ -303,7 +303,7 @@ def outside(record: dict[str, str] | None, workspace: str | None = None,
         return []
     pats = [*untracked, *KNOWN_LOGS]
     return sorted(p for p in record
-                  if not (workspace and _under(p, workspace)) and not any(_matches(p, pat) for pat in pats))
+                  if not (workspace and is_under(p, workspace)) and not any(_matches(p, pat) for pat in pats))
 
 
 def untracked_patterns(patterns: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -343,7 +343,8 @@ def _matches(path: str, pattern: str) -> bool:
     return False
 
 
-def _under(path: str, directory: str) -> bool:
+def is_under(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or lies in it (both normalised absolute paths)."""
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
@@ -380,9 +381,9 @@ def _path(raw: Any, dir_fd: Any, rec: Record) -> str | None:
     if p.startswith(_SYSTEM) and (not p.startswith(_SHARED_MEMORY) or p.startswith(_OWN_SHARED)) \
             or "/__pycache__" in p or p in ("/dev", "/proc", "/sys"):
         return None
-    if rec.workspace and _under(p, rec.workspace):
+    if rec.workspace and is_under(p, rec.workspace):
         return None
-    if rec.aliases and any(_under(p, a) for a in rec.aliases):
+    if rec.aliases and any(is_under(p, a) for a in rec.aliases):
         return None  # the workspace, by another name (a copy's bind)
     return p
 

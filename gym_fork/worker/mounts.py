@@ -27,6 +27,8 @@ import ctypes
 import os
 from collections.abc import Iterable, Sequence
 
+from gym_fork.worker.files import is_under
+
 CLONE_NEWNS = 0x00020000
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MNT_DETACH = 2
@@ -82,7 +84,7 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
                 break  # EINVAL: no longer a mount point
         _check(libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND | MS_REC, None),
                f"binding {source} on {target}")
-    if cwd is not None and (under_private(cwd) or any(_within(cwd, t) for _s, t in binds)):
+    if cwd is not None and (under_private(cwd) or any(is_under(cwd, t) for _s, t in binds)):
         # The working directory, like a descriptor, still points into the copy this process
         # inherited (the previous worker's, deleted once that one was replaced): an env that
         # chdir'ed into its private directory must go on in its own copy, at the same path.
@@ -91,10 +93,6 @@ def enter(binds: Sequence[tuple[str, str]]) -> None:
         except OSError:
             pass
     reopen_files()
-
-
-def _within(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _path_of(link: str) -> str | None:
