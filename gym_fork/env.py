@@ -298,7 +298,8 @@ class ForkableEnv(gym.Wrapper):
         try:
             snapshot._note_restored()
             with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
-                handle = be.restore(payload, per) if per else be.restore(payload)
+                # (a tool server of the tree waits until its workspace's files are in place)
+                handle = be.restore(payload, per, hold_tree=ws is not None)
             if ws is not None:
                 _refuse_unbound_tree(be, [handle], snapshot, [ws.path])
         except BaseException:
@@ -318,6 +319,7 @@ class ForkableEnv(gym.Wrapper):
                 env._workspace = ws
                 if getattr(snapshot, "workspace", None):
                     env._workspace.restore_from(snapshot.workspace)
+                handle.release_held()
                 env._request("setattr", "workspace", env._workspace.path, "unwrapped")
             except BaseException:
                 env.close()
@@ -846,7 +848,9 @@ class ForkableEnv(gym.Wrapper):
             per = [*(binds[0] if binds else ()), *ws_binds]
             try:
                 with snapshot._open_payload() as payload:
-                    new = self._backend.restore(payload, per) if per else self._backend.restore(payload)
+                    # a restored tree's tool processes wait until the workspace is put back
+                    # (_adopt_restored): run at once, they would see this trajectory's files
+                    new = self._backend.restore(payload, per, hold_tree=self._workspace is not None)
                 if self._workspace is not None:
                     _refuse_unbound_tree(self._backend, [new], snapshot, [self._workspace.path])
             except BaseException:
@@ -898,6 +902,8 @@ class ForkableEnv(gym.Wrapper):
                 self._private.switch(private_root)
             if self._workspace is not None and getattr(snapshot, "workspace", None):
                 self._workspace.restore_from(snapshot.workspace)
+            new.release_held()  # (the tree's other processes: only now that their files are back)
+            if self._workspace is not None and getattr(snapshot, "workspace", None):
                 if snapshot.workspace_path != self._workspace.path:  # taken by another branch / process
                     self._request("setattr", "workspace", self._workspace.path, "unwrapped")
             initial = getattr(new, "initial", None)

@@ -526,8 +526,10 @@ class ForkableVecEnv(VecEnv):
         per = [[*(binds[k] if binds else ()), *ws_binds[k]] for k in range(len(targets))]
         try:
             with snapshot._open_payload() as payload:  # a stored snapshot's images, reassembled
-                handles = (targets[0]._backend.restore_many(payload, len(targets), per) if any(per)
-                           else targets[0]._backend.restore_many(payload, len(targets)))
+                # (tool processes of a restored tree wait until their slot's workspace is back)
+                hold = any(env._workspace is not None for env in targets)
+                handles = (targets[0]._backend.restore_many(payload, len(targets), per, hold_tree=hold) if any(per)
+                           else targets[0]._backend.restore_many(payload, len(targets), hold_tree=hold))
             if all(env._workspace is not None for env in targets):
                 _refuse_unbound_tree(targets[0]._backend, handles, snapshot, [env._workspace.path for env in targets])
         except BaseException:

@@ -325,3 +325,94 @@ def test_a_copys_snapshot_can_be_saved_and_loaded_elsewhere(tmp_path, how):
         for k in kids:
             k.close()
         env.close()
+
+
+# --- tool processes that run on their own ------------------------------------------------------------
+#
+# restore() (and from_snapshot(), fork_into()) put the workspace's files back after the restored
+# process tree was already running: a file watcher restored with it saw the files of the
+# trajectory being left, logged a change the original never saw and counted on from there.  Now
+# the tree's other processes are held stopped until their files are in place.
+
+WATCH_ACTS = (3, 0, 2)
+
+
+def test_a_restored_file_watcher_sees_only_the_snapshots_files(tmp_path):
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(envs.watcher, workspace=ws)
+    try:
+        env.reset(seed=0)
+        for a in (1, 2):
+            env.step(a)
+        snap = env.snapshot()
+        first = _run(env, WATCH_ACTS)
+        assert [o for o, _i in first] == [[3.0, 3.0], [4.0, 4.0], [5.0, 5.0]]  # one change seen per step
+        for _ in range(3):
+            env.restore(snap)
+            assert _run(env, WATCH_ACTS) == first
+        path = snap.save(str(tmp_path / "bundle"))
+    finally:
+        env.close()
+    # a saved snapshot resumed in the same directory, which holds the files of the env's last step
+    loaded = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(path), workspace=ws)
+    try:
+        assert _run(loaded, WATCH_ACTS) == first
+    finally:
+        loaded.close()
+
+
+def test_a_watcher_started_after_the_snapshot_is_gone_before_the_files_go_back(tmp_path):
+    """The snapshot holds the worker alone (fork tier); the watcher the env started after it must
+    not see the restored files (it would log them into the restored workspace)."""
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(functools.partial(envs.watcher, "step"), workspace=ws)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        first = _run(env, WATCH_ACTS)
+        for _ in range(3):
+            env.restore(snap)
+            assert not os.path.exists(os.path.join(ws, "changes.log"))
+            assert _run(env, WATCH_ACTS) == first
+    finally:
+        env.close()
+
+
+def test_fork_into_holds_each_slots_watcher_until_its_files_are_back(tmp_path):
+    wss = [str(tmp_path / f"ws{i}") for i in range(3)]
+    slots = [gym_fork.ForkableEnv(envs.watcher, workspace=w) for w in wss]
+    for e in slots[1:]:
+        e._share_lineage(slots[0])
+    vec = gym_fork.ForkableVecEnv(slots)
+    try:
+        for e in slots:  # every slot's directory holds files of its own trajectory
+            e.reset(seed=0)
+        for a in (1, 2):
+            slots[0].step(a)
+        for e in slots[1:]:
+            for a in (0, 3, 3, 1):
+                e.step(a)
+        snap = slots[0].snapshot()
+        first = _run(slots[0], WATCH_ACTS)
+        vec.fork_into(snap, [1, 2])
+        for e in slots[1:]:
+            assert _run(e, WATCH_ACTS) == first
+    finally:
+        vec.close()
+
+
+def test_a_helper_stopped_at_the_snapshot_stays_stopped_after_a_restore(tmp_path):
+    """Held stopped during the restore, the tree's processes go on after it -- except one that was
+    stopped when the snapshot was taken (SIGSTOP, job control), which stays stopped."""
+    env = gym_fork.ForkableEnv(envs.stopped_helper, workspace=str(tmp_path / "ws"))
+    try:
+        env.reset(seed=0)
+        assert env.step(0)[4]["states"][0] == "T"
+        snap = env.snapshot()
+        env.step(1)
+        for _ in range(2):
+            env.restore(snap)
+            states = env.step(1)[4]["states"]
+            assert states[0] == "T" and states[1] in ("R", "S"), states
+    finally:
+        env.close()

@@ -298,3 +298,132 @@ class ToolEnv(_Base):
 
 def tool(how: str = "server-cwd") -> ToolEnv:
     return ToolEnv(how)
+
+
+_WATCH = ("import os, sys, time\n"
+          "last, changes = None, 0\n"
+          "def look():\n"
+          "    global last, changes\n"
+          "    try:\n"
+          "        with open('state.txt') as f:\n"
+          "            now = f.read()\n"
+          "    except FileNotFoundError:\n"
+          "        return\n"
+          "    if now != last:\n"
+          "        last, changes = now, changes + 1\n"
+          "        with open('changes.log', 'a') as f:\n"
+          "            f.write(now + '\\n')\n"
+          "import select\n"
+          "while True:\n"
+          "    look()\n"
+          "    if select.select([sys.stdin], [], [], 0.001)[0]:\n"
+          "        want = sys.stdin.readline().strip()\n"
+          "        while last != want:\n"
+          "            look()\n"
+          "            time.sleep(0.0005)\n"
+          "        sys.stdout.write(f'{changes}\\n')\n"
+          "        sys.stdout.flush()\n")
+
+
+class WatcherEnv(_Base):
+    """An agent env with a tool that watches its workspace on its own, between steps too (a dev
+    server's file watcher): started in the workspace (at the first reset or step), it polls ``state.txt``
+    every millisecond and logs each new content to ``changes.log``.  Each step writes
+    ``state.txt`` (atomically) and waits until the watcher has seen it; the observation is the
+    step and how many changes the watcher has counted."""
+
+    def __init__(self, start: str = "reset"):
+        super().__init__()
+        self.start = start
+        self.proc = None
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        self._write("0")
+        if self.start == "reset":
+            self._start()
+        return r
+
+    def _start(self) -> None:
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", _WATCH], cwd=self.workspace, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+
+    def _write(self, content: str) -> None:
+        tmp = os.path.join(self.workspace, "state.tmp")
+        with open(tmp, "w") as f:
+            f.write(content)
+        os.replace(tmp, os.path.join(self.workspace, "state.txt"))
+
+    def step(self, a):
+        self.t += 1
+        content = f"{self.t}:{int(a)}"
+        self._start()
+        self._write(content)
+        self.proc.stdin.write(content + "\n")
+        self.proc.stdin.flush()
+        changes = int(self.proc.stdout.readline())
+        with open(os.path.join(self.workspace, "changes.log")) as f:
+            logged = f.read().splitlines()
+        return np.array([self.t, changes], float), 0.0, False, False, {"logged": logged}
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def watcher(start: str = "reset") -> WatcherEnv:
+    """``start``: when the watcher starts, at the first ``"reset"`` or at the first ``"step"``
+    (a snapshot taken between the two holds the worker alone)."""
+    return WatcherEnv(start)
+
+
+class StoppedHelperEnv(_Base):
+    """An env with two helpers in its workspace: one it stopped (``SIGSTOP``, as a shell's job
+    control does) and one that runs; the observation is the step and whether each is stopped
+    (``/proc`` state ``T``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.procs = None
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        if self.procs is None:
+            self.procs = [subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+                                           cwd=self.workspace) for _ in range(2)]
+            self.procs[0].send_signal(19)  # SIGSTOP
+            while self._state(self.procs[0]) != "T":
+                pass
+        return r
+
+    @staticmethod
+    def _state(proc) -> str:
+        # /proc is the host's (the worker is PID 1 of a PID namespace of its own): find the
+        # helper among this process's children by its number in this namespace
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                kids = f.read().split()
+            for kid in kids:
+                with open(f"/proc/{kid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(status["NSpid"].split()[-1]) == proc.pid:
+                    return status["State"].split()[0]
+        raise RuntimeError(f"no child {proc.pid}")
+
+    def step(self, a):
+        self.t += 1
+        return (np.array([self.t, sum(self._state(p) == "T" for p in self.procs)], float), 0.0, False, False,
+                {"states": [self._state(p) for p in self.procs]})
+
+    def close(self):
+        for p in self.procs or ():
+            p.kill()
+            p.wait()
+        self.procs = None
+
+
+def stopped_helper() -> StoppedHelperEnv:
+    return StoppedHelperEnv()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -122,6 +123,20 @@ class Handle(abc.ABC):
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop the env's process (or drop the in-process env) without asking it."""
+
+    #: host pids of the processes of the worker's tree that a restore left stopped
+    #: (``Backend.restore(..., hold_tree=True)``) until :meth:`release_held`
+    held: list[int] | tuple[()] = ()
+
+    def release_held(self) -> None:
+        """Let the processes a ``hold_tree`` restore left stopped go on (once; a no-op after, and
+        for a handle that holds none)."""
+        held, self.held = self.held, ()
+        for pid in held:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def adopt_pace(self, other: "Handle") -> None:
         """Take over what ``other``, the handle this one replaces, learned about step timing
@@ -732,6 +747,12 @@ class RemoteHandle(Handle):
             # retire (exec a reaper that exits with the last of them) instead of killing it.
             try:
                 self._send_plain(("retire", ()))
+                if self.chan.spawned:
+                    # Its env's processes (a tool server, a file watcher) run until the worker
+                    # gets to them; beside a restored copy they would still write into files
+                    # about to be put back. The worker kills them first, then closes every
+                    # descriptor before it turns into the reaper: that EOF says they are gone.
+                    _await_eof(self.chan.sock, _RETIRE_WAIT_S)
             except OSError:
                 pass
             self._drop_ring()
@@ -817,6 +838,27 @@ def _drop_orphan_reaper(handle: Any) -> None:
             os.close(detached[2][0])
 
 
+#: how long :meth:`RemoteHandle.kill` waits for a retiring worker to have stopped its env's processes
+_RETIRE_WAIT_S = 5.0
+
+
+def _await_eof(sock: socket.socket, timeout: float) -> None:
+    """Read ``sock`` (discarding what arrives: a reply the worker was still sending) until its peer
+    has closed it, or ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            return
+        try:
+            if not sock.recv(65536):
+                return
+        except BlockingIOError:
+            continue
+        except OSError:
+            return
+
+
 def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -> None:
     def wait() -> None:
         try:
@@ -874,9 +916,11 @@ class Backend(abc.ABC):
         fork tier does)."""
 
     @abc.abstractmethod
-    def restore(self, payload: Any, binds: Any = None) -> Handle:
+    def restore(self, payload: Any, binds: Any = None, *, hold_tree: bool = False) -> Handle:
         """Start a new env from a snapshot payload; the caller retires the old handle.  ``binds``:
-        private directories the new worker sees (criu backend only, :mod:`gym_fork.worker.mounts`)."""
+        private directories the new worker sees (criu backend only, :mod:`gym_fork.worker.mounts`).
+        ``hold_tree``: the worker's other processes, where the payload holds any, do not run until
+        the caller's ``handle.release_held()`` (it puts their files back first)."""
 
     def persist(self, payload: Any) -> Any:
         """Make an in-memory snapshot durable (e.g. write CRIU images); returns the payload."""
@@ -890,12 +934,12 @@ class Backend(abc.ABC):
         return None
 
     def restore_many(self, payload: Any, n: int, binds: Any = None, policies: Any = None,
-                     restoring: bool = True) -> list[Handle]:
+                     restoring: bool = True, *, hold_tree: bool = False) -> list[Handle]:
         """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th.
         ``policies``: pickled policies the new workers will run, which a backend may unpickle
         ahead (see ``CriuBackend.restore_many``); here they are not. ``restoring`` false: copies
-        for ``fork()`` (a hint, as ``snapshot``'s ``ready_copy``)."""
-        return [self.restore(payload, None if binds is None else binds[i]) for i in range(n)]
+        for ``fork()`` (a hint, as ``snapshot``'s ``ready_copy``). ``hold_tree``: as for :meth:`restore`."""
+        return [self.restore(payload, None if binds is None else binds[i], hold_tree=hold_tree) for i in range(n)]
 
     def restore_verified(self, payload: Any) -> Handle:
         """Like :meth:`restore`, for a payload whose integrity the caller has just checked

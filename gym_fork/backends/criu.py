@@ -19,6 +19,7 @@ import os
 import select
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -485,18 +486,22 @@ class CriuBackend(Backend):
         return CriuPayload(final, handle.ino, fork_tier=handle.fork_tier, netns=private_net), size
 
     # --- restore ---------------------------------------------------------------------------
-    def restore(self, payload: CriuPayload | ForkPayload, binds: Binds | None = None) -> Handle:
-        return self.restore_many(payload, 1, None if binds is None else [binds])[0]
+    def restore(self, payload: CriuPayload | ForkPayload, binds: Binds | None = None, *,
+                hold_tree: bool = False) -> Handle:
+        return self.restore_many(payload, 1, None if binds is None else [binds], hold_tree=hold_tree)[0]
 
     def restore_many(self, payload: CriuPayload | ForkPayload, n: int,
                      binds: Sequence[Binds] | None = None, policies: Sequence[bytes] | None = None,
-                     restoring: bool = True) -> list[Handle]:
+                     restoring: bool = True, *, hold_tree: bool = False) -> list[Handle]:
         """``n`` new workers from ``payload``.  ``binds[i]``: ``(host dir, path)`` pairs the i-th
         worker sees in a mount namespace of its own (private directories, see
         :mod:`gym_fork.worker.mounts`).  ``policies``: pickled policies the new workers will run
         (``policy_rollout``), unpickled ahead where that saves work (see :meth:`_clone_preloaded`):
         a handle's ``preloaded`` says how many of them its worker holds, by index (the first ones).
-        ``restoring`` false: copies for ``fork()``, not restores (see :meth:`ForkPayload.clone_many`)."""
+        ``restoring`` false: copies for ``fork()``, not restores (see :meth:`ForkPayload.clone_many`).
+        ``hold_tree``: a restored tree's other processes stay stopped until the handle's
+        :meth:`~gym_fork.backends.base.Handle.release_held` (see :meth:`restore_verified`); a
+        fork-tier copy holds no other process."""
         per = list(binds) if binds is not None else [None] * n
         if len(per) != n:
             raise ValueError(f"{len(per)} bind lists for {n} copies")
@@ -519,14 +524,14 @@ class CriuBackend(Backend):
         self._require_criu("restoring a persisted snapshot")
         self._verify(payload)
         if n == 1:
-            return [self.restore_verified(payload, per[0])]
+            return [self.restore_verified(payload, per[0], hold_tree=hold_tree)]
         if any(per):
             _wrapper()  # written before the threads fork criu (see _criu_via)
         # Each restore is its own criu process and PID namespace; threads just wait on them.
         futs = []
         try:
             with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
-                futs = [pool.submit(self.restore_verified, payload, b) for b in per]
+                futs = [pool.submit(self.restore_verified, payload, b, hold_tree=hold_tree) for b in per]
                 handles, errors = [], []
                 for f in futs:
                     try:
@@ -723,11 +728,18 @@ class CriuBackend(Backend):
             raise SnapshotCorruptedError(f"snapshot images at {payload.path} are missing")
         sessiondir.verify(payload.path, full=self.verify != "size", rehash=self.verify == "sha256")
 
-    def restore_verified(self, payload: CriuPayload, binds: Binds | None = None) -> Handle:
+    def restore_verified(self, payload: CriuPayload, binds: Binds | None = None, *,
+                         hold_tree: bool = False) -> Handle:
         """A new worker from the images of ``payload``, which the caller has just verified (their
         sha256 manifest, or the digests of a transfer); with ``binds``, criu runs (and the tree
         is restored) in a new mount namespace with those binds. Raises RestoreError (the images
-        are untouched) or TimeoutError."""
+        are untouched) or TimeoutError.
+
+        ``hold_tree``: the tree's other processes (a tool server, a file watcher) do not run yet:
+        criu leaves the tree stopped, the worker alone is let go on (it only answers requests),
+        and the others wait for the handle's ``release_held()`` -- after the caller has put back
+        the files they work on (``restore()`` puts the workspace back after the restore: run at
+        once, a watcher saw the later trajectory's files and went on from them)."""
         nsfd = -1
         if payload.netns:  # a fresh namespace per copy; its channel is created inside it
             nsfd, (ours, theirs) = netns.new_netns()
@@ -739,7 +751,7 @@ class CriuBackend(Backend):
         # per restore work dir: logs and stats of concurrent restores must not collide
         workdir = tempfile.mkdtemp(prefix="restore-", dir=sessiondir.session_dir())
         try:
-            pid = self._criu_restore(payload, binds, ours, theirs, new_ino, nsfd, workdir)
+            pid = self._criu_restore(payload, binds, ours, theirs, new_ino, nsfd, workdir, hold_tree)
         except BaseException as e:
             if not isinstance(e, Exception):  # Ctrl-C, also in the cleanup after criu: what it
                 client.kill_socket_holders(new_ino)  # restored goes, and is reaped (our child);
@@ -749,6 +761,8 @@ class CriuBackend(Backend):
         try:
             handle = RemoteHandle(Channel(ours), pid, new_ino, child=True, ns_root=True,
                                   fork_tier=payload.fork_tier and self.fork_tier is not False)
+            if hold_tree:
+                handle.held = _let_worker_go(pid, payload.path)
             _pid, *handle.initial = handle.request("hello")
         except WorkerDiedError as e:
             handle.kill()
@@ -763,7 +777,7 @@ class CriuBackend(Backend):
         return handle
 
     def _criu_restore(self, payload: CriuPayload, binds: Binds | None, ours: socket.socket, theirs: socket.socket,
-                      new_ino: int, nsfd: int, workdir: str) -> int:
+                      new_ino: int, nsfd: int, workdir: str, hold_tree: bool = False) -> int:
         """:meth:`restore_verified`'s call to criu; returns the restored root's pid."""
         try:
             inherit = {f"socket:[{payload.ino}]": theirs.fileno()}
@@ -781,7 +795,8 @@ class CriuBackend(Backend):
                 pid = client.restore(payload.path, inherit_fd=inherit,
                                      rst_sibling=True,  # the restored worker becomes our child: waitpid works
                                      work_dir=workdir, mode=self.mode, binary=binary, kill_ino=new_ino,
-                                     options=treecapture.dump_options(None, payload.netns))
+                                     options=dict(treecapture.dump_options(None, payload.netns),
+                                                  **({"leave_stopped": True} if hold_tree else {})))
         except Exception as e:  # noqa: BLE001
             ours.close()
             tail = log_tail(os.path.join(workdir, "restore.log"))
@@ -880,6 +895,32 @@ class CriuBackend(Backend):
 
 #: ``(host directory, path the worker sees it at)`` pairs for one worker
 Binds = Sequence[tuple[str, str]]
+
+
+def _let_worker_go(pid: int, images_dir: str) -> list[int]:
+    """A tree criu restored and left stopped, rooted at the worker ``pid``: continue the worker
+    (and its threads); returns the other processes that must be continued later -- all but those
+    that were stopped when the tree was dumped, which stay stopped as they were."""
+    from gym_fork.criu.images import stopped_at_dump
+    from gym_fork.worker.resources import _children, _descendants
+
+    others = _descendants(_children(str(pid)))
+    keep_stopped = stopped_at_dump(images_dir) if others else frozenset()
+    held = [p for p in others if _ns_pid(p) not in keep_stopped]
+    os.kill(pid, signal.SIGCONT)
+    return held
+
+
+def _ns_pid(pid: int) -> int | None:
+    """``pid``'s number in its innermost PID namespace (the last ``NSpid``), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except OSError:
+        return None
+    return None
 
 
 def _enter_private(handle: RemoteHandle, binds: Binds | None) -> None:

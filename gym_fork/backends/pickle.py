@@ -345,7 +345,8 @@ class PickleBackend(Backend):
             )
         return stepped > 0
 
-    def restore(self, payload: bytes | PickleFile, binds: Any = None) -> Handle:
+    def restore(self, payload: bytes | PickleFile, binds: Any = None, *, hold_tree: bool = False) -> Handle:
+        # (hold_tree: the env is all there is; it runs only when called)
         if binds:
             raise UnsupportedEnvError("private directories need the criu backend (mount namespaces), not pickle")
         self._refuse_outside_rng("restore()")

@@ -27,6 +27,34 @@ def _entries(path: str) -> list[dict]:
         return pycriu.images.load(f)["entries"]
 
 
+#: ``task_state`` of a process that was stopped (SIGSTOP, job control) when it was dumped
+_TASK_STOPPED = 3
+
+
+def stopped_at_dump(images_dir: str) -> frozenset[int]:
+    """The pids (as the dumped tree's PID namespace numbers them) of the processes that were
+    stopped when the tree in ``images_dir`` was dumped: a restore that holds the tree stopped
+    for a while (``CriuBackend.restore_verified(..., hold_tree=True)``) must leave those stopped
+    when it lets the others go on.  Read once per set of images (parsing the cores takes ~10 ms)."""
+    st = os.stat(os.path.join(images_dir, "pstree.img"))
+    key = (os.path.abspath(images_dir), st.st_dev, st.st_ino, st.st_mtime_ns)
+    found = _stopped_cache.get(key)
+    if found is None:
+        out = set()
+        for entry in _entries(os.path.join(images_dir, "pstree.img")):
+            pid = entry["pid"]
+            core = _entries(os.path.join(images_dir, f"core-{pid}.img"))
+            if core and core[0].get("tc", {}).get("task_state") == _TASK_STOPPED:
+                out.add(pid)
+        found = _stopped_cache[key] = frozenset(out)
+        while len(_stopped_cache) > 256:  # (images come and go with their snapshots)
+            _stopped_cache.pop(next(iter(_stopped_cache)))
+    return found
+
+
+_stopped_cache: dict[tuple, frozenset[int]] = {}
+
+
 def mapped_files(images_dir: str, *, skip_append: bool = False) -> list[list]:
     """``[path, size]`` of every regular file the dumped processes map or hold open, sorted.
 

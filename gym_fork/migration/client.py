@@ -74,7 +74,7 @@ class MigratedBackend(Backend):
     def snapshot(self, handle, snap_id, *, ready_copy=True):
         self._refuse("snapshot()")
 
-    def restore(self, payload):
+    def restore(self, payload, *args, **kwargs):
         self._refuse("restore()")
 
     def restore_many(self, payload, n, *args, **kwargs):

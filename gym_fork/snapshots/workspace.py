@@ -18,7 +18,9 @@ open files are fixed):
   (:func:`check_capturable`); a symlink to a path outside the workspace is copied as it is
   (writes through it are files outside the workspace, refused as such);
 * it finds its workspace through an attribute ``workspace`` (an absolute path) on its
-  ``unwrapped`` env.  ``restore()`` keeps the same path and swaps the directory's *content*;
+  ``unwrapped`` env.  ``restore()`` keeps the same path and swaps the directory's *content*
+  (the processes the env started, restored with it, run again only once it is back: a tool
+  that works on its own, a file watcher, never sees the files of the trajectory being left);
   a ``fork()`` child gets a new directory ``DIR.branch-<id>`` and gym_fork sets the child's
   ``env.unwrapped.workspace`` to it (``setattr`` command) before returning the child.  A child's
   working directory inside ``DIR`` follows it there (an env that ``chdir``ed into its workspace

@@ -122,14 +122,18 @@ def _retire_or_exit(code: int = 0) -> None:
     """Leave the loop. The env's own child processes are killed (no process outlives its env). A
     PID-namespace init becomes a reaper so that its namespace's other processes (clones, frozen
     snapshots) live on; any other process just exits."""
-    resources.kill_env_processes(_FORKED)  # first, at full priority: nothing of the env runs on
+    victims = resources.kill_env_processes(_FORKED)  # first, at full priority: nothing of the env runs on
+    if os.getpid() == 1:
+        resources.await_dead(victims)
+        # the channel's EOF tells a controller waiting for it (RemoteHandle.kill) that the env's
+        # processes are gone: sent at once, not after the drop in priority below
+        os.closerange(3, 65536)
     try:  # its exit (tearing down tens of MB) must not preempt the learner or its new worker
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, 0, 19)
     except OSError:
         pass
     if os.getpid() == 1:
-        os.closerange(3, 65536)
         os.execv(sys.executable, [sys.executable, "-S", "-c", REAPER])
     os._exit(code)
 

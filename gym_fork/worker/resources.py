@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import time
 import signal
 import socket
 import stat
@@ -1279,6 +1280,23 @@ def kill_env_processes(forked: set[int] | frozenset[int] = frozenset()) -> list[
         except OSError:
             pass
     return victims
+
+
+def await_dead(pids: list[int], timeout: float = 2.0) -> None:
+    """Wait until every process of ``pids`` (host pids, SIGKILLed) has stopped running: gone or
+    a zombie, so none writes another byte (a killed process may still finish the system call
+    it is in); at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                break
+            if state in (b"Z", b"X"):
+                break
+            time.sleep(0.0002)
 
 
 def env_descendants_local(forked: set[int] | frozenset[int] = frozenset()) -> list[int]:
