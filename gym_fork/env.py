@@ -32,6 +32,7 @@ from gym_fork.proxy import call as proxy_call
 from gym_fork.snapshots.snapshot import RestoreRate, Snapshot, new_id
 from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir, tree_stat
 from gym_fork.snapshots.workspace import Workspace, aliases_of, attach as attach_workspace, binds_for as workspace_binds
+from gym_fork.snapshots.workspace import remove_dirs
 from gym_fork.worker import files
 from gym_fork.worker.commands import MUTABLE_ACTIONS, make_source, own_action, pickle_policy
 
@@ -295,14 +296,18 @@ class ForkableEnv(gym.Wrapper):
         ws_binds = (workspace_binds(snapshot, ws.path)
                     if ws is not None and getattr(snapshot, "workspace", None) and _can_bind(be) else [])
         per = [*(binds or ()), *ws_binds]
+        made: list[str] = []
         try:
             snapshot._note_restored()
             with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
+                if ws is not None and getattr(snapshot, "workspace", None) and be.reopens_paths(payload, per):
+                    made = ws.make_missing_dirs(snapshot.workspace)  # (a working directory there)
                 # (a tool server of the tree waits until its workspace's files are in place)
                 handle = be.restore(payload, per, hold_tree=ws is not None)
             if ws is not None:
                 _refuse_unbound_tree(be, [handle], snapshot, [ws.path])
         except BaseException:
+            remove_dirs(made)
             if root is not None:
                 private_dirs_mod.remove([root])
             raise
@@ -846,14 +851,20 @@ class ForkableEnv(gym.Wrapper):
             roots, binds = self._private_copies(snapshot, 1)
             ws_binds = self._workspace_binds(snapshot, self._workspace.path if self._workspace else None)
             per = [*(binds[0] if binds else ()), *ws_binds]
+            made: list[str] = []
             try:
                 with snapshot._open_payload() as payload:
+                    if (self._workspace is not None and getattr(snapshot, "workspace", None)
+                            and self._backend.reopens_paths(payload, per)):
+                        # (the snapshot's directories must exist: a working directory there)
+                        made = self._workspace.make_missing_dirs(snapshot.workspace)
                     # a restored tree's tool processes wait until the workspace is put back
                     # (_adopt_restored): run at once, they would see this trajectory's files
                     new = self._backend.restore(payload, per, hold_tree=self._workspace is not None)
                 if self._workspace is not None:
                     _refuse_unbound_tree(self._backend, [new], snapshot, [self._workspace.path])
             except BaseException:
+                remove_dirs(made)
                 private_dirs_mod.remove(roots)
                 raise
             if accept is not None:
@@ -861,6 +872,7 @@ class ForkableEnv(gym.Wrapper):
                     accept(new, snapshot)
                 except BaseException:
                     new.kill()
+                    remove_dirs(made)
                     private_dirs_mod.remove(roots)
                     raise
             return self._adopt_restored(new, snapshot, roots[0] if roots else None, ws_binds)

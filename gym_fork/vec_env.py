@@ -26,6 +26,7 @@ from gym_fork.env import ForkableEnv, _refuse_unbound_tree, check_rng, close_env
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
+from gym_fork.snapshots.workspace import remove_dirs
 
 EnvSpecifier = str | Callable[[], gym.Env] | gym.Env
 
@@ -524,8 +525,13 @@ class ForkableVecEnv(VecEnv):
         # each slot's workspace shown at the paths the snapshot's processes know (ForkableEnv._workspace_binds)
         ws_binds = [env._workspace_binds(snapshot, env._workspace.path if env._workspace else None) for env in targets]
         per = [[*(binds[k] if binds else ()), *ws_binds[k]] for k in range(len(targets))]
+        made: list[str] = []
         try:
             with snapshot._open_payload() as payload:  # a stored snapshot's images, reassembled
+                for env, b in zip(targets, per):  # (the snapshot's directories: see ForkableEnv.restore)
+                    if (env._workspace is not None and getattr(snapshot, "workspace", None)
+                            and env._backend.reopens_paths(payload, b)):
+                        made += env._workspace.make_missing_dirs(snapshot.workspace)
                 # (tool processes of a restored tree wait until their slot's workspace is back)
                 hold = any(env._workspace is not None for env in targets)
                 handles = (targets[0]._backend.restore_many(payload, len(targets), per, hold_tree=hold) if any(per)
@@ -533,6 +539,7 @@ class ForkableVecEnv(VecEnv):
             if all(env._workspace is not None for env in targets):
                 _refuse_unbound_tree(targets[0]._backend, handles, snapshot, [env._workspace.path for env in targets])
         except BaseException:
+            remove_dirs(made)
             private_dirs.remove(roots)
             raise
         # Each slot takes its new worker exactly as ForkableEnv.restore does: the old one is

@@ -24,7 +24,7 @@ import pytest
 
 import gym_fork
 import workspace_audit_envs as envs
-from gym_fork.errors import UncapturableStateError
+from gym_fork.errors import RestoreError, UncapturableStateError
 
 pytestmark = pytest.mark.criu
 
@@ -416,3 +416,48 @@ def test_a_helper_stopped_at_the_snapshot_stays_stopped_after_a_restore(tmp_path
             assert states[0] == "T" and states[1] in ("R", "S"), states
     finally:
         env.close()
+
+
+def test_a_tool_working_in_a_workspace_subdirectory_is_restored(tmp_path):
+    """CRIU reopens a restored process's working directory by its path: with ``DIR/sub`` missing
+    -- renamed by the trajectory being left, or not yet copied into the fresh directory of
+    ``from_snapshot()`` -- the restore of a whole snapshot failed. The snapshot's directories are
+    now made first (and removed again if the restore fails)."""
+    ws = str(tmp_path / "ws")
+    env = gym_fork.ForkableEnv(envs.subdir_server, workspace=ws)
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+        first = _run(env, (3, 0, 2))
+        assert [i["dir"] for _o, i in first] == ["moved"] * 3
+        for _ in range(2):
+            env.restore(snap)
+            assert _run(env, (3, 0, 2)) == first
+        # a restore that fails leaves no directory it made behind
+        env.restore(snap)
+        env.step(3)
+        real = env._backend.restore
+
+        def failing(*args, **kwargs):
+            assert os.path.isdir(os.path.join(ws, "sub"))  # made for criu
+            raise RestoreError("injected")
+
+        env._backend.restore = failing
+        try:
+            with pytest.raises(RestoreError, match="injected"):
+                env.restore(snap)
+        finally:
+            env._backend.restore = real
+        assert sorted(os.listdir(ws)) == ["moved"]
+        assert env.step(0)[4]["dir"] == "moved"
+        path = snap.save(str(tmp_path / "bundle"))
+        env.restore(snap)
+        want = _run(env, (0, 2))
+    finally:
+        env.close()
+    loaded = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(path), workspace=str(tmp_path / "new"))
+    try:
+        assert _run(loaded, (0, 2)) == want
+    finally:
+        loaded.close()

@@ -427,3 +427,47 @@ class StoppedHelperEnv(_Base):
 
 def stopped_helper() -> StoppedHelperEnv:
     return StoppedHelperEnv()
+
+
+class SubdirServerEnv(_Base):
+    """An agent env whose tool server works in a subdirectory of the workspace (``sub``, its
+    working directory); action 3 renames that directory (``moved``: the server follows it, its
+    working directory is the directory itself).  The observation is the step and the number of
+    lines the server has written to ``notes.txt`` there."""
+
+    def __init__(self):
+        super().__init__()
+        self.proc = None
+        self.sub = None
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        if self.proc is None:
+            self.sub = os.path.join(self.workspace, "sub")
+            os.makedirs(self.sub, exist_ok=True)
+            self.proc = subprocess.Popen([sys.executable, "-c", _APPEND, "notes.txt"], cwd=self.sub,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return r
+
+    def step(self, a):
+        self.t += 1
+        self.proc.stdin.write(f"{self.t}:{int(a)}\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()
+        if int(a) == 3 and os.path.basename(self.sub) == "sub":
+            moved = os.path.join(self.workspace, "moved")
+            os.rename(self.sub, moved)
+            self.sub = moved
+        with open(os.path.join(self.workspace, os.path.basename(self.sub), "notes.txt")) as f:
+            n = len(f.read().splitlines())
+        return np.array([self.t, n], float), 0.0, False, False, {"dir": os.path.basename(self.sub)}
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def subdir_server() -> SubdirServerEnv:
+    return SubdirServerEnv()

@@ -933,6 +933,12 @@ class Backend(abc.ABC):
         """Memory the snapshot holds privately now (None when not measurable)."""
         return None
 
+    def reopens_paths(self, payload: Any, binds: Any = None) -> bool:
+        """Whether restoring ``payload`` (with ``binds``) reopens the processes' files and
+        directories by their paths (a CRIU restore), so those must exist first; a copy-on-write
+        clone inherits them, an in-process env holds none."""
+        return False
+
     def restore_many(self, payload: Any, n: int, binds: Any = None, policies: Any = None,
                      restoring: bool = True, *, hold_tree: bool = False) -> list[Handle]:
         """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th.

@@ -506,13 +506,13 @@ class CriuBackend(Backend):
         if len(per) != n:
             raise ValueError(f"{len(per)} bind lists for {n} copies")
         if isinstance(payload, ForkPayload):
-            # Copies that need binds come from CRIU images when CRIU is here: a forked copy that
+            # Copies that need binds come from CRIU images when CRIU is here (_clones): a forked copy that
             # entered a mount namespace of its own would hold files (its executable, libraries,
             # fds) on the mounts of the namespace it was forked in, and files it opens later on
             # those of its own -- a process CRIU can no longer dump ("Can't lookup mount"), so
             # such a copy could never be persisted, bundled or migrated. A restored tree is born
             # in its namespace (see _restore_wrapper). The images are kept with the snapshot.
-            if payload.chan is not None and not (any(per) and self.mode != "fork"):
+            if self._clones(payload, per):
                 if policies and n > 1 and not any(per) and not payload.spawned:
                     return self._clone_preloaded(payload, n, list(policies))
                 return self._clone_many(payload, n, per, restoring)
@@ -548,6 +548,14 @@ class CriuBackend(Backend):
                 h.kill()
             raise errors[0]
         return handles
+
+    def _clones(self, payload: ForkPayload, binds: Sequence[Binds | None]) -> bool:
+        """Whether copies of the fork-tier ``payload`` with ``binds`` are forked from its frozen
+        process (else restored from its images, see :meth:`restore_many`)."""
+        return payload.chan is not None and not (any(binds) and self.mode != "fork")
+
+    def reopens_paths(self, payload: CriuPayload | ForkPayload, binds: Binds | None = None) -> bool:
+        return not isinstance(payload, ForkPayload) or not self._clones(payload, [binds])
 
     def _clone_many(self, payload: ForkPayload, n: int, binds: Sequence[Binds | None],
                     restoring: bool = True) -> list[Handle]:

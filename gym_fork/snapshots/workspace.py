@@ -354,6 +354,32 @@ class Workspace:
         copy_tree(captured, self.path)
         put_in_order(self.path, captured)
 
+    def make_missing_dirs(self, captured: str) -> list[str]:
+        """Create (empty) each directory of ``captured`` that the live directory lacks, before a
+        restore that reopens paths (CRIU): a restored process whose working directory, or a
+        directory it holds open, was ``DIR/sub`` is reopened at that path -- missing (the
+        trajectory being left renamed or deleted it; a fresh directory for ``from_snapshot()``)
+        the restore failed, though the snapshot was whole.  :meth:`restore_from` then fills them
+        in, modes and times included.  Returns the created ones, outermost first, for
+        :func:`remove_dirs` should the restore fail."""
+        made: list[str] = []
+        for d, dirs, _files in os.walk(captured):
+            rel = os.path.relpath(d, captured)
+            for name in dirs:
+                target = os.path.normpath(os.path.join(self.path, rel, name))
+                if not os.path.lexists(target):
+                    st = os.lstat(os.path.join(d, name))
+                    try:
+                        os.mkdir(target, 0o700)
+                    except OSError:
+                        continue  # (under a path that is not a directory here: criu says which)
+                    made.append(target)
+                    # criu checks a reopened directory's mode (and the owner is part of what it was)
+                    os.chmod(target, st.st_mode & 0o7777)
+                    if os.geteuid() == 0:
+                        os.chown(target, st.st_uid, st.st_gid)
+        return made
+
     def branch(self, captured: str, tag: str, *, keep: bool = False) -> "Workspace":
         """A new directory next to this one, holding a copy of ``captured`` (deleted when the
         branch env is closed unless ``keep``)."""
@@ -362,6 +388,16 @@ class Workspace:
         copy_tree(captured, path)
         put_in_order(path, captured)
         return Workspace(path, owned=True, keep=keep)
+
+
+def remove_dirs(made: list[str]) -> None:
+    """Undo :meth:`Workspace.make_missing_dirs` (innermost first; a directory something was put
+    into meanwhile is left)."""
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def attach(snap, ws: Workspace, aliases: tuple[str, ...] = ()) -> None:
