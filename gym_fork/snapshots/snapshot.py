@@ -102,7 +102,7 @@ class Snapshot:
                  snap_id: str | None = None, env_id: str | None = None):
         self.id = snap_id or new_id()
         self.backend: str = backend.name
-        self.size_bytes = size_bytes
+        self._size_bytes = size_bytes
         self.steps = steps
         self.created = time.time()
         self.parent_id = parent_id
@@ -172,6 +172,20 @@ class Snapshot:
             fin()
         self._payload = None
 
+    @property
+    def size_bytes(self) -> int:
+        """What the snapshot occupies on disk (its image files or pickle bytes); 0 for a
+        copy-on-write snapshot until its images exist -- written by :meth:`persist`, or by a
+        restore or fork that needed them (a copy with workspace binds, as root)."""
+        if not self._size_bytes and self._payload is not None:
+            measure = getattr(self._backend, "persisted_bytes", None)
+            self._size_bytes = (measure(self._payload) if measure is not None else None) or 0
+        return self._size_bytes
+
+    @size_bytes.setter
+    def size_bytes(self, value: int) -> None:
+        self._size_bytes = value
+
     def persist(self, *, keep_in_memory: bool = True) -> "Snapshot":
         """Make sure the snapshot is on disk: CRIU images (a copy-on-write snapshot is only in
         memory until then), or the pickle backend's bytes as a private file. With
@@ -182,9 +196,7 @@ class Snapshot:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, self._backend.release, payload)
             self._payload = payload
-        if not self.size_bytes:  # copy-on-write snapshots have no size until their images exist
-            measure = getattr(self._backend, "persisted_bytes", None)
-            self.size_bytes = (measure(self._payload) if measure is not None else None) or self.size_bytes
+        _ = self.size_bytes  # measured now, while its images are where this process wrote them
         if not keep_in_memory:
             self._backend.evict(self._payload)
         return self
