@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 
 import pytest
 
@@ -462,5 +463,33 @@ def test_a_tool_working_in_a_workspace_subdirectory_is_restored(tmp_path):
     loaded = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(path), workspace=str(tmp_path / "new"))
     try:
         assert _run(loaded, (0, 2)) == want
+    finally:
+        loaded.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root (see tests/test_nonroot.py)")
+@pytest.mark.parametrize("how", ["server-cwd", "server-arg", "derived"])
+def test_a_bundle_resumes_after_its_original_workspace_is_gone(tmp_path, how):
+    """The bundle's processes know the workspace by its original path; once that directory (and
+    its parent) was deleted -- or on another machine, where it never existed -- there was nothing
+    to bind the new workspace on: the CRIU restore failed (a server's working directory), a
+    server given the path died, an env's derived path was refused. The path is made to bind on."""
+    ws = str(tmp_path / "gone" / "ws")
+    env = gym_fork.ForkableEnv(functools.partial(envs.tool, how), workspace=ws)
+    try:
+        env.reset(seed=0)
+        _run(env, (1, 2))
+        path = env.snapshot().save(str(tmp_path / "bundle"))
+        want = _run(env, (3, 0))
+        want_files = _notes(ws)
+    finally:
+        env.close()
+    shutil.rmtree(str(tmp_path / "gone"))
+    new = str(tmp_path / "new")
+    loaded = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(path), workspace=new)
+    try:
+        assert _run(loaded, (3, 0)) == want
+        assert _notes(new) == want_files
+        assert os.listdir(ws) == []  # (only a mount point: the copy's files are in its own directory)
     finally:
         loaded.close()

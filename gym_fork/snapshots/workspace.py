@@ -441,11 +441,26 @@ def aliases_of(snap) -> tuple[str, ...]:
 def binds_for(snap, own: str) -> list[tuple[str, str]]:
     """``(own, alias)`` for each path the processes of ``snap`` may know its workspace by that is
     not ``own``: a worker restored from ``snap`` into the workspace ``own`` sees ``own`` there.
-    A path that no longer exists is left out (nothing can be bound on it; a process that still
-    uses it fails there, it reaches no other env's files), as is one inside ``own`` or around it."""
+    One inside ``own`` or around it is left out, as is one where something other than a
+    directory now is.  A path that no longer exists -- the original workspace deleted, or a
+    bundle loaded on another machine -- is made (an empty directory, 0700, with any missing
+    parents) to bind on: without it the copy's tools found no directory there (a tool server's
+    working directory: the CRIU restore failed) or its derived paths were refused.  It stays,
+    empty, after the copy is gone: removing a mount point would detach the bind in every copy's
+    namespace.  (Called only where workers get mount namespaces: as root.)"""
     own = os.path.abspath(own)
-    return [(own, a) for a in aliases_of(snap)
-            if a != own and not _under(a, own) and not _under(own, a) and os.path.isdir(a)]
+    out = []
+    for a in aliases_of(snap):
+        if a == own or _under(a, own) or _under(own, a):
+            continue
+        if not os.path.lexists(a):
+            try:
+                os.makedirs(a, 0o700, exist_ok=True)
+            except OSError:
+                continue  # (under a file, or not ours to create: the copy fails there, loudly)
+        if os.path.isdir(a) and not os.path.islink(a):
+            out.append((own, a))
+    return out
 
 
 # --- persistence: a capture inside a bundle or a SnapshotStore entry --------------------------------
