@@ -29,6 +29,20 @@ class _Base(gym.Env):
         return np.zeros(2), {}
 
 
+class _OneHelper(_Base):
+    """An env with one helper process (``self.proc``), killed when the env closes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proc = None
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 class LinkedDataEnv(_Base):
     """Appends each action to ``data.txt`` through a symlink ``current`` in the workspace, made at
     reset as ``how`` says: ``"absolute"`` ($PWD/data.txt), ``"relative"`` (data.txt) or
@@ -240,7 +254,7 @@ _APPEND = ("import os, sys\n"
            "    sys.stdout.flush()\n")
 
 
-class ToolEnv(_Base):
+class ToolEnv(_OneHelper):
     """An agent env whose tool writes its workspace, knowing it by the path it was given: a
     helper started at the first reset and kept running (``"server-cwd"``: started in the
     workspace, writes ``notes.txt``; ``"server-arg"``: the file's absolute path as its argument;
@@ -289,12 +303,6 @@ class ToolEnv(_Base):
             lines = f.read().splitlines()
         return np.array([self.t, len(lines)], float), 0.0, False, False, {"last": lines[-1] if lines else ""}
 
-    def close(self):
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
 
 def tool(how: str = "server-cwd") -> ToolEnv:
     return ToolEnv(how)
@@ -325,7 +333,7 @@ _WATCH = ("import os, sys, time\n"
           "        sys.stdout.flush()\n")
 
 
-class WatcherEnv(_Base):
+class WatcherEnv(_OneHelper):
     """An agent env with a tool that watches its workspace on its own, between steps too (a dev
     server's file watcher): started in the workspace (at the first reset or step), it polls ``state.txt``
     every millisecond and logs each new content to ``changes.log``.  Each step writes
@@ -366,12 +374,6 @@ class WatcherEnv(_Base):
         with open(os.path.join(self.workspace, "changes.log")) as f:
             logged = f.read().splitlines()
         return np.array([self.t, changes], float), 0.0, False, False, {"logged": logged}
-
-    def close(self):
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 def watcher(start: str = "reset") -> WatcherEnv:
@@ -429,7 +431,7 @@ def stopped_helper() -> StoppedHelperEnv:
     return StoppedHelperEnv()
 
 
-class SubdirServerEnv(_Base):
+class SubdirServerEnv(_OneHelper):
     """An agent env whose tool server works in a subdirectory of the workspace (``sub``, its
     working directory); action 3 renames that directory (``moved``: the server follows it, its
     working directory is the directory itself).  The observation is the step and the number of
@@ -461,12 +463,6 @@ class SubdirServerEnv(_Base):
         with open(os.path.join(self.workspace, os.path.basename(self.sub), "notes.txt")) as f:
             n = len(f.read().splitlines())
         return np.array([self.t, n], float), 0.0, False, False, {"dir": os.path.basename(self.sub)}
-
-    def close(self):
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 def subdir_server() -> SubdirServerEnv:
