@@ -910,25 +910,13 @@ def _let_worker_go(pid: int, images_dir: str) -> list[int]:
     (and its threads); returns the other processes that must be continued later -- all but those
     that were stopped when the tree was dumped, which stay stopped as they were."""
     from gym_fork.criu.images import stopped_at_dump
-    from gym_fork.worker.resources import _children, _descendants
+    from gym_fork.worker.resources import descendants_of, innermost_pid
 
-    others = _descendants(_children(str(pid)))
+    others = descendants_of(pid)  # (all stopped: the tree cannot change meanwhile)
     keep_stopped = stopped_at_dump(images_dir) if others else frozenset()
-    held = [p for p in others if _ns_pid(p) not in keep_stopped]
+    held = [p for p in others if innermost_pid(p) not in keep_stopped]
     os.kill(pid, signal.SIGCONT)
     return held
-
-
-def _ns_pid(pid: int) -> int | None:
-    """``pid``'s number in its innermost PID namespace (the last ``NSpid``), or None if gone."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"NSpid:"):
-                    return int(line.split()[-1])
-    except OSError:
-        return None
-    return None
 
 
 def _enter_private(handle: RemoteHandle, binds: Binds | None) -> None:

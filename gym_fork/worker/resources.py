@@ -606,6 +606,17 @@ def _thread_names(proc: str) -> list[str]:
     return names
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Host pids of every descendant of host pid ``pid`` (not ``pid`` itself), parents first."""
+    return _descendants(_children(str(pid)))
+
+
+def innermost_pid(pid: int) -> int | None:
+    """Host pid ``pid``'s number in its own (innermost) PID namespace; None when it is gone."""
+    st = _status(pid)
+    return st[2] if st is not None else None
+
+
 def _descendants(roots: list[int]) -> list[int]:
     out, todo = [], list(roots)
     while todo:
