@@ -118,15 +118,21 @@ def thread_count() -> int:
         return 1
 
 
-def _retire_or_exit(code: int = 0) -> None:
+def _retire_or_exit(code: int = 0, chan: Channel | None = None) -> None:
     """Leave the loop. The env's own child processes are killed (no process outlives its env). A
     PID-namespace init becomes a reaper so that its namespace's other processes (clones, frozen
-    snapshots) live on; any other process just exits."""
+    snapshots) live on; any other process just exits.  ``chan``: the active worker's channel,
+    shut down once the env's processes are dead -- the EOF a controller waits for
+    (``RemoteHandle.kill``) before it puts files back; a shutdown, not a close, since processes
+    forked from this one may hold the same socket."""
     victims = resources.kill_env_processes(_FORKED)  # first, at full priority: nothing of the env runs on
+    resources.await_dead(victims)
+    if chan is not None:
+        try:
+            chan.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
     if os.getpid() == 1:
-        resources.await_dead(victims)
-        # the channel's EOF tells a controller waiting for it (RemoteHandle.kill) that the env's
-        # processes are gone: sent at once, not after the drop in priority below
         os.closerange(3, 65536)
     try:  # its exit (tearing down tens of MB) must not preempt the learner or its new worker
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
@@ -273,7 +279,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 if in_ring:
                     chan.packed_in = True  # answer in kind: a packed frame
         except ChannelClosed:
-            _retire_or_exit()
+            _retire_or_exit(chan=chan)
             return
         if fswatch.deferred:  # a ready copy's first request: from now on it watches its changes
             fswatch.resume()
@@ -286,7 +292,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
             try:
                 chan.reply(reply)  # packed when the request was a packed step
             except (ChannelClosed, BrokenPipeError, ConnectionResetError):  # the controller went away
-                _retire_or_exit()
+                _retire_or_exit(chan=chan)
                 return
             except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
                 chan.send(_unsendable_reply(cmd, exc) if reply[0] == OK else _error_reply(exc))
@@ -299,10 +305,10 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 sink = _Replies(chan, ring)
                 output.flush(sink)
                 sink.send((OK, None))
-            _retire_or_exit()
+            _retire_or_exit(chan=chan)
             return
         if cmd == "retire":
-            _retire_or_exit()
+            _retire_or_exit(chan=chan)
             return
         drop_ring = False  # a CRIU dump may follow this reply: no image may hold the ring
         try:
@@ -390,7 +396,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
             sink.announce()
             chan.reply(reply)  # packed when the request was a packed step
         except (ChannelClosed, BrokenPipeError, ConnectionResetError):  # the controller went away
-            _retire_or_exit()
+            _retire_or_exit(chan=chan)
             return
         except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
             sink.send(_unsendable_reply(cmd, exc) if reply[0] == OK else _error_reply(exc))
