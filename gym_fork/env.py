@@ -1259,7 +1259,9 @@ class ForkableEnv(gym.Wrapper):
         if type(old) is RemoteHandle and self._workspace is None and self._private is None:
             old.retire()  # told to go, off the learner's path (see RemoteHandle.retire)
         else:
-            # a thread of the old copy's env must not write into files restored right after this
+            # a thread of the old copy's env must not write into files restored right after this,
+            # nor a process it started (a file watcher): kill() waits until those are gone
+            old.await_env_exit = True
             old.kill()
         self._steps = snapshot.steps
         self._parent_id = snapshot.id

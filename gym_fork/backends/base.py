@@ -726,6 +726,9 @@ class RemoteHandle(Handle):
 
     #: a weak reference to the last fork-tier snapshot this worker answered for (see kill())
     _last_fork: Any = None
+    #: set by a caller about to put files back (a restore's switch): :meth:`kill` of a retiring
+    #: fork-tier worker whose env started processes then waits until those are dead
+    await_env_exit = False
 
     def kill(self) -> None:
         if self.closed:
@@ -747,7 +750,7 @@ class RemoteHandle(Handle):
             # retire (exec a reaper that exits with the last of them) instead of killing it.
             try:
                 self._send_plain(("retire", ()))
-                if self.chan.spawned:
+                if self.chan.spawned and self.await_env_exit:
                     # Its env's processes (a tool server, a file watcher) run until the worker
                     # gets to them; beside a restored copy they would still write into files
                     # about to be put back. The worker kills them first, then closes every
