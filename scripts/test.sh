@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, CI): set everything up (venv, gym_fork + extras, CRIU 4.x), then check
-# the import contracts (setup.cfg [importlinter]), build the docs strictly, run the whole suite, and
+# the import contracts (setup.cfg [importlinter]), build the docs strictly, run the whole suite
+# (scripts/run_pytest.sh: two test processes at once, GYM_FORK_TEST_JOBS=1 for one), and
 # (without arguments) its core on Python 3.13 too (scripts/test_pythons.sh; GYM_FORK_PYTHONS picks).
 # Every step runs; the exit status is non-zero when any failed.  Extra arguments go to pytest,
 # e.g.  scripts/test.sh -k exactness
@@ -18,7 +19,7 @@ export NO_MKDOCS_2_WARNING=1  # (a notice about MkDocs 2 on every build)
 "$VENV"/bin/mkdocs build --strict --quiet --site-dir "$site" || failed+=("docs (mkdocs build --strict: a broken page or API reference, see above)")
 rm -rf "$site"
 rc=0
-"$VENV"/bin/python -m pytest -p no:cacheprovider -q "$@" || rc=$?
+bash scripts/run_pytest.sh "$VENV"/bin/python "$@" || rc=$?  # two test processes, then the `alone` tests
 if [ "$#" -eq 0 ]; then  # the whole suite: also its core on the other supported Pythons
   echo "[test] other Pythons: scripts/test_pythons.sh (${GYM_FORK_PYTHONS-3.13})"
   bash scripts/test_pythons.sh || failed+=("other Pythons (scripts/test_pythons.sh, see above)")

@@ -54,7 +54,7 @@ for v in $versions; do
     touch "$stamp"
   fi
   echo "[pythons] Python $v: $("$venv/bin/python" -c 'import sys; print(sys.version.split()[0])'), ${tests[*]} -k '$deselect'" >&2
-  "$venv/bin/python" -m pytest -p no:cacheprovider -q "${tests[@]}" -k "$deselect" "$@" || failed+=("$v")
+  bash scripts/run_pytest.sh "$venv/bin/python" "${tests[@]}" -k "$deselect" "$@" || failed+=("$v")
 done
 for f in "${failed[@]}"; do echo "[pythons] FAILED: Python $f" >&2; done
 [ "${#failed[@]}" -eq 0 ]

@@ -7,7 +7,9 @@ the module named ``conftest``, so a second one (e.g. in tests/unit/) would shado
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 
 import gymnasium as gym
@@ -15,6 +17,52 @@ import numpy as np
 import pytest
 
 from gym_fork.criu.status import criu_status
+
+# The suite runs in two test processes at once (pytest-xdist, scripts/test.sh), each test file in
+# one of them, the tests marked ``alone`` afterwards by themselves.  Each process counts its own
+# step-ring slots (one per machine on 2 CPUs: a test that expects a ring must not find the other
+# process's env holding it), and a test that looks at every process on the machine skips those
+# the other test process started (``started_elsewhere``).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER and "GYM_FORK_RING_SLOTS_DIR" not in os.environ:
+    _slots = f"/tmp/gym_fork-test-{os.getuid()}/ring-slots-{XDIST_WORKER}"
+    os.makedirs(os.path.dirname(_slots), mode=0o700, exist_ok=True)
+    os.environ["GYM_FORK_RING_SLOTS_DIR"] = _slots
+
+_SB3_LOGDIR: list[str] = []
+
+
+def pytest_configure(config):
+    # SB3 makes a log directory /tmp/SB3-<time> in every learn() without a logger of its own
+    # (dozens per run, never removed): here they all go to one, removed when the session ends.
+    # (In pytest only: processes that import this module for its helpers make none.)
+    if "SB3_LOGDIR" not in os.environ:
+        _SB3_LOGDIR.append(tempfile.mkdtemp(prefix="gym_fork-tests-sb3-"))
+        os.environ["SB3_LOGDIR"] = _SB3_LOGDIR[0]
+
+
+def pytest_unconfigure(config):
+    for d in _SB3_LOGDIR:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def started_elsewhere(pid: int) -> bool:
+    """Whether ``pid`` belongs to another test process of this run (its environment, inherited by
+    everything a test starts -- workers, criu, servers, CRIU-restored copies -- names another
+    pytest-xdist worker). False outside pytest-xdist, and for a process whose environment cannot
+    be read (gone, or another user's): a process of this test is never overlooked."""
+    if not XDIST_WORKER:
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = b"\0" + f.read()
+    except OSError:
+        return False
+    at = env.find(b"\0PYTEST_XDIST_WORKER=")
+    if at < 0:
+        return False
+    value = env[at + len(b"\0PYTEST_XDIST_WORKER="):].split(b"\0", 1)[0]
+    return value != XDIST_WORKER.encode()
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +80,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "criu" in item.keywords:
             item.fixturenames.append("criu_ok")
+    # scripts/run_pytest.sh runs the suite in two parts: GYM_FORK_TEST_PART=shared (the tests that
+    # may share the machine with another test process) and =alone (those marked ``alone``).
+    part = os.environ.get("GYM_FORK_TEST_PART")
+    if part in ("shared", "alone"):
+        keep = [item for item in items if ("alone" in item.keywords) == (part == "alone")]
+        dropped = [item for item in items if ("alone" in item.keywords) != (part == "alone")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
 
 
 def same(a, b) -> bool:

@@ -15,7 +15,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import eventually, process_alive
+from conftest import eventually, process_alive, started_elsewhere
 
 import gym_fork
 from gym_fork.snapshots import sessiondir
@@ -396,7 +396,7 @@ def _criu_processes() -> set[int]:
         if p.isdigit():
             try:
                 with open(f"/proc/{p}/comm") as f:
-                    if f.read().strip() == "criu":
+                    if f.read().strip() == "criu" and not started_elsewhere(int(p)):
                         out.add(int(p))
             except OSError:
                 pass
@@ -494,7 +494,7 @@ def _gym_fork_workers() -> list[int]:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if b"gym_fork.worker" in f.read():
+                    if b"gym_fork.worker" in f.read() and not started_elsewhere(int(name)):
                         out.append(int(name))
             except OSError:
                 continue

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import started_elsewhere
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -122,7 +123,7 @@ def test_agent_webapp_end_to_end(tmp_path, capsys, files):
                     cmd = f.read()
             except OSError:
                 continue
-            if b"redis-server" in cmd and b"6390" in cmd or b"serve_forever" in cmd:
+            if (b"redis-server" in cmd and b"6390" in cmd or b"serve_forever" in cmd) and not started_elsewhere(int(pid)):
                 out.add(int(pid))
         return out
 

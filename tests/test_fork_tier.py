@@ -14,7 +14,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import assert_same_traj, eventually, process_alive, process_states, run_actions
+from conftest import assert_same_traj, eventually, process_alive, process_states, run_actions, started_elsewhere
 
 import gym_fork
 from gym_fork.errors import BackendUnavailableError
@@ -37,7 +37,8 @@ def _twins(env_id: str, seed: int):
 
 
 def _gym_fork_pids() -> set[int]:
-    """Every live gym_fork worker, frozen snapshot or namespace reaper on the machine."""
+    """Every live gym_fork worker, frozen snapshot or namespace reaper on the machine (but the
+    other test process's)."""
     pids = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -49,7 +50,7 @@ def _gym_fork_pids() -> set[int]:
                 zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:
             continue
-        if not zombie and (b"gym_fork.worker" in cmd or b"os.wait()" in cmd):
+        if not zombie and (b"gym_fork.worker" in cmd or b"os.wait()" in cmd) and not started_elsewhere(int(d)):
             pids.add(int(d))
     return pids
 
@@ -584,6 +585,7 @@ def _runnable_now() -> int:
         return int(f.read().split()[3].split("/")[0])
 
 
+@pytest.mark.alone
 def test_a_ready_copy_faults_in_ahead_only_on_a_free_cpu():
     """A ready copy faults in its plan only while a CPU is free: with every CPU kept busy (a
     search loop's learner and copy, a learner training) it leaves its pages to its first step's

@@ -257,6 +257,7 @@ def test_whether_a_ring_is_wanted_is_asked_twice_per_handle_not_at_every_step(mo
         env.close()
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a ring spins only with a second CPU")
 def test_a_worker_spins_for_requests_through_the_learners_work_between_steps(ring_on, monkeypatch):
     """A learner that works ~330 µs between steps (a policy, a replay buffer) is answered by a

@@ -274,6 +274,7 @@ def _sleeps() -> int:
         return next(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches:"))
 
 
+@pytest.mark.alone
 @pytest.mark.criu
 def test_step_wait_polls_for_fast_replies_instead_of_sleeping_on_each(monkeypatch):
     """Read in turn, the replies of 4 workers on 2 CPUs put the learner to sleep about twice a

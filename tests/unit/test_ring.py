@@ -132,6 +132,7 @@ def test_wake_up_after_a_sleep():
             assert ctl.wait_reply(cc)[1][0] == i + 1
 
 
+@pytest.mark.alone
 def test_a_peer_slower_than_a_short_spin_is_still_spun_for():
     """A worker whose steps take ~120 µs (a MuJoCo step): the controller keeps spinning for its
     replies -- it learns when to spin, and spins up to the cap -- instead of sleeping through
