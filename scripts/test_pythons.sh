@@ -3,7 +3,7 @@
 # classifiers), beside the full suite that scripts/test.sh runs on the machine's python3.
 #
 # For each version in $GYM_FORK_PYTHONS (default "3.13", the newest on this machine; "3.12 3.13"
-# for both, ~1.5 min each): find its interpreter (pyenv's /root/.pyenv/versions/3.X.*, or
+# for both, ~2-3 min each): find its interpreter (pyenv's /root/.pyenv/versions/3.X.*, or
 # python3.X on PATH), make a venv .venv-3.X with gym_fork and what the core tests need (no torch,
 # SB3 or Ray: those tests run on python3 only), install pycriu into it (scripts/install_criu.sh;
 # CRIU itself is the machine's), and run the unit tests, the fork tier, the agent envs (CRIU
