@@ -5,7 +5,7 @@
 #   2. the tests marked `alone` (timing behaviour -- spinning, polling, faulting in on a free CPU --
 #      that needs the machine's CPUs to itself), in one process, after the rest.
 # Why: the suite mostly waits (process starts, CRIU, servers, sleeps): run one test at a time it
-# left ~45 % of 2 CPUs idle and took 13.8-16.8 min; two test processes take ~9.
+# left ~45 % of 2 CPUs idle and took 13.8-18 min; two test processes take 7-8.5.
 # GYM_FORK_TEST_JOBS: default 2 where 2+ CPUs are ours, else 1; 1 runs everything in one process
 # in file order (no pytest-xdist needed).  Extra arguments go to both parts (-k, -x, paths, ...);
 # a part they select nothing from is fine.  Exit status: the first failing part's; 5 when neither

@@ -55,14 +55,11 @@ def started_elsewhere(pid: int) -> bool:
         return False
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = b"\0" + f.read()
+            entries = f.read().split(b"\0")
     except OSError:
         return False
-    at = env.find(b"\0PYTEST_XDIST_WORKER=")
-    if at < 0:
-        return False
-    value = env[at + len(b"\0PYTEST_XDIST_WORKER="):].split(b"\0", 1)[0]
-    return value != XDIST_WORKER.encode()
+    named = [e for e in entries if e.startswith(b"PYTEST_XDIST_WORKER=")]
+    return bool(named) and named[0] != b"PYTEST_XDIST_WORKER=" + XDIST_WORKER.encode()
 
 
 @pytest.fixture(scope="session")
@@ -84,8 +81,9 @@ def pytest_collection_modifyitems(config, items):
     # may share the machine with another test process) and =alone (those marked ``alone``).
     part = os.environ.get("GYM_FORK_TEST_PART")
     if part in ("shared", "alone"):
-        keep = [item for item in items if ("alone" in item.keywords) == (part == "alone")]
-        dropped = [item for item in items if ("alone" in item.keywords) != (part == "alone")]
+        keep, dropped = [], []
+        for item in items:
+            (keep if ("alone" in item.keywords) == (part == "alone") else dropped).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = keep

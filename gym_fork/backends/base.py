@@ -753,8 +753,8 @@ class RemoteHandle(Handle):
                 if self.chan.spawned and self.await_env_exit:
                     # Its env's processes (a tool server, a file watcher) run until the worker
                     # gets to them; beside a restored copy they would still write into files
-                    # about to be put back. The worker kills them first, then closes every
-                    # descriptor before it turns into the reaper: that EOF says they are gone.
+                    # about to be put back. The worker kills them first and, once they are dead,
+                    # shuts its end of the channel down: that EOF says they are gone.
                     _await_eof(self.chan.sock, _RETIRE_WAIT_S)
             except OSError:
                 pass
@@ -847,7 +847,7 @@ _RETIRE_WAIT_S = 5.0
 
 def _await_eof(sock: socket.socket, timeout: float) -> None:
     """Read ``sock`` (discarding what arrives: a reply the worker was still sending) until its peer
-    has closed it, or ``timeout`` seconds have passed."""
+    has shut its end down or closed it (EOF), or ``timeout`` seconds have passed."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
