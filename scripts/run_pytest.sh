@@ -15,6 +15,10 @@ set -uo pipefail
 py=$1; shift
 cpus=$("$py" -c 'import os; print(len(os.sched_getaffinity(0)))')
 jobs=${GYM_FORK_TEST_JOBS:-$(( cpus >= 2 ? 2 : 1 ))}
+if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_pytest.sh: GYM_FORK_TEST_JOBS must be a whole number >= 1 (test processes at once), not '$jobs'" >&2
+  exit 2
+fi
 if [ "$jobs" -le 1 ]; then
   exec "$py" -m pytest -p no:cacheprovider -q "$@"
 fi
