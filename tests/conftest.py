@@ -49,17 +49,31 @@ def pytest_unconfigure(config):
 def started_elsewhere(pid: int) -> bool:
     """Whether ``pid`` belongs to another test process of this run (its environment, inherited by
     everything a test starts -- workers, criu, servers, CRIU-restored copies -- names another
-    pytest-xdist worker). False outside pytest-xdist, and for a process whose environment cannot
-    be read (gone, or another user's): a process of this test is never overlooked."""
+    pytest-xdist worker). A zombie has no environment left: it is judged by its parent (a criu
+    the other test process has not reaped yet). False outside pytest-xdist, and where nothing
+    can be read (gone, another user's): a process of this test is never overlooked."""
     if not XDIST_WORKER:
         return False
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            entries = f.read().split(b"\0")
-    except OSError:
-        return False
-    named = [e for e in entries if e.startswith(b"PYTEST_XDIST_WORKER=")]
-    return bool(named) and named[0] != b"PYTEST_XDIST_WORKER=" + XDIST_WORKER.encode()
+    for _ in range(8):  # (a zombie's parent, a zombie's parent's parent, ...)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except ProcessLookupError:  # a zombie's (ESRCH)
+            entries = [b""]
+        except OSError:
+            return False
+        named = [e for e in entries if e.startswith(b"PYTEST_XDIST_WORKER=")]
+        if named:
+            return named[0] != b"PYTEST_XDIST_WORKER=" + XDIST_WORKER.encode()
+        if entries != [b""] or ppid <= 1:  # an environment without the name: started apart from us
+            return False
+        pid = ppid
+    return False
 
 
 @pytest.fixture(scope="session")

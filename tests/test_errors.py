@@ -403,6 +403,7 @@ def _criu_processes() -> set[int]:
     return out
 
 
+@pytest.mark.alone  # keeps every CPU busy: the other test process would crawl meanwhile
 @pytest.mark.criu
 def test_criu_restores_killed_at_their_timeout_leave_no_process_behind(monkeypatch):
     """A CRIU restore past $GYM_FORK_CRIU_TIMEOUT is killed at whatever point it reached (timeouts

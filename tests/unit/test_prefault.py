@@ -5,6 +5,7 @@ import os
 import mmap
 
 import numpy as np
+import pytest
 
 from conftest import run_in_child
 
@@ -107,6 +108,7 @@ def test_apply_stops_when_asked_and_leaves_the_rest_shared_and_unchanged():
     assert n == pages and own == pages and same  # never told to stop: all of it
 
 
+@pytest.mark.alone  # keeps every CPU busy: the other test process would crawl meanwhile
 def test_cpu_watch_sees_every_cpu_taken_and_freed_again():
     """CpuWatch counts the machine's runnable tasks: busy loops on every CPU make it say no CPU
     is free, and once they end a CPU is free again."""

@@ -7,12 +7,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from gym_fork.backends.base import _deprioritize
 
 # Waits for a line on stdin, then spends ~20 ms of CPU time (a worker tearing itself down).
 _EXIT_WORK = "import sys, time\nsys.stdin.readline()\nt = time.process_time()\nwhile time.process_time() - t < 0.02: pass\n"
 
 
+@pytest.mark.alone  # keeps every CPU busy: the other test process would crawl meanwhile
 def test_a_deprioritized_process_still_finishes_while_every_cpu_is_busy():
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     dying = subprocess.Popen([sys.executable, "-c", _EXIT_WORK], stdin=subprocess.PIPE)
