@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from gym_fork import interrupts
 from gym_fork.interrupts import held
 
 
@@ -80,18 +81,18 @@ def test_an_interrupt_inside_enter_leaves_ctrl_c_working():
     """Another signal's handler that raises may cut ``__enter__`` after the swap: the handler it
     leaves in place forwards Ctrl-C at once, and the next block puts the real one back."""
     block = held()
-    original_signal = signal.signal
+    original_signal = interrupts._set_handler
 
     def signal_then_raise(sig, h):
         original_signal(sig, h)
         raise KeyboardInterrupt  # (as a SIGALRM handler that raises, right after the swap)
 
-    signal.signal = signal_then_raise
+    interrupts._set_handler = signal_then_raise
     try:
         with pytest.raises(KeyboardInterrupt):
             block.__enter__()
     finally:
-        signal.signal = original_signal
+        interrupts._set_handler = original_signal
     assert signal.getsignal(signal.SIGINT) == block._hold
     with pytest.raises(KeyboardInterrupt):
         ctrl_c()
