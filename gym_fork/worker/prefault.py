@@ -33,7 +33,7 @@ import errno
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -157,11 +157,24 @@ def apply(plan: Plan, stop: Callable[[], bool] | None = None) -> int:
     Returns:
         The number of pages faulted in (0 where the kernel lacks ``MADV_POPULATE_*``).
     """
-    global _ok, _libc
-    if not _ok or not (plan.read or plan.write) or os.environ.get("GYM_FORK_PREFAULT") == "0":
+    if not _wanted(plan):
         return 0
     if stop is not None and stop():  # reading this process's mappings alone takes ~1 ms
         return 0
+    return drive(installments(plan, chunked=stop is not None), stop)[0]
+
+
+def _wanted(plan: Plan) -> bool:
+    return _ok and bool(plan.read or plan.write) and os.environ.get("GYM_FORK_PREFAULT") != "0"
+
+
+def installments(plan: Plan, chunked: bool = True) -> Iterator[int]:
+    """:func:`apply` one ``madvise`` call at a time (:data:`STEP_PAGES` pages where ``chunked``):
+    yields the pages each call faulted in, so that the caller can stop between calls and go on
+    later where it stopped (:func:`drive`). Reads this process's mappings at the first call."""
+    global _ok, _libc
+    if not _wanted(plan):
+        return
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -169,24 +182,16 @@ def apply(plan: Plan, stop: Callable[[], bool] | None = None) -> int:
     try:
         mine = sorted((s, e, _kind(p, n)) for s, e, p, n in _areas("self"))
     except OSError:
-        return 0
-    pages = tried = invalid = 0
-    next_check = time.perf_counter() + STOP_CHECK_S
+        return
+    tried = invalid = 0
     for ranges, kind, advice in ((plan.read, "read", MADV_POPULATE_READ), (plan.write, "write", MADV_POPULATE_WRITE)):
-        step = STEP_PAGES[kind] * PAGE if stop is not None else None
+        step = STEP_PAGES[kind] * PAGE if chunked else None
         for start, end in _clip(ranges, [(s, e) for s, e, k in mine if k == kind]):
             tried += 1
-            if step is None:
-                step_end = end
             while start < end:
-                if step is not None:
-                    if time.perf_counter() >= next_check:
-                        if stop():
-                            return pages
-                        next_check = time.perf_counter() + STOP_CHECK_S
-                    step_end = min(end, start + step)
+                step_end = end if step is None else min(end, start + step)
                 if _libc.madvise(start, step_end - start, advice) == 0:
-                    pages += (step_end - start) // PAGE
+                    yield (step_end - start) // PAGE
                 elif ctypes.get_errno() == errno.EINVAL:
                     invalid += 1  # a special mapping, or (all of them) a kernel without the advice
                     break
@@ -195,7 +200,21 @@ def apply(plan: Plan, stop: Callable[[], bool] | None = None) -> int:
                 start = step_end
     if tried and invalid == tried:
         _ok = False  # an older kernel: do not try again
-    return pages
+
+
+def drive(steps: Iterator[int], stop: Callable[[], bool] | None = None) -> tuple[int, bool]:
+    """Run :func:`installments` until they are all done or ``stop()`` (asked every
+    :data:`STOP_CHECK_S` or so) says to stop. Returns the pages faulted in and whether all is
+    done; stopped, ``steps`` goes on from there when driven again."""
+    pages = 0
+    next_check = time.perf_counter() + STOP_CHECK_S
+    for n in steps:
+        pages += n
+        if stop is not None and time.perf_counter() >= next_check:
+            if stop():
+                return pages, False
+            next_check = time.perf_counter() + STOP_CHECK_S
+    return pages, True
 
 
 class CpuWatch:

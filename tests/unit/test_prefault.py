@@ -127,3 +127,50 @@ def test_cpu_watch_sees_every_cpu_taken_and_freed_again():
                 p.wait()
         assert eventually(cpus.free, timeout=10)
     assert cpus.free()  # closed: no count to read, every CPU counts as free
+
+
+def test_a_copy_stopped_by_full_cpus_goes_on_where_it_stopped_once_one_is_free():
+    """Right after a restore the CPUs fill up for a moment (the old worker's exit, the next ready
+    copy's fork, the learner's steps): a ready copy faulting in then must pause and go on, not
+    give up for good (its first step then took every copy-on-write fault it would have saved)."""
+    pages = 4096  # many madvise calls' worth (STEP_PAGES): the CPUs fill up after the first
+    buf = mmap.mmap(-1, pages * prefault.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:: prefault.PAGE] = np.arange(pages) % 251
+    base = arr.ctypes.data
+    plan = prefault.Plan(write=[(base, base + pages * prefault.PAGE)])
+
+    def copy() -> bytes:
+        import socket
+
+        from gym_fork.worker import loop  # (in the child: it sets thread-count defaults on import)
+        from gym_fork.worker.channel import Channel
+
+        answers = [True, False]  # free to start; full at its first look while faulting in; then free
+
+        class Cpus:
+            looked = 0
+
+            def __init__(self) -> None:
+                pass
+
+            def free(self) -> bool:
+                Cpus.looked += 1
+                return answers.pop(0) if answers else True
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                pass
+
+        prefault.CpuWatch = Cpus  # (this child's module only)
+        ours, theirs = socket.socketpair()  # a channel nobody writes to: no request comes
+        loop._prefault_on_a_free_cpu(Channel(theirs), plan)
+        own = sum(bool(_pagemap_entry(os.getpid(), base + p * prefault.PAGE) & prefault._EXCLUSIVE) for p in range(pages))
+        same = bool((arr[:: prefault.PAGE] == np.arange(pages) % 251).all())
+        return repr((own, Cpus.looked, same)).encode()
+
+    own, looked, same = eval(run_in_child(copy))  # noqa: S307 - our own child's repr
+    assert looked >= 3  # it did see the CPUs full in the middle, and looked again
+    assert own == pages and same  # all of the plan in the end, not a byte changed
