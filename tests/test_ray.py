@@ -672,6 +672,7 @@ import threading
 threading.Thread(target=lambda: pool.explore(snap, slow, n_branches=6, horizon=5000), daemon=True).start()
 time.sleep(3)  # branches are running on every node now
 print(json.dumps(pool.info()), flush=True)
+print(json.dumps(pool._tmp), flush=True)
 time.sleep(600)
 """
 
@@ -687,6 +688,7 @@ def test_killed_driver_leaves_no_process_and_no_image(cluster, tmp_path):
         line = p.stdout.readline()
         assert line, p.stderr.read()[-3000:]
         infos = json.loads(line)
+        pool_dir = json.loads(p.stdout.readline())  # the driver's own scratch directory
     finally:
         p.kill()
         p.wait()
@@ -699,8 +701,15 @@ def test_killed_driver_leaves_no_process_and_no_image(cluster, tmp_path):
     sessions = [i["session"] for i in infos.values()]
     # (each holds only its owner lock, which is how the next process knows its owner is gone)
     assert [f for s in sessions for _d, _s, fs in os.walk(s) for f in fs if f != reclaim.OWNER] == []
+    assert os.path.isdir(pool_dir)  # nobody removed it: its driver was killed
     p2 = RayBranchPool()
     try:
         assert not any(os.path.exists(s) for s in sessions), "dead hosts' directories were not reaped"
+        # ... nor the dead driver's: it was in its session directory, which the next gym_fork
+        # process reclaims (in /tmp, one such directory was left behind per killed driver)
+        from gym_fork.snapshots import sessiondir
+
+        reclaim.reclaim_orphans(sessiondir.base_dir(), keep=sessiondir.current_session())  # (what it does)
+        assert not os.path.exists(pool_dir), pool_dir
     finally:
         p2.close()

@@ -32,6 +32,7 @@ from gym_fork.env import check_rng
 from gym_fork.errors import BranchesFailedError
 from gym_fork.ray.errors import cause, first_line
 from gym_fork.ray.host import BranchHost, pack_dir, pid_alive, reap_dead_dirs
+from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.snapshot import Snapshot
 
 
@@ -97,7 +98,9 @@ class RayBranchPool:
         self._lock = threading.Lock()
         self._bundles: OrderedDict[str, Any] = OrderedDict()  # snapshot id -> ObjectRef
         self._prepared: dict[str, set[str]] = {}  # snapshot id -> nodes that restored it
-        self._tmp = tempfile.mkdtemp(prefix="gym_fork-ray-")
+        # in this process's session directory: reclaimed by the next gym_fork process should this
+        # driver be killed (one directory in /tmp per killed driver was left behind for good)
+        self._tmp = tempfile.mkdtemp(prefix="ray-pool-", dir=sessiondir.session_dir())
         self._closed = False
         for nid in alive:
             self._hosts[nid] = self._start_host(nid)
