@@ -22,7 +22,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (VecEnv, VecEnvIndices
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, _refuse_unbound_tree, check_rng, close_envs, start_envs
+from gym_fork.env import ForkableEnv, _refuse_unbound_tree, check_rng, close_envs, share_cpus, start_envs
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
@@ -239,6 +239,11 @@ class ForkableVecEnv(VecEnv):
 
     def _init(self, envs: list[ForkableEnv], seed: int | None) -> None:
         self.envs = envs
+        try:
+            share_cpus(envs)  # (workers outnumbering the CPUs do not poll for requests)
+        except BaseException:
+            close_envs(envs)  # (a worker died: this env owns them all, and is not made)
+            raise
         self.waiting = False
         self.closed = False
         # why the last step did not complete (Ctrl-C in the middle): steps wait for a reset

@@ -28,7 +28,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 
 from gym_fork.backends.base import Backend
 from gym_fork.errors import IncompleteStepError, RestoreError
-from gym_fork.env import ForkableEnv, check_rng, close_envs, start_envs
+from gym_fork.env import ForkableEnv, check_rng, close_envs, share_cpus, start_envs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source
 from gym_fork.worker.reseed import reseed_env
@@ -225,6 +225,7 @@ class ForkableVectorEnv(VectorEnv):
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = envs[0].render_mode
         try:
+            share_cpus(envs)  # (workers outnumbering the CPUs do not poll for requests)
             self._init_spaces(observation_mode)
         except BaseException:
             self.close()  # the workers are running: stop them before the error goes up

@@ -17,6 +17,7 @@ from gymnasium.wrappers import ClipAction, RecordEpisodeStatistics, TimeLimit
 from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
+import gym_fork
 import gym_fork.vec_env
 from gym_fork.errors import ForeignSnapshotError, WorkerDiedError, WorkerError
 from gym_fork.vec_env import ForkableVecEnv
@@ -299,6 +300,78 @@ def test_step_wait_polls_for_fast_replies_instead_of_sleeping_on_each(monkeypatc
     finally:
         ref.close()
         venv.close()
+
+
+def _worker_sleeps(pid: int) -> int:
+    """How often the worker ``pid`` has blocked so far (and had to be woken)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches:"))
+
+
+def _sleeps_per_step(step, pids: list[int], n: int = 300) -> list[float]:
+    """How often each worker in ``pids`` slept per call of ``step()``, over ``n`` calls."""
+    for _ in range(50):  # (the workers' pace: learned)
+        step()
+    before = [_worker_sleeps(p) for p in pids]
+    for _ in range(n):
+        step()
+    return [(_worker_sleeps(p) - b) / n for p, b in zip(pids, before)]
+
+
+def _stepper(env):
+    """One step of ``env`` a call, and a reset at an episode's end."""
+    def step():
+        if any(env.step(0)[2:4]):
+            env.reset()
+    return step
+
+
+@pytest.mark.alone
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu"])
+def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores_and_forks(monkeypatch, fork_tier):
+    """A vector env's workers that, with the learner, outnumber the CPUs do not poll for their
+    next request (a polling worker holds a CPU another one waits for: CartPole, 4 slots on 2
+    CPUs, ~1.2x SubprocVecEnv's time per batch, ~0.95x without). Measured as the workers' own
+    sleeps: a polling worker (a cap of 0.1 s here: it never sleeps between fast requests)
+    against one that sleeps for each. A slot restored from a snapshot a polling env took does
+    not poll either; an env that is no vector env's slot, restored from a vector env's
+    snapshot, polls again; a fork() copy polls as the snapshot's worker did. Before: every
+    worker polled, wherever it ran."""
+    from gym_fork.backends.base import RemoteHandle
+
+    monkeypatch.setenv("GYM_FORK_WORKER_SPIN_US", "100000")  # (read by the workers started below)
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 10**9)  # (steps on the socket, where polling is)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # two CPUs, wherever this runs
+    single = gym_fork.ForkableEnv("CartPole-v1", fork_tier=fork_tier)
+    venv = None
+    try:
+        single.reset(seed=0)
+        polls = single.snapshot()
+        assert max(_sleeps_per_step(_stepper(single),
+                                    [single.worker_pid])) < 0.3
+        slots = single.fork(polls, 2)
+        venv = ForkableVecEnv.from_envs(slots)  # 2 workers and the learner on 2 CPUs
+        venv.reset()
+        acts = np.zeros(2, dtype=int)
+        assert min(_sleeps_per_step(lambda: venv.step(acts), venv.worker_pids)) > 0.7
+        sleeps = venv.snapshot(0)
+        venv.restore(1, polls)  # (a polling env's snapshot: its worker is told)
+        venv.fork_into(sleeps, [0])
+        assert min(_sleeps_per_step(lambda: venv.step(acts), venv.worker_pids)) > 0.7
+        copy = single.fork(sleeps, 1)[0]  # a copy goes on as the snapshot's worker did ...
+        try:
+            assert min(_sleeps_per_step(_stepper(copy),
+                                        [copy.worker_pid])) > 0.7
+        finally:
+            copy.close()
+        single.restore(sleeps)  # ... and an env that is no vector env's slot polls again
+        assert max(_sleeps_per_step(_stepper(single),
+                                    [single.worker_pid])) < 0.3
+    finally:
+        if venv is not None:
+            venv.close()
+        single.close()
 
 
 # --- 2. SB3 training: bit-identical to SubprocVecEnv --------------------------------------------

@@ -138,6 +138,14 @@ class Handle(abc.ABC):
             except ProcessLookupError:
                 pass
 
+    #: whether the worker polls for its next request (worker.channel.SpinWait); see set_worker_polling
+    worker_polls = True
+
+    def set_worker_polling(self, on: bool) -> None:
+        """Let the worker poll for its next request before sleeping, or not (in process: nothing
+        polls)."""
+        self.worker_polls = on
+
     def adopt_pace(self, other: "Handle") -> None:
         """Take over what ``other``, the handle this one replaces, learned about step timing
         (nothing to learn in process)."""
@@ -389,6 +397,18 @@ class RemoteHandle(Handle):
                     return self._step(args[0])
         self._send(cmd, args)  # (send() and receive() without their gate: request() holds it)
         return self._receive()
+
+    def set_worker_polling(self, on: bool) -> None:
+        """Let the worker poll for its next request before sleeping (its own cap,
+        ``GYM_FORK_WORKER_SPIN_US``), or sleep at once (a round trip). A worker from before this
+        request existed answers that it does not know it: it keeps polling, and says so here."""
+        try:
+            self.request("poll", None if on else 0.0)
+        except ValueError as e:
+            if "unknown worker command" not in str(e):
+                raise
+            on = True
+        self.worker_polls = on
 
     def adopt_pace(self, other: Handle) -> None:
         """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a

@@ -95,6 +95,9 @@ class Snapshot:
     # render_mode, spec: gym_fork.proxy), so a restore brings the mirror back too; None when
     # loaded (the restored worker is then asked)
     _mirror: dict | None = None
+    #: whether its worker polled for requests when it was taken (ForkableEnv._set_worker_polling);
+    #: not stored with it: a snapshot loaded from disk counts as polling
+    _worker_polls = True
     _restored: list | None = None  # [restored yet?], shared with the taking env's RestoreRate
 
     def __init__(self, *, backend: PayloadBackend, payload: Any, size_bytes: int, steps: int,

@@ -120,7 +120,9 @@ class SpinWait:
         self.avg = 4.0 * cap  # no polling until waits have been seen to be short ...
         self.budget = 0.0
         self.idle = 0  # waits in a row without polling; -1: the current wait is a probe
-        if avg is not None:  # ... unless a predecessor's pace is known (a restored copy)
+        # ... unless a predecessor's pace is known (a restored copy); not one of 0, which a
+        # predecessor that did not poll (cap 0) leaves, and which no wait would ever move
+        if avg is not None and avg > 0.0:
             self.avg = min(avg, 4.0 * cap)
             self.budget = min(2.0 * self.avg, cap) if self.avg < cap else 0.0
 

@@ -282,6 +282,10 @@ class EnvServer:
         # the serving loop's average wait for the next request when it took a fork-tier
         # snapshot: the snapshot's copies start polling at that pace (worker.channel.SpinWait)
         self.pace: float | None = None
+        # the cap on that polling when the controller set one (``poll``: a vector env whose
+        # workers outnumber the free CPUs turns polling off); None: GYM_FORK_WORKER_SPIN_US.
+        # Kept by the snapshot's copies (this object is in their memory), as the pace is
+        self.poll_cap: float | None = None
         # policies unpickled ahead of a batch of branches (cmd_load_policy), by index
         self.policies: list = []
         self.torch_ahead = False  # torch was imported by a policy loaded ahead (_note_torch_ahead)

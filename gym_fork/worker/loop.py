@@ -262,7 +262,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
     # Poll for the next request before sleeping while requests follow replies fast (a learner
     # stepping in a tight loop; SpinWait learns it): a wake-up costs more than CartPole's step.
     # A copy starts at the pace its snapshot's worker had learned (server.pace, set before forking).
-    spin = SpinWait(spin_cap("GYM_FORK_WORKER_SPIN_US", 500), server.pace)
+    cap = server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
+    spin = SpinWait(cap, server.pace)
     clock, replied = time.perf_counter, 0.0
     while True:
         try:
@@ -372,6 +373,11 @@ def serve(chan: Channel, server: EnvServer) -> None:
                     ring.close()
                 ring = new
                 continue
+            elif cmd == "poll":  # the controller's cap on polling for requests (None: the default)
+                server.poll_cap = None if args[0] is None else float(args[0])
+                cap = server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
+                spin = SpinWait(cap, spin.avg)
+                reply = (OK, None)
             elif cmd == "hello" and os.getpid() == 1 and not _CLONE_INIT:  # a CRIU-restored copy's first words
                 # dumped as a promoted copy of a snapshot (named gym_fork-fork), it is a worker
                 # again: its env's forked children must not look like gym_fork's processes
