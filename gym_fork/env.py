@@ -1261,8 +1261,8 @@ class ForkableEnv(gym.Wrapper):
         # the new worker polls for requests as the snapshot's did; told where this env's differs
         # (a vector env's slot, polling off, restored from a snapshot taken elsewhere, or back)
         new.worker_polls = snapshot._worker_polls
-        if new.worker_polls != old.worker_polls:
-            new.set_worker_polling(old.worker_polls)
+        if new.worker_polls != old.worker_polls:  # (off: the snapshot is this process's, its worker knows the request)
+            new.set_worker_polling(old.worker_polls, tell_only=not new.worker_polls)
         if type(old) is RemoteHandle and self._workspace is None and self._private is None:
             old.retire()  # told to go, off the learner's path (see RemoteHandle.retire)
         else:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 
 from gym_fork.backends import capacity
-from gym_fork.env import ForkableEnv
+from gym_fork.env import ForkableEnv, share_cpus
 from gym_fork.errors import UncapturedFilesError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.channel import canonical_digest
@@ -416,6 +416,7 @@ def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Calla
 def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon: int, stop_at_done: bool,
                      progress: bool | None) -> None:
     n_branches = len(kids)
+    share_cpus(kids)  # (they step at once: where they outnumber the CPUs, polling takes the CPU one waits for)
     obs0, _info0, _ = kids[0]._request("last")
     obs = [own_copy(obs0) for _ in range(n_branches)]  # (each branch its own: the workers' do too)
     live = list(range(n_branches))

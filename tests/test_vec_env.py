@@ -374,6 +374,37 @@ def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores
         single.close()
 
 
+@pytest.mark.alone
+@pytest.mark.criu
+def test_closed_loop_branches_that_outnumber_the_cpus_sleep_and_the_env_restored_to_one_polls_again(monkeypatch):
+    """explore()'s closed-loop branches step at once, as a vector env's slots do: where they
+    and the learner outnumber the CPUs they sleep between steps (their snapshots say so). The
+    env restored to a branch's end polls again -- told without a round trip, so its next
+    replies must still be its own: the steps after the restore match a replay of the branch."""
+    from gym_fork.backends.base import RemoteHandle
+
+    monkeypatch.setenv("GYM_FORK_WORKER_SPIN_US", "100000")
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 10**9)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    try:
+        env.reset(seed=3)
+        root = env.snapshot()
+        res = gym_fork.explore(env, root, lambda obs: int(obs[2] > 0), n_branches=2, horizon=8,
+                               return_snapshots=True, stop_at_done=False, rng="same")
+        end = res.branches[1].snapshot
+        assert end._worker_polls is False and root._worker_polls is True
+        env.restore(end)
+        after = [env.step(a)[0] for a in (0, 1, 1, 0)]
+        assert max(_sleeps_per_step(_stepper(env), [env.worker_pid])) < 0.3
+        env.restore(root)  # the same branch again, step by step: the same observations after it
+        for a in res.branches[1].actions:
+            env.step(a)
+        assert all(same(env.step(a)[0], o) for a, o in zip((0, 1, 1, 0), after))
+    finally:
+        env.close()
+
+
 # --- 2. SB3 training: bit-identical to SubprocVecEnv --------------------------------------------
 @pytest.fixture
 def one_torch_thread():

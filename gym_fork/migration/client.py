@@ -246,6 +246,7 @@ def switch_to_remote(env: Any, new: NetworkHandle, backend: Backend, local: Any 
     current worker (a worker on another node is detached: its host stops it)."""
     old = env._swap_worker(new)
     old = local if local is not None else old
+    new.worker_polls = old.worker_polls  # (the same worker's memory: it polls as it did)
     if isinstance(old, NetworkHandle):
         old.detach()
     else:

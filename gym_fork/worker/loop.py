@@ -377,6 +377,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 server.poll_cap = None if args[0] is None else float(args[0])
                 cap = server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
                 spin = SpinWait(cap, spin.avg)
+                if len(args) > 1 and not args[1]:  # told, not asked (RemoteHandle.set_worker_polling)
+                    continue
                 reply = (OK, None)
             elif cmd == "hello" and os.getpid() == 1 and not _CLONE_INIT:  # a CRIU-restored copy's first words
                 # dumped as a promoted copy of a snapshot (named gym_fork-fork), it is a worker
