@@ -385,6 +385,25 @@ def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores
 
 @pytest.mark.alone
 @pytest.mark.criu
+def test_gymnasium_vector_env_workers_that_outnumber_the_cpus_sleep_between_requests(monkeypatch):
+    """The Gymnasium vector env (``ForkableVectorEnv``) follows the same rule as the SB3 one: two
+    workers and the learner on two CPUs, so its workers sleep for each request. Before: they
+    polled (0.1-0.2 sleeps a step)."""
+    from gym_fork.vector import ForkableVectorEnv
+
+    monkeypatch.setenv("GYM_FORK_WORKER_SPIN_US", "100000")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    envs = ForkableVectorEnv(["CartPole-v1"] * 2)
+    try:
+        envs.reset(seed=0)
+        acts = np.zeros(2, dtype=np.int64)
+        assert min(_sleeps_per_step(lambda: envs.step(acts), [e.worker_pid for e in envs.envs])) > 0.7
+    finally:
+        envs.close()
+
+
+@pytest.mark.alone
+@pytest.mark.criu
 def test_closed_loop_branches_that_outnumber_the_cpus_sleep_and_the_env_restored_to_one_polls_again(monkeypatch):
     """explore()'s closed-loop branches step at once, as a vector env's slots do: where they
     and the learner outnumber the CPUs they sleep between steps (their snapshots say so). The

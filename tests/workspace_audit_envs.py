@@ -338,7 +338,8 @@ class WatcherEnv(_OneHelper):
     server's file watcher): started in the workspace (at the first reset or step), it polls ``state.txt``
     every millisecond and logs each new content to ``changes.log``.  Each step writes
     ``state.txt`` (atomically) and waits until the watcher has seen it; the observation is the
-    step and how many changes the watcher has counted."""
+    step and how many changes the watcher has counted (the content it found when it started
+    included)."""
 
     def __init__(self, start: str = "reset"):
         super().__init__()
@@ -356,6 +357,13 @@ class WatcherEnv(_OneHelper):
         if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, "-c", _WATCH], cwd=self.workspace, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
+            # it has seen what the file holds now before anything else is written: whether it
+            # saw that or only the next step's content depended on how fast Python started
+            # (a loaded CI machine: one change more than counted on)
+            with open(os.path.join(self.workspace, "state.txt")) as f:
+                self.proc.stdin.write(f.read() + "\n")
+            self.proc.stdin.flush()
+            self.proc.stdout.readline()
 
     def _write(self, content: str) -> None:
         tmp = os.path.join(self.workspace, "state.tmp")
