@@ -253,6 +253,12 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     return pid
 
 
+def _poll_cap(server: EnvServer) -> float:
+    """How long this worker polls for its next request at most: the controller's cap where it
+    set one (``poll``), else ``GYM_FORK_WORKER_SPIN_US`` (500 µs)."""
+    return server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
+
+
 def serve(chan: Channel, server: EnvServer) -> None:
     """The active worker's loop. Once the controller hands it a step ring (``ring`` + an fd),
     requests are announced there and steps travel through it (:mod:`gym_fork.worker.ring`)."""
@@ -262,8 +268,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
     # Poll for the next request before sleeping while requests follow replies fast (a learner
     # stepping in a tight loop; SpinWait learns it): a wake-up costs more than CartPole's step.
     # A copy starts at the pace its snapshot's worker had learned (server.pace, set before forking).
-    cap = server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
-    spin = SpinWait(cap, server.pace)
+    spin = SpinWait(_poll_cap(server), server.pace)
     clock, replied = time.perf_counter, 0.0
     while True:
         try:
@@ -375,8 +380,7 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 continue
             elif cmd == "poll":  # the controller's cap on polling for requests (None: the default)
                 server.poll_cap = None if args[0] is None else float(args[0])
-                cap = server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
-                spin = SpinWait(cap, spin.avg)
+                spin = SpinWait(_poll_cap(server), spin.avg)
                 if len(args) > 1 and not args[1]:  # told, not asked (RemoteHandle.set_worker_polling)
                     continue
                 reply = (OK, None)
