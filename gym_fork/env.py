@@ -1256,13 +1256,18 @@ class ForkableEnv(gym.Wrapper):
 
     def _switch_to(self, new: Handle, snapshot: Snapshot) -> None:
         """Run on ``new``, a worker restored from ``snapshot``; the old worker is stopped."""
+        # The new worker polls for requests as the snapshot's did; told where this env's differs
+        # (a vector env's slot, polling off, restored from a snapshot taken elsewhere, or back).
+        # Before the switch: where that fails (the new worker died), the env runs on as it was.
+        polls, new.worker_polls = self._handle.worker_polls, snapshot._worker_polls
+        if new.worker_polls != polls:  # (off: the snapshot is this process's, its worker knows the request)
+            try:
+                new.set_worker_polling(polls, tell_only=not new.worker_polls)
+            except BaseException:
+                new.kill()
+                raise
         old = self._swap_worker(new)
         new.adopt_pace(old)
-        # the new worker polls for requests as the snapshot's did; told where this env's differs
-        # (a vector env's slot, polling off, restored from a snapshot taken elsewhere, or back)
-        new.worker_polls = snapshot._worker_polls
-        if new.worker_polls != old.worker_polls:  # (off: the snapshot is this process's, its worker knows the request)
-            new.set_worker_polling(old.worker_polls, tell_only=not new.worker_polls)
         if type(old) is RemoteHandle and self._workspace is None and self._private is None:
             old.retire()  # told to go, off the learner's path (see RemoteHandle.retire)
         else:

@@ -11,7 +11,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import process_alive, same
+from conftest import eventually, process_alive, same
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.wrappers import ClipAction, RecordEpisodeStatistics, TimeLimit
 from stable_baselines3 import PPO
@@ -377,6 +377,45 @@ def test_workers_that_outnumber_the_cpus_sleep_between_requests_through_restores
         single.restore(sleeps)  # ... and an env that is no vector env's slot polls again
         assert max(_sleeps_per_step(_stepper(single),
                                     [single.worker_pid])) < 0.5
+    finally:
+        if venv is not None:
+            venv.close()
+        single.close()
+
+
+@pytest.mark.criu
+def test_a_restore_whose_new_worker_cannot_be_told_its_polling_leaves_the_slot_as_it_was(monkeypatch):
+    """A slot that does not poll, restored from a polling env's snapshot, tells the new worker
+    before it switches to it. Where that fails (the new worker died), restore() raises, the new
+    worker is stopped and the slot steps on from where it was, on its old worker."""
+    from gym_fork.backends.base import RemoteHandle
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    single = gym_fork.ForkableEnv("CartPole-v1")
+    venv = None
+    try:
+        single.reset(seed=0)
+        polls = single.snapshot()
+        venv = ForkableVecEnv.from_envs(single.fork(polls, 2))
+        venv.reset()
+        venv.step(np.array([0, 1]))
+        before = venv.worker_pids[1]
+        told = []
+
+        def dies(self, on, *, tell_only=False):
+            told.append(self.pid)
+            raise WorkerDiedError(f"the env worker (pid {self.pid}) died")
+
+        monkeypatch.setattr(RemoteHandle, "set_worker_polling", dies)
+        ref = venv.envs[1].snapshot()
+        with pytest.raises(WorkerDiedError):
+            venv.restore(1, polls)
+        assert told and told[0] != before and venv.worker_pids[1] == before
+        assert eventually(lambda: not process_alive(told[0]), timeout=5)
+        after = venv.envs[1].step(1)[0]
+        monkeypatch.undo()
+        venv.envs[1].restore(ref)  # the slot was where ref was: the same step from there
+        assert same(venv.envs[1].step(1)[0], after)
     finally:
         if venv is not None:
             venv.close()
