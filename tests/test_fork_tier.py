@@ -349,8 +349,8 @@ def test_restores_in_a_burst_keep_finding_ready_copies(monkeypatch):
     took = {"ready": 0, "clone": 0}
     take = criu.CriuBackend._take_ready
 
-    def counting(payload):
-        h = take(payload)
+    def counting(payload, **kw):
+        h = take(payload, **kw)
         took["ready" if h is not None else "clone"] += 1
         return h
 
@@ -470,8 +470,8 @@ def test_in_a_burst_a_copy_left_ready_delays_the_next_fork_past_the_taken_copys_
         left_at_take, delays = [], []
         for _ in range(30):
             env.restore(snap)
-            took = told[-1]  # (not the end of restore(), which comes after the notice)
             env.step(0)
+            took = told[-1]  # (the notice rides on the copy's first request: RemoteHandle.defer)
             left = ready()
             left_at_take.append(left)
             # the replacement's offer (if it comes within the cycle: 25 ms, well under BURST_S)
@@ -524,6 +524,7 @@ def test_a_new_snapshot_offers_its_first_ready_copy_sooner_than_the_next_ones():
         # last message to it, inside restore() -- timed from its return, 18 ms on a loaded machine)
         took = time.monotonic()
         env.restore(snap)  # the first use (of the ready copy): not a burst
+        env.step(0)  # (the frozen process is told with the copy's first request: RemoteHandle.defer)
         assert next_offer(snap.payload(), took) >= loop.READY_DELAY_S
         snap.release()
         # A restore before any copy was ready clones one on demand; the copy after that has
@@ -713,8 +714,9 @@ def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(mon
 def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch, tmp_path):
     """A restore does not kill the copy it replaces (a /proc scan for its env's processes,
     ~100 µs of the learner's time): it closes the copy's channel, and the copy stops its env's
-    processes and exits on that EOF. The original worker, its PID namespace's init, is still
-    stopped through kill()."""
+    processes and exits on that EOF -- sent once the new copy's first request is out
+    (RemoteHandle.defer). The original worker, its PID namespace's init, is still stopped
+    through kill()."""
     from gym_fork.backends.base import RemoteHandle
 
     killed = []
@@ -729,10 +731,10 @@ def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch, tmp_path):
         copy = env.worker_pid
         env.step(0)
         env.restore(snap)
+        assert env.step(1)[0].shape == (4,)  # (the copy's EOF rides on this step's request)
         assert killed == [original]  # the copy was told to go, not killed
         # (the original, its namespace's init, lives on as a reaper while the snapshot does)
         assert not _wait_gone({copy}), "the replaced copy is still running"
-        assert env.step(1)[0].shape == (4,)
     finally:
         env.close()
     # with a workspace, which the restore brings back right after, the copy is killed at once:
@@ -749,6 +751,31 @@ def test_a_copy_a_restore_replaces_exits_by_itself(monkeypatch, tmp_path):
         assert copy in killed
     finally:
         env.close()
+
+
+def test_a_replaced_copy_is_stopped_even_when_no_request_follows_its_restore():
+    """A restore tells the copy it replaces to go (and the frozen snapshot that its ready copy
+    was taken) with the new copy's first request. Restores with no request between them, and a
+    close() right after a restore, still stop every replaced copy -- and the copies restore
+    exactly."""
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        expected = run_actions(env, [0, 1, 1, 0])
+        copies = []
+        for _ in range(3):  # back to back: each copy replaced before it made a request
+            env.restore(snap)
+            copies.append(env.worker_pid)
+        assert len(set(copies)) == 3
+        assert_same_traj(run_actions(env, [0, 1, 1, 0]), expected)  # its first request tells them
+        assert not _wait_gone(set(copies[:-1])), "a copy replaced before its first request still runs"
+        env.restore(snap)
+        replaced, last = copies[-1], env.worker_pid
+    finally:
+        env.close()  # before the restored copy's first request: close() tells the replaced one
+    assert not _wait_gone({replaced, last}), "close() right after a restore left a copy running"
+    assert snap.released
 
 
 def _ready_copies(payload, wait: float) -> int:

@@ -9,6 +9,7 @@ a snapshot holds (its *payload*): in memory, in a bundle, in a store.
 from __future__ import annotations
 
 import abc
+import logging
 import os
 import select
 import signal
@@ -17,7 +18,7 @@ import subprocess
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from gym_fork.interrupts import held
 from gym_fork.errors import (ConcurrentUseError, BundleError, IncompleteStepError, NotSendableError, StoreError,
@@ -28,6 +29,8 @@ from gym_fork.worker import ring_slots
 from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, SpinWait, send_fds, spin_cap, step_parts
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
+
+log = logging.getLogger("gym_fork")
 
 
 def _in_use_error(handle: "Handle", what: str) -> ConcurrentUseError:
@@ -341,6 +344,8 @@ class RemoteHandle(Handle):
         # of a 100 µs cap, LunarLander 0.84-0.87x, CartPole unchanged)
         self._spin = SpinWait(spin_cap("GYM_FORK_SPIN_US", SPIN_US))
         self._sent_at = 0.0  # when the request in flight was sent (its wait, for _spin)
+        self._deferred: list[Callable[[], None]] | None = None  # see defer()
+        self._replied_at = 0.0  # when the last reply was read (see worker_sleeps())
 
     #: whether replies are polled for (a local socket); a network channel (TLS) is not
     POLLS = True
@@ -424,6 +429,36 @@ class RemoteHandle(Handle):
             on = True
         self.worker_polls = on
 
+    def defer(self, notice: Callable[[], None]) -> None:
+        """Run ``notice`` (it sends one message, e.g. a restore's "taken" to the frozen snapshot,
+        or the replaced worker's EOF) right after this worker's next request is sent, while the
+        worker computes its answer, instead of now: each such message wakes a sleeping process,
+        which costs the sender 0.1-0.2 ms on this 2-vCPU guest (a restore sent two before its
+        copy's first step). Run at the latest when this handle is retired or killed."""
+        if self._deferred is None:
+            self._deferred = []
+        self._deferred.append(notice)
+
+    def worker_sleeps(self) -> bool:
+        """Whether the worker has most likely stopped polling for its next request and sleeps: a
+        message then wakes it, which costs the sender (worth deferring, :meth:`defer`), whereas
+        a worker still polling reads it at once and is better told now (a replaced copy told
+        later would poll on beside the new copy until its cap runs out)."""
+        ring = self.ring
+        if ring is not None and not ring.closed:
+            return bool(ring.w[rings.W_SLEEP])  # (the worker sets it before it sleeps)
+        if not self.worker_polls:
+            return True
+        return time.perf_counter() - self._replied_at > spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
+
+    def _run_deferred(self) -> None:
+        todo, self._deferred = self._deferred, None
+        for notice in todo or ():
+            try:
+                notice()
+            except Exception as e:  # noqa: BLE001 - a notice never fails the request it rides on
+                log.debug("gym_fork: a deferred notice failed: %s", e)
+
     def adopt_pace(self, other: Handle) -> None:
         """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a
         restored copy steps like its predecessor, and a learner that restores every few steps
@@ -443,12 +478,17 @@ class RemoteHandle(Handle):
         t0 = time.perf_counter()
         self._pending = True  # (before the send: see _resync)
         try:
-            chan.send_step(action)
+            try:
+                chan.send_step(action)
+            finally:
+                if self._deferred:
+                    self._run_deferred()
             reply = chan.recv_reply(spin.budget)  # polls first where steps come back fast
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during 'step': {self.exit_status()}") from e
         self._pending = False
-        spin.observe(time.perf_counter() - t0)
+        self._replied_at = now = time.perf_counter()
+        spin.observe(now - t0)
         if reply[0] == OK:
             return reply[1]
         _, type_name, message, tb = reply
@@ -576,9 +616,11 @@ class RemoteHandle(Handle):
                 # woken for each reply not there yet
                 spin = self._spin
                 reply = self.chan.recv_reply(spin.budget)
-                spin.observe(time.perf_counter() - self._sent_at)
+                self._replied_at = now = time.perf_counter()
+                spin.observe(now - self._sent_at)
             else:
                 reply = self._read()
+                self._replied_at = time.perf_counter()
             self._pending = False
             if cmd == "hello" and self._offered:
                 self._offered = False
@@ -605,6 +647,13 @@ class RemoteHandle(Handle):
         """Send one request: a step as a packed frame where the worker reads them, a plain
         ``hello`` offering them. An unread reply of an interrupted request is drained first
         (one request in flight, always)."""
+        try:
+            self._post_now(cmd, args)
+        finally:
+            if self._deferred:
+                self._run_deferred()
+
+    def _post_now(self, cmd: str, args: tuple) -> None:
         chan = self.chan
         if self._pending:
             self._resync()
@@ -701,6 +750,8 @@ class RemoteHandle(Handle):
             with held():  # (a request cut from its fd: the worker reads the next frame's first byte for it)
                 self._send_plain((cmd, args))
                 send_fds(self.chan.sock, b"F", [fd])
+            if self._deferred:
+                self._run_deferred()
             reply = self._read()
             self._pending = False
         except (ChannelClosed, OSError) as e:
@@ -746,10 +797,11 @@ class RemoteHandle(Handle):
         A worker with a request in flight, a namespace's init, one this process reaps, or one
         whose env has started processes (they would run on until the worker gets to them, beside
         the restored copy: those are killed here, at once) is killed (:meth:`kill`)."""
+        if self._deferred:
+            self._run_deferred()
         if self.closed:
             return
-        if (self._pending or self.ns_root or self._popen is not None or self._child or not self.pid
-                or self.chan.spawned or type(self) is not RemoteHandle):  # (a network handle: its kill())
+        if not self.retires_by_eof():
             self.kill()
             return
         self.closed = True
@@ -758,6 +810,12 @@ class RemoteHandle(Handle):
         self._drop_ring()
         self.chan.close()
 
+    def retires_by_eof(self) -> bool:
+        """Whether :meth:`retire` only closes the channel (one message's cost, worth deferring to
+        the next worker's first request), rather than killing the worker and waiting for it."""
+        return not (self._pending or self.ns_root or self._popen is not None or self._child or not self.pid
+                    or self.chan.spawned or type(self) is not RemoteHandle)  # (a network handle: its kill())
+
     #: a weak reference to the last fork-tier snapshot this worker answered for (see kill())
     _last_fork: Any = None
     #: set by a caller about to put files back (a restore's switch): :meth:`kill` of a retiring
@@ -765,6 +823,8 @@ class RemoteHandle(Handle):
     await_env_exit = False
 
     def kill(self) -> None:
+        if self._deferred:
+            self._run_deferred()
         if self.closed:
             return
         last = self._last_fork() if self._last_fork is not None else None

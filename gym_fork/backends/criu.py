@@ -15,6 +15,7 @@ Invariants (see ARCHITECTURE.md):
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import select
 import shlex
@@ -566,7 +567,7 @@ class CriuBackend(Backend):
         fresh: list[RemoteHandle] = []
         try:
             while len(handles) < n:
-                ready = self._take_ready(payload)
+                ready = self._take_ready(payload, tell_later=restoring and n == 1)
                 if ready is None:
                     break
                 _enter_private(ready, binds[len(handles)])
@@ -644,9 +645,11 @@ class CriuBackend(Backend):
             raise
 
     @staticmethod
-    def _take_ready(payload: ForkPayload) -> RemoteHandle | None:
+    def _take_ready(payload: ForkPayload, tell_later: bool = False) -> RemoteHandle | None:
         """A handle on a ready copy of the frozen snapshot (its ``hello`` already answered), or
-        None when none was offered yet or it does not answer."""
+        None when none was offered yet or it does not answer. ``tell_later``: the frozen process
+        is told the copy is taken once the copy's first request is sent (:meth:`RemoteHandle.defer`:
+        a restore, whose next call is that copy's first step), not before this returns."""
         with held():  # (a copy taken and not told: the frozen process would keep no other ready)
             chan = payload.take_ready()
             if chan is None:
@@ -660,8 +663,11 @@ class CriuBackend(Backend):
                 payload.taken(None)
                 return None
             hello, ino = reply[1]
-            payload.taken(hello[0])
-        h = RemoteHandle(chan, hello[0], ino, fork_tier=True, ns_root=payload.spawned and _is_ns_init(hello[0]))
+            h = RemoteHandle(chan, hello[0], ino, fork_tier=True, ns_root=payload.spawned and _is_ns_init(hello[0]))
+            if tell_later:
+                h.defer(functools.partial(payload.taken, hello[0]))
+            else:
+                payload.taken(hello[0])
         h.initial = list(hello[1:4])
         h.packed = hello[4] == PACKED_VERSION
         return h
