@@ -929,3 +929,65 @@ def test_a_snapshot_whose_worker_a_restore_kills_at_once_keeps_its_frozen_proces
             env.restore(base)
     finally:
         env.close()
+
+
+def _last_cpu(pid: int) -> int:
+    stat = open(f"/proc/{pid}/stat").read()
+    return int(stat[stat.rindex(")") + 2:].split()[36])  # field 39: the CPU it last ran on
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="moving to another CPU needs two")
+def test_a_worker_on_the_learners_cpu_takes_its_snapshot_on_another(monkeypatch):
+    """A worker that shares the learner's CPU (a synchronous wake-up puts it there) moves off it
+    for a fork-tier snapshot's scan and fork: the learner, polling for the answer, then reads it
+    at once instead of waiting for the fork (snapshot() ~1 ms instead of ~2 here). Made certain
+    here: the learner names the CPU the worker runs on (it polls right after a step) as its own.
+    The CPUs the worker and its frozen snapshot may use stay as they were."""
+    from gym_fork.worker import cpus
+
+    allowed = os.sched_getaffinity(0)
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    told = []
+    monkeypatch.setattr(cpus, "current_cpu", lambda: told.append(_last_cpu(env.worker_pid)) or told[-1])
+    try:
+        env.reset(seed=0)
+        moved = 0
+        for _ in range(5):
+            run_actions(env, [0, 1] * 5)
+            snap = env.snapshot()
+            moved += _last_cpu(env.worker_pid) != told[-1]  # forking there (or since asleep there)
+            assert os.sched_getaffinity(env.worker_pid) == allowed
+            assert os.sched_getaffinity(snap.payload().pid) == allowed
+            snap.release()
+        assert moved >= 4, f"the worker took {5 - moved} of 5 snapshots on the CPU it was told to leave"
+    finally:
+        env.close()
+
+
+def test_snapshots_leave_the_cpus_a_worker_may_use_as_they_were(monkeypatch):
+    """Moving off the learner's CPU narrows a worker's allowed CPUs for a moment only: the worker,
+    its frozen snapshots and the copies restored from them keep the CPUs the worker had -- all of
+    them, or the one a user pinned it to -- and every copy restores exactly. (The learner names
+    the worker's own CPU, so that the worker moves wherever it can.)"""
+    from gym_fork.worker import cpus
+
+    allowed = os.sched_getaffinity(0)
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    monkeypatch.setattr(cpus, "current_cpu", lambda: _last_cpu(env.worker_pid))
+    try:
+        env.reset(seed=0)
+        for pin in (None, {max(allowed)}):
+            if pin:
+                os.sched_setaffinity(env.worker_pid, pin)
+            want = pin or allowed
+            snap = env.snapshot()
+            expected = run_actions(env, [0, 1, 1, 0, 1])
+            assert os.sched_getaffinity(env.worker_pid) == want
+            assert os.sched_getaffinity(snap.payload().pid) == want
+            for _ in range(3):
+                env.restore(snap)
+                assert os.sched_getaffinity(env.worker_pid) == want
+                assert_same_traj(run_actions(env, [0, 1, 1, 0, 1]), expected)
+            snap.release()
+    finally:
+        env.close()

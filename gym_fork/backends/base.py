@@ -298,6 +298,8 @@ class LocalHandle(Handle):
 
 #: the default cap, in µs, on how long a handle polls for a step's reply (``GYM_FORK_SPIN_US``)
 SPIN_US = 250
+#: how long a handle polls for a fork-tier snapshot's answer (the worker's scan) before sleeping
+SNAPSHOT_SPIN_S = 0.002
 
 
 class RemoteHandle(Handle):
@@ -529,11 +531,12 @@ class RemoteHandle(Handle):
             self._sync_steps = 0  # offered again after RING_AFTER more steps
             self._fast_steps = False
 
-    def _read(self) -> Any:
-        """The reply to the request in flight (through the ring when it has one)."""
+    def _read(self, spin: float = 0.0) -> Any:
+        """The reply to the request in flight (through the ring when it has one); ``spin``:
+        seconds to poll for it before sleeping."""
         if self.ring is not None:
-            return self.ring.wait_reply(self.chan)
-        return self.chan.recv_reply()  # a worker sends nothing after a reply: read ahead safely
+            return self.ring.wait_reply(self.chan, int(spin * 1e9))
+        return self.chan.recv_reply(spin)  # a worker sends nothing after a reply: read ahead safely
 
     def _send_plain(self, msg: Any) -> None:
         """Send a pickled request on the socket (announced in the ring first, if any). Pickled
@@ -752,7 +755,11 @@ class RemoteHandle(Handle):
                 send_fds(self.chan.sock, b"F", [fd])
             if self._deferred:
                 self._run_deferred()
-            reply = self._read()
+            # A fork snapshot is answered before the worker forks, within ~0.5 ms (its scan): a
+            # learner asleep by then was woken onto the worker's CPU and waited there for the
+            # fork too (~1.3 ms more). Polling, it reads the answer at once and goes on (its
+            # policy's next action) while the worker forks.
+            reply = self._read(SNAPSHOT_SPIN_S if cmd == "fork_snapshot" and self._spin.cap > 0.0 else 0.0)
             self._pending = False
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the process {self.pid} died during {cmd!r}: {self.exit_status()}") from e

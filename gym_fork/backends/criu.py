@@ -51,6 +51,7 @@ from gym_fork.errors import (
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import check_field, check_images
 from gym_fork.snapshots.files import is_no_space, no_space
+from gym_fork.worker import cpus
 from gym_fork.worker.channel import OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
 from gym_fork.worker.commands import EnvSource, pickled_modules
 from gym_fork.worker.resources import Scan
@@ -420,7 +421,9 @@ class CriuBackend(Backend):
         until it is restored once (see :func:`gym_fork.worker.loop.frozen_loop`)."""
         ours, theirs = socket.socketpair()
         try:
-            found = handle.request_with_fd("fork_snapshot", theirs.fileno(), ready_copy)
+            # (a local worker is told this process's CPU: it moves off it for the scan and the fork)
+            cpu = cpus.current_cpu() if type(handle) is RemoteHandle else None
+            found = handle.request_with_fd("fork_snapshot", theirs.fileno(), ready_copy, cpu)
         except WorkerError as e:
             ours.close()
             raise SnapshotError(f"fork snapshot failed: {e}; the env keeps running") from e

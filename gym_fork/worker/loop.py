@@ -56,7 +56,7 @@ from gym_fork.worker.channel import (  # noqa: E402
     ERR, OK, PACKED_VERSION, READY, Channel, ChannelClosed, SpinWait, recv_fds, reply_parts, send_fds, spin_cap)
 from gym_fork.errors import NotSendableError  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
-from gym_fork.worker import lean, output, prefault, resources  # noqa: E402
+from gym_fork.worker import cpus, lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files, fswatch, reseed  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
@@ -319,6 +319,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
         drop_ring = False  # a CRIU dump may follow this reply: no image may hold the ring
         try:
             if cmd == "fork_snapshot":
+                if len(args) > 1:  # off the learner's CPU: it polls for the answer (see cpus)
+                    cpus.step_aside(args[1])
                 server.pace = spin.avg  # its copies go on at this pace
                 server.forget_rollout()
                 fd = _recv_one_fd(chan)

@@ -249,9 +249,10 @@ class Ring:
         self.sent += 1
         self.w[REQ_SEQ] = self.sent  # the message that follows wakes a sleeping worker
 
-    def wait_reply(self, chan: Channel) -> Any:
-        """The worker's reply to the request published last."""
-        if self._wait(chan, REP_SEQ, CTL_SLEEP):
+    def wait_reply(self, chan: Channel, spin_ns: int = 0) -> Any:
+        """The worker's reply to the request published last. ``spin_ns``: spin at least that long
+        before sleeping, whatever the pace says (a request known to be answered soon)."""
+        if self._wait(chan, REP_SEQ, CTL_SLEEP, spin_ns):
             return chan.recv()  # the worker broke the protocol: the message is the reply
         w = self.w
         if w[REP_KIND] == ON_SOCKET:
@@ -296,7 +297,7 @@ class Ring:
         if w[peer_sleeping]:
             chan.send_wake()
 
-    def _wait(self, chan: Channel, seq: int, sleeping: int) -> bool:
+    def _wait(self, chan: Channel, seq: int, sleeping: int, spin_ns: int = 0) -> bool:
         """Wait until the peer publishes the next sequence number: spin, then sleep on the
         socket. True when a real message arrived on the socket instead (left unread).
 
@@ -315,6 +316,8 @@ class Ring:
             # on: spin up to the whole cap (a step's jitter exceeds twice its average often
             # enough that sleeping then costs more here than the socket's polling saves)
             budget = self.spin_ns if pace.budget > 0.0 else 0
+            if spin_ns:
+                budget = max(budget, spin_ns)
             if budget > 0:
                 deadline, yield_ = t0 + budget, os.sched_yield
                 while w[seq] != target:
@@ -328,8 +331,9 @@ class Ring:
                         break
             if w[seq] != target and self._sleep(chan, seq, sleeping, target):
                 return True
-            pace.observe((clock() - t0) * 1e-9)
-        else:
+            if not spin_ns:  # (a step's wait is what the pace learns; not such a request's)
+                pace.observe((clock() - t0) * 1e-9)
+        elif not spin_ns:
             self.pace.observe(0.0)
         self.seen = target
         return False
