@@ -82,6 +82,7 @@ WARM_STEPS = 100
 K, H, PONG_DEPTH = 16, 100, 300
 PARTS = ("steps", "gap", "snapshot", "floor", "pong", "break_even", "vec", "ppo")
 SEARCH_STEPS = 5  # steps per branch in the snapshot part's search loop (restore, 5 steps, restore ...)
+SNAPSHOT_WORK_S = 0.001  # the learner's work between a snapshot and the next step, in its row with work
 
 
 # --- small helpers ---------------------------------------------------------------------------------
@@ -296,6 +297,7 @@ def bench_snapshot(env_id: str, fork_tier: bool, reps: int, pause_s: float) -> d
     acts = actions_for(env_id, 400)
     env = forkable(env_id, fork_tier=fork_tier)
     snap_s, rest_s, rest_b2b_s, rest_call_s, plain, paused, search_s = [], [], [], [], [], [], []
+    snap_call_s, snap_work_s = [], []
     try:
         warm(env, acts)
         it = iter(acts[WARM_STEPS:] * 100)
@@ -305,8 +307,24 @@ def bench_snapshot(env_id: str, fork_tier: bool, reps: int, pause_s: float) -> d
             with NoGC():
                 t0 = time.perf_counter()
                 s = env.snapshot()
+                t1 = time.perf_counter()
                 env.step(a)
                 snap_s.append(time.perf_counter() - t0)
+            snap_call_s.append(t1 - t0)
+            s.release()
+            time.sleep(pause_s)
+            # the same with the learner's own work (its policy) between the snapshot and the
+            # step, which a fork-tier worker's fork() runs beside: the work's time not counted
+            plain_step_s(env, [next(it) for _ in range(10)], 10)
+            a = next(it)
+            with NoGC():
+                t0 = time.perf_counter()
+                s = env.snapshot()
+                t1 = time.perf_counter()
+                busy_wait(SNAPSHOT_WORK_S)
+                t2 = time.perf_counter()
+                env.step(a)
+                snap_work_s.append(time.perf_counter() - t2 + (t1 - t0))
             s.release()
             time.sleep(pause_s)
         root = env.snapshot()
@@ -351,6 +369,8 @@ def bench_snapshot(env_id: str, fork_tier: bool, reps: int, pause_s: float) -> d
     ms = lambda xs: {"median_ms": (med(xs) - p) * 1e3, "samples_ms": [(x - p) * 1e3 for x in xs]}  # noqa: E731
     return {"plain_step_us": p * 1e6, "paused_step_us": med(paused) * 1e6,
             "snapshot_step": ms(snap_s), "restore_step": ms(rest_s),
+            "snapshot_call": {"median_ms": med(snap_call_s) * 1e3},
+            "snapshot_work_step": ms(snap_work_s),
             "snapshot_step_minus_paused_step": {"median_ms": (med(snap_s) - med(paused)) * 1e3},
             "restore_step_minus_paused_step": {"median_ms": (med(rest_s) - med(paused)) * 1e3},
             "restore_step_back_to_back": ms(rest_b2b_s),
@@ -701,8 +721,12 @@ def table(r: dict) -> list[list[str]]:
             continue
         x = s["snapshot_step"]["median_ms"]
         xp = s.get("snapshot_step_minus_paused_step", {}).get("median_ms")
+        call, work = s.get("snapshot_call"), s.get("snapshot_work_step")
         rows.append([f"LunarLander snapshot()+step − step, {label}", "—", ms(x), "—",
-                     "—" if xp is None else f"{ms(xp)} minus a step after the same pause",
+                     "; ".join(["—" if xp is None else f"{ms(xp)} minus a step after the same pause"]
+                               + ([f"the call alone {ms(call['median_ms'])}"] if call else [])
+                               + ([f"with {SNAPSHOT_WORK_S * 1e3:g} ms of the learner's work before the step "
+                                   f"(not counted) {ms(work['median_ms'])}"] if work else [])),
                      f"≤ {bar:g} ms", f"≤ {head:g} ms", verdict(x <= bar)])
     for tier, label, bar, head in (("fork", "fork tier", 1.0, 0.3), ("criu", "CRIU", 50.0, 25.0)):
         s = r["snapshot"].get(tier)

@@ -454,12 +454,15 @@ class RemoteHandle(Handle):
         return time.perf_counter() - self._replied_at > spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
 
     def _run_deferred(self) -> None:
-        todo, self._deferred = self._deferred, None
-        for notice in todo or ():
-            try:
-                notice()
-            except Exception as e:  # noqa: BLE001 - a notice never fails the request it rides on
-                log.debug("gym_fork: a deferred notice failed: %s", e)
+        # (Ctrl-C waits until all are sent: one cut off would leave a replaced copy running
+        # until its handle is collected, or a frozen snapshot with no ready copy coming)
+        with held():
+            todo, self._deferred = self._deferred, None
+            for notice in todo or ():
+                try:
+                    notice()
+                except Exception as e:  # noqa: BLE001 - a notice never fails the request it rides on
+                    log.debug("gym_fork: a deferred notice failed: %s", e)
 
     def adopt_pace(self, other: Handle) -> None:
         """Poll for step replies as ``other`` (the worker this one replaces) had learned to: a
