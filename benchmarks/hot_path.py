@@ -348,15 +348,17 @@ def bench_snapshot(env_id: str, fork_tier: bool, reps: int, pause_s: float) -> d
             rest_call_s.append(t1 - t0)
         time.sleep(pause_s)
         a = acts[WARM_STEPS]
-        for _ in range(reps):  # back to back
-            with NoGC():
+        # back to back, truly: one collection before the loop, none between (a collection before
+        # each, as above, put ~10 ms between the restores here -- a pause, not back to back)
+        with NoGC():
+            for _ in range(reps):
                 t0 = time.perf_counter()
                 env.restore(root)
                 env.step(a)
                 rest_b2b_s.append(time.perf_counter() - t0)
         branch = acts[WARM_STEPS:WARM_STEPS + SEARCH_STEPS]
-        for _ in range(3 * reps):  # a search loop: restore, a few steps, restore again
-            with NoGC():
+        with NoGC():
+            for _ in range(3 * reps):  # a search loop: restore, a few steps, restore again
                 t0 = time.perf_counter()
                 env.restore(root)
                 for b in branch:
