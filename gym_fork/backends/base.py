@@ -579,6 +579,9 @@ class RemoteHandle(Handle):
             self._post(cmd, args)
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the env worker (pid {self.pid}) died during {cmd!r}: {self.exit_status()}") from e
+        finally:
+            if self._deferred:  # (a restore's notices: see defer())
+                self._run_deferred()
 
     def begin_close(self) -> None:
         """Ask the worker to close its env without waiting, so that many workers close at once
@@ -653,13 +656,6 @@ class RemoteHandle(Handle):
         """Send one request: a step as a packed frame where the worker reads them, a plain
         ``hello`` offering them. An unread reply of an interrupted request is drained first
         (one request in flight, always)."""
-        try:
-            self._post_now(cmd, args)
-        finally:
-            if self._deferred:
-                self._run_deferred()
-
-    def _post_now(self, cmd: str, args: tuple) -> None:
         chan = self.chan
         if self._pending:
             self._resync()
@@ -763,6 +759,7 @@ class RemoteHandle(Handle):
             # fork too (~1.3 ms more). Polling, it reads the answer at once and goes on (its
             # policy's next action) while the worker forks.
             reply = self._read(SNAPSHOT_SPIN_S if cmd == "fork_snapshot" and self._spin.cap > 0.0 else 0.0)
+            self._replied_at = time.perf_counter()
             self._pending = False
         except (ChannelClosed, OSError) as e:
             raise WorkerDiedError(f"the process {self.pid} died during {cmd!r}: {self.exit_status()}") from e
