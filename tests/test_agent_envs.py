@@ -810,6 +810,54 @@ def test_a_killed_controller_leaves_no_env_process(kind, after):
     assert_gone(pids)
 
 
+_KILLED_IN_HOLD = r'''
+import glob, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import agent_envs, gym_fork
+from gym_fork.criu import images
+
+env = gym_fork.ForkableEnv(agent_envs.PipeChildEnv, backend="criu", workspace=sys.argv[2])
+env.reset(seed=0)
+env.step(1)
+snap = env.snapshot()  # a tree dump: the env has a child
+env.step(0)
+old = env.worker_pid
+
+def killed(images_dir):  # inside the restore, criu done: the tree it restored is ours, held
+    kids = set()
+    for path in glob.glob("/proc/self/task/*/children"):
+        kids.update(int(p) for p in open(path).read().split())
+    print(" ".join(str(k) for k in kids - {old}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+images.stopped_at_dump = killed
+env.restore(snap)
+'''
+
+
+def test_a_controller_killed_while_a_restored_tree_is_held_leaves_no_process(tmp_path):
+    """kill -9 of the learner in the middle of a workspace env's CRIU restore, after criu left
+    the restored tree stopped (its tools wait until the workspace is back) and before it let the
+    worker go: a stopped worker never sees its channel's EOF, and the tree stayed stopped for
+    good. The worker is continued first now, so it sees the EOF and ends its tree."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "ws").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_IN_HOLD, here, str(tmp_path / "ws")],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        restored = [int(x) for x in p.stdout.readline().split()]
+        assert restored, "the restore never reached the hold"
+        pids = set().union(*(_tree(r) for r in restored))
+        assert len(pids) >= 2, pids  # the restored worker and the env's child
+    finally:
+        p.kill()
+        p.wait()
+    assert_gone(pids)
+
+
 # --- logs the env keeps open ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["a", "w"], ids=["append-mode", "write-mode"])

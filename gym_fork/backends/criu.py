@@ -921,11 +921,13 @@ def _let_worker_go(pid: int, images_dir: str) -> list[int]:
     from gym_fork.criu.images import stopped_at_dump
     from gym_fork.worker.resources import descendants_of, innermost_pid
 
-    others = descendants_of(pid)  # (all stopped: the tree cannot change meanwhile)
-    keep_stopped = stopped_at_dump(images_dir) if others else frozenset()
-    held = [p for p in others if innermost_pid(p) not in keep_stopped]
+    # The worker first: stopped, it would never see its channel's EOF, and a controller killed
+    # meanwhile (the image reading below takes milliseconds) left the tree stopped for good.
+    # Going on, it only waits for its first request: its tree cannot change meanwhile.
     os.kill(pid, signal.SIGCONT)
-    return held
+    others = descendants_of(pid)  # (all stopped but the worker)
+    keep_stopped = stopped_at_dump(images_dir) if others else frozenset()
+    return [p for p in others if innermost_pid(p) not in keep_stopped]
 
 
 def _enter_private(handle: RemoteHandle, binds: Binds | None) -> None:
