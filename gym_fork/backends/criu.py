@@ -923,9 +923,11 @@ def _let_worker_go(pid: int, images_dir: str) -> list[int]:
 
     # The worker first: stopped, it would never see its channel's EOF, and a controller killed
     # meanwhile (the image reading below takes milliseconds) left the tree stopped for good.
-    # Going on, it only waits for its first request: its tree cannot change meanwhile.
+    # Going on, it waits for its first request; only a thread of its env could start a process
+    # meanwhile, as it could once the worker went on after this scan before (that one would
+    # run, like the worker, before the workspace is back: not new here).
     os.kill(pid, signal.SIGCONT)
-    others = descendants_of(pid)  # (all stopped but the worker)
+    others = descendants_of(pid)  # (the tree's processes, stopped by criu)
     keep_stopped = stopped_at_dump(images_dir) if others else frozenset()
     return [p for p in others if innermost_pid(p) not in keep_stopped]
 
