@@ -968,15 +968,21 @@ def test_a_step_from_another_thread_during_a_migration_is_refused_not_lost(lo):
     try:
         t.start()
         time.sleep(0.1)
-        for _ in range(50):  # (the move itself is refused while the other thread's step is in flight)
+        # The move itself is refused while the other thread's step is in flight. On a loaded
+        # machine a step can hold the channel most of the time (its worker waits for a CPU), so
+        # the move is tried until a deadline, not a fixed number of times (50 tries 1 ms apart
+        # were all refused once in CI).
+        rep, tries, deadline = None, 0, time.monotonic() + 30
+        while rep is None and time.monotonic() < deadline:
+            tries += 1
             try:
                 rep = env.migrate(lo.target["B"], token=lo.token)
-                break
             except ConcurrentUseError:
-                time.sleep(0.001)
+                time.sleep(0.001 * (1 + tries % 5))  # (varied, so as not to keep pace with the stepper)
         time.sleep(0.1)
         done.set()
         t.join(30)
+        assert rep is not None, f"the move was refused {tries} times in 30 s: another thread's step always in flight?"
         assert rep["node"] == "B" and refused[0] > 0, (rep, refused)
         assert env.steps == 30 + len(took)
         for a in took:  # the reference takes the steps that were taken, in order
