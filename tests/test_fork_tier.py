@@ -509,8 +509,11 @@ def test_a_new_snapshot_offers_its_first_ready_copy_sooner_than_the_next_ones():
             assert eventually(lambda: (payload.collect(), len(payload.ready) > have)[1], every=0.0005)
             return time.monotonic() - since
 
+        # A loaded machine only delays an offer, never hastens it: one offer sooner than
+        # READY_DELAY_S shows the shorter delay was used. So up to ten tries, until one is (three
+        # were all later than 20 ms once, with three test processes on two CPUs).
         firsts = []
-        for _ in range(3):  # the least of three: a loaded machine only delays
+        while len(firsts) < 10 and min(firsts, default=1.0) >= loop.READY_DELAY_S:
             t0 = time.monotonic()
             snap = env.snapshot()
             firsts.append(next_offer(snap.payload(), t0))
@@ -532,7 +535,7 @@ def test_a_new_snapshot_offers_its_first_ready_copy_sooner_than_the_next_ones():
         # FIRST_READY_DELAY_S: the quickstart's second restore, ~10-40 ms after the first,
         # cloned on demand again (7.5-8.4 ms) before, now finds it (3.2-3.7 ms).
         cloned = []
-        for _ in range(3):
+        while len(cloned) < 10 and min(cloned, default=1.0) >= loop.READY_DELAY_S:  # (as above)
             snap = env.snapshot()
             asked = time.monotonic()  # (the frozen process's quiet time starts at the clone request)
             env.restore(snap)  # at once: clones on demand
