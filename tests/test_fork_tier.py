@@ -493,6 +493,8 @@ def test_in_a_burst_a_copy_left_ready_delays_the_next_fork_past_the_taken_copys_
         env.close()
 
 
+@pytest.mark.alone  # wall-clock delays of a few ms: with four test processes on two CPUs, ten
+# tries all took longer than 20 ms
 def test_a_new_snapshot_offers_its_first_ready_copy_sooner_than_the_next_ones():
     """A snapshot's first ready copy comes after FIRST_READY_DELAY_S of quiet, so a restore a few
     ms after the snapshot need not clone on demand; once a ready copy was used, the next waits
@@ -686,6 +688,8 @@ def _cartpole_with_a_slow_fifth_step() -> gym.Env:
     return SlowFifthStep(gym.make("CartPole-v1"))
 
 
+@pytest.mark.alone  # needs fast replies to judge: beside three other test processes on two
+# CPUs too few came
 def test_an_env_with_occasional_slow_steps_is_still_polled_for_its_fast_ones(monkeypatch):
     """The learner polls for a step's reply while replies come fast; one slow step in five must
     not turn that off for the fast ones (it did: each slow step put the average over the cap, and
