@@ -57,7 +57,7 @@ TICK_MS = 1e3 / os.sysconf("SC_CLK_TCK")
 # A process as lean as a worker (numpy, gymnasium, the env after 100 steps; no gym_fork): a bare
 # fork, the parent's and the child's CPU, the child's first two steps; and an in-process step.
 _FLOOR = r"""
-import json, os, statistics, sys, time
+import json, os, socket, statistics, sys, time
 import gymnasium as gym
 env_id, reps = sys.argv[1], int(sys.argv[2])
 env = gym.make(env_id); env.reset(seed=0)
@@ -104,7 +104,6 @@ for _ in range(reps):  # 16 children that stepped, then exit at once: the machin
     exit_ms.append(busy_ms() - b0)
 # a bare worker: a child that waits on a socket for an action byte, steps, sends the observation's
 # bytes back; its CPU per step (no gym_fork: the wake-ups and system calls any worker pays)
-import socket
 ours, theirs = socket.socketpair()
 r, w = os.pipe()
 pid = os.fork()
@@ -128,8 +127,9 @@ bare_learner_us = (time.thread_time() - t0) / 2000 * 1e6
 ours.sendall(b"q"); os.waitpid(pid, 0)
 bare_worker_us = json.loads(os.read(r, 100)); os.close(r); os.close(w)
 med = statistics.median
-print(json.dumps({"bare_worker_step_us": bare_worker_us, "bare_learner_step_us": bare_learner_us, "fork_ms": med(fork_ms), "child_ready_ms": med(first_ms), "first_step_extra_ms": med(extra_ms),
-                  "step_ms": step_ms, "exit_ms": sum(exit_ms) / (16 * len(exit_ms))}))
+print(json.dumps({"fork_ms": med(fork_ms), "child_ready_ms": med(first_ms), "first_step_extra_ms": med(extra_ms),
+                  "step_ms": step_ms, "exit_ms": sum(exit_ms) / (16 * len(exit_ms)),
+                  "bare_worker_step_us": bare_worker_us, "bare_learner_step_us": bare_learner_us}))
 """
 
 
