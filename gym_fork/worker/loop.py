@@ -103,6 +103,7 @@ _CLONE_INIT = False  # a fork-tier copy made PID 1 of its own namespace (_fork_c
 # that ignores SIGCHLD sees every subprocess exit with 0 (waitpid finds nothing to wait for), so a
 # copy left with SIG_DFL saw its tools' real exit codes: a silent divergence.
 _ENV_SIGCHLD: object = None
+_FROZEN = False  # this process is a frozen snapshot (frozen_loop): it forks copies and runs no env code
 
 
 def _reap_zombies() -> None:
@@ -152,7 +153,14 @@ def _check_single_threaded() -> None:
         )
 
 
-def _fork_exact() -> int:
+try:  # fork(2) as os.fork() calls it (the GIL held), without Python's work around it: _fork_exact
+    _libc_fork = ctypes.PyDLL(None, use_errno=True).fork
+    _libc_fork.restype, _libc_fork.argtypes = ctypes.c_int, ()
+except (OSError, AttributeError):
+    _libc_fork = None
+
+
+def _fork_exact(quiet: bool = False) -> int:
     """``os.fork()``, but the child goes on drawing what the parent would have drawn.
 
     Python makes a forked child draw differently from its parent, on purpose for processes an
@@ -163,10 +171,26 @@ def _fork_exact() -> int:
       ``multiprocessing`` lock names come from a generator that starts over, freshly seeded,
       in any process whose pid is not the one it last drew in: re-keyed to the child's pid
       (:func:`_rekey_name_sequences`), so a copy draws the names its parent would have drawn.
+
+    ``quiet`` (a frozen snapshot forking a copy): fork(2) without Python's after-fork work
+    (``os.register_at_fork`` hooks, the ``os.fork`` audit event). Those hooks reset what a new
+    process must not share (locks, caches, the ``random`` seed); they all ran in the frozen process
+    when it was forked from the worker, and nothing has run there since -- a frozen process never
+    steps -- so in its copies they would only reset again what is already reset, and the copy's
+    first ~180 page faults (~0.4 ms of CPU per copy) were theirs (threading's and logging's). Python's
+    own state needs no after-fork care in a process that has one thread and holds no lock.
     """
+    parent = os.getpid()
+    if quiet and _libc_fork is not None:
+        pid = _libc_fork()
+        if pid < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        if pid == 0:
+            _rekey_name_sequences(parent)
+        return pid
     rnd = sys.modules.get("random")
     state = rnd.getstate() if rnd is not None else None
-    parent = os.getpid()
     files.quiet_fork = True  # gym_fork's fork, not a process the env started
     try:
         pid = os.fork()
@@ -232,13 +256,18 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
     its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
     Returns the child's pid in the parent and 0 in the child."""
-    _check_single_threaded()
-    pid = _fork_exact()
+    global _FROZEN
+    quiet = _FROZEN  # a frozen snapshot's copy: see _fork_exact (and it has one thread: it never steps)
+    if not quiet:
+        _check_single_threaded()
+    pid = _fork_exact(quiet)
     if pid == 0:
+        _FROZEN = False  # (a copy steps)
         try:
             global _subreaper
             _subreaper = False  # (the kernel does not pass it on either)
-            resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
+            if not quiet:  # (a copy of a frozen snapshot has its name)
+                resources.mark_fork_process()  # a scan tells gym_fork's processes from the env's own
             _FORKED.clear()  # the parent's frozen snapshots are not this process's children
             for ch in drop:
                 if ch is not None:
@@ -458,7 +487,8 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
     (``("clone", (True,))``; a batch for ``fork()`` sends ``(False,)``). Why, and what a ready
     copy costs: :class:`gym_fork.snapshots.snapshot.RestoreRate`.
     """
-    global _ENV_SIGCHLD
+    global _ENV_SIGCHLD, _FROZEN
+    _FROZEN = True
     # copies are not ours to wait for; a handler installed from C (getsignal: None) cannot be
     # put back from Python: its copies get SIG_DFL, as before
     _ENV_SIGCHLD = signal.getsignal(signal.SIGCHLD)
@@ -624,7 +654,7 @@ def _fork_ns_init(fd: int, *drop: Channel | None) -> tuple[int, int | None]:
             if libc.unshare(CLONE_NEWPID) != 0:
                 os.write(w, b"E%d" % ctypes.get_errno())
                 os._exit(1)
-            if _fork_exact() == 0:
+            if _fork_exact(quiet=True) == 0:  # (this process only ran gym_fork's code since the fork)
                 os.setsid()
                 os.write(w, str(host_pid()).encode())
                 os.close(w)

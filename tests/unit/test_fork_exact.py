@@ -47,3 +47,39 @@ def test_a_process_the_env_forks_itself_still_draws_afresh():
     child = _next_draws_in(os.fork)[1:]
     mine = _draws()[1:]
     assert child[0] != mine[0] and child[1] != mine[1]
+
+
+def test_a_frozen_snapshots_copy_draws_what_its_parent_draws_next():
+    """``quiet=True`` (a frozen snapshot forking a copy: libc's fork, no CPython after-fork work)
+    keeps the same promise: the copy goes on drawing as its parent would."""
+    _draws()
+    copy = _next_draws_in(lambda: _fork_exact(quiet=True))
+    assert copy == _draws()
+
+
+_hook_runs: list[int] = []
+os.register_at_fork(after_in_child=lambda: _hook_runs.append(1))  # (only ever notes a child's run)
+
+
+def _hook_ran_in(fork) -> bool:
+    r, w = os.pipe()
+    pid = fork()
+    if pid == 0:
+        try:
+            os.write(w, b"1" if _hook_runs else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        ran = f.read() == b"1"
+    os.waitpid(pid, 0)
+    return ran
+
+
+def test_a_frozen_snapshots_copy_runs_no_after_fork_hook_again():
+    """A frozen snapshot ran every ``after_in_child`` hook when it was forked from the worker and
+    runs no env code after that: its copies skip them (a LunarLander copy's ~110 copy-on-write
+    faults of CPython's threading and logging resets), while the worker's own fork runs them."""
+    assert not _hook_runs
+    assert _hook_ran_in(_fork_exact)  # the worker forking a snapshot: hooks run
+    assert not _hook_ran_in(lambda: _fork_exact(quiet=True))  # a frozen snapshot forking a copy
