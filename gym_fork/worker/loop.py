@@ -37,6 +37,7 @@ CRIU attached in place of the old one, and carries on from there.
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import os
 import signal
@@ -178,10 +179,12 @@ def _fork_exact(quiet: bool = False) -> int:
     when it was forked from the worker, and nothing has run there since -- a frozen process never
     steps -- so in its copies they would only reset again what is already reset, and the copy's
     first ~180 page faults (~0.4 ms of CPU per copy) were theirs (threading's and logging's). Python's
-    own state needs no after-fork care in a process that has one thread and holds no lock.
+    own state needs no after-fork care in a process that has one thread and holds no lock -- and
+    only there: where another thread waits for the GIL, the copy would wait for it to be handed
+    over by a thread it does not have, forever (so with more than one, this is ``os.fork()``).
     """
     parent = os.getpid()
-    if quiet and _libc_fork is not None:
+    if quiet and _libc_fork is not None and _thread._count() == 0:  # (no Python thread but this one)
         pid = _libc_fork()
         if pid < 0:
             err = ctypes.get_errno()
