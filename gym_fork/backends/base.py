@@ -670,8 +670,8 @@ class RemoteHandle(Handle):
             elif not ring.post(chan, step_parts(args[0])):
                 ring.announce()  # larger than the ring: on the socket
                 chan.send_step(args[0])
-        elif cmd == "hello" and not args:
-            self._send_plain(("hello", (PACKED_VERSION,)))  # an older worker refuses the argument
+        elif cmd == "hello" and len(args) <= 1:  # args: () or (whether the obs and info are wanted,)
+            self._send_plain(("hello", (PACKED_VERSION, *args)))  # an older worker refuses the arguments
             self._offered = True
         else:
             self._send_plain((cmd, args))

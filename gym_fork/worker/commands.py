@@ -526,16 +526,19 @@ class EnvServer:
     def cmd_ping(self) -> int:
         return host_pid()
 
-    def cmd_hello(self, packed: int = 0) -> tuple:
+    def cmd_hello(self, packed: int = 0, state: bool = True) -> tuple:
         """First words with a new copy: (host pid, obs, info, steps) in one round trip; a
         controller that offers ``packed`` step frames also learns the version this worker reads
-        (a fifth element; an older worker refuses the argument)."""
+        (a fifth element; an older worker refuses the argument). ``state`` false (a copy for
+        ``fork()``, whose controller reads no observation from it): obs and info are None."""
         files.resend()  # a new copy: its record of written files goes to its new channel
         # ... and it watches its own changes: a new group (a CRIU-restored one came back deaf;
         # read the mount table again there: it may be another machine)
         if not fswatch.deferred:  # (a ready copy opens its group with its first request)
             fswatch.start(refresh=os.getpid() == 1)
         if packed:
+            if not state:
+                return host_pid(), None, None, self.steps, PACKED_VERSION
             return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
         return host_pid(), self.last_obs, self.last_info, self.steps
 
