@@ -8,6 +8,8 @@ import multiprocessing.synchronize
 import os
 import pickle
 import random
+import subprocess
+import sys
 import tempfile
 
 from gym_fork.worker.loop import _fork_exact
@@ -50,34 +52,50 @@ def test_a_process_the_env_forks_itself_still_draws_afresh():
 
 
 
-def _in_a_forked_child(check) -> bool:
-    """``check()``'s truth, run in a child forked from this process with ``os.fork()``, as a
-    frozen snapshot is forked from its worker: one thread, the after-fork hooks run (a test
-    process under pytest-xdist has more threads, and there a quiet fork falls back to ``os.fork()``)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.write(w, b"1" if check() else b"0")
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        ok = f.read() == b"1"
-    os.waitpid(pid, 0)
-    return ok
+
+# Run in a fresh interpreter (one thread): there it forks with ``os.fork()`` as a worker forks a
+# frozen snapshot, and the frozen child then forks its copies. (A pytest-xdist test process has
+# execnet's threads, and a child forked from it still counts them: its quiet forks fall back.)
+_FROZEN_AND_ITS_COPY = r"""
+import os, sys
+sys.path.insert(0, {tests!r})
+import test_fork_exact as t
+from gym_fork.worker.loop import _fork_exact
+
+
+def in_frozen():
+    t._draws()
+    same = t._next_draws_in(lambda: _fork_exact(quiet=True)) == t._draws()
+    t._hook_runs.clear()  # (this child ran it, as a frozen snapshot did)
+    hooks = (t._hook_ran_in(_fork_exact), t._hook_ran_in(lambda: _fork_exact(quiet=True)))
+    return "%s %s %s" % (same, *hooks)
+
+
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, in_frozen().encode())
+    os._exit(0)
+os.close(w)
+print(os.read(r, 100).decode())
+os.waitpid(pid, 0)
+"""
+
+
+def _frozen_and_its_copy() -> list[str]:
+    """In a fresh process's ``os.fork()`` child: whether a quiet fork's copy drew what its parent
+    draws next, whether ``os.fork()`` ran the after-fork hook, whether the quiet fork did."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _FROZEN_AND_ITS_COPY.format(tests=here)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
 
 
 def test_a_frozen_snapshots_copy_draws_what_its_parent_draws_next():
     """``quiet=True`` (a frozen snapshot forking a copy: libc's fork, no CPython after-fork work)
     keeps the same promise: the copy goes on drawing as its parent would."""
-    def check():
-        _draws()
-        copy = _next_draws_in(lambda: _fork_exact(quiet=True))
-        return copy == _draws()
-
-    assert _in_a_forked_child(check)
+    assert _frozen_and_its_copy()[0] == "True"
 
 
 _hook_runs: list[int] = []
@@ -103,12 +121,8 @@ def test_a_frozen_snapshots_copy_runs_no_after_fork_hook_again():
     """A frozen snapshot ran every ``after_in_child`` hook when it was forked from the worker and
     runs no env code after that: its copies skip them (a LunarLander copy's ~110 copy-on-write
     faults of CPython's threading and logging resets), while the worker's own fork runs them."""
-    def check():
-        _hook_runs.clear()  # (this child ran it: as a frozen snapshot did)
-        return _hook_ran_in(_fork_exact) and not _hook_ran_in(lambda: _fork_exact(quiet=True))
-
-    assert not _hook_runs
-    assert _in_a_forked_child(check)
+    _same, worker_fork_ran_it, copy_ran_it = _frozen_and_its_copy()
+    assert worker_fork_ran_it == "True" and copy_ran_it == "False"
 
 
 def test_a_quiet_fork_with_another_thread_is_os_fork():
