@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import _thread
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -159,6 +160,10 @@ try:  # fork(2) as os.fork() calls it (the GIL held), without Python's work arou
     _libc_fork.restype, _libc_fork.argtypes = ctypes.c_int, ()
 except (OSError, AttributeError):
     _libc_fork = None
+try:  # (looked up once per worker: a dlopen in every copy of a namespace-init env cost it ~0.1 ms)
+    _libc_unshare = ctypes.CDLL(None, use_errno=True).unshare
+except (OSError, AttributeError):
+    _libc_unshare = None
 
 
 def _fork_exact(quiet: bool = False) -> int:
@@ -653,9 +658,8 @@ def _fork_ns_init(fd: int, *drop: Channel | None) -> tuple[int, int | None]:
     if mid == 0:
         try:
             os.close(r)
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.unshare(CLONE_NEWPID) != 0:
-                os.write(w, b"E%d" % ctypes.get_errno())
+            if _libc_unshare is None or _libc_unshare(CLONE_NEWPID) != 0:
+                os.write(w, b"E%d" % (ctypes.get_errno() if _libc_unshare is not None else errno.ENOSYS))
                 os._exit(1)
             if _fork_exact(quiet=True) == 0:  # (this process only ran gym_fork's code since the fork)
                 os.setsid()
