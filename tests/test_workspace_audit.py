@@ -417,7 +417,9 @@ def test_a_helper_stopped_at_the_snapshot_stays_stopped_after_a_restore(tmp_path
         for _ in range(2):
             env.restore(snap)
             states = env.step(1)[4]["states"]
-            assert states[0] == "T" and states[1] in ("R", "S"), states
+            # the other runs: R, S, or D (a moment in uninterruptible sleep -- faulting in a page
+            # just after the restore: CI once read it so), never T
+            assert states[0] == "T" and states[1] in ("R", "S", "D"), states
     finally:
         env.close()
 
