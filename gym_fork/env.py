@@ -980,12 +980,14 @@ class ForkableEnv(gym.Wrapper):
                 ws_binds = [self._workspace_binds(snap, b.path) for b in branches] if branches else []
                 per = [[*(binds[i] if binds else ()), *(ws_binds[i] if ws_binds else ())] for i in range(n)]
                 try:
+                    reseed = rng == "reseed"
                     if any(per):
-                        handles = self._backend.restore_many(payload, n, per, restoring=False)
+                        handles = self._backend.restore_many(payload, n, per, restoring=False, reseed=reseed)
                     elif policies:
-                        handles = self._backend.restore_many(payload, n, policies=policies, restoring=False)
+                        handles = self._backend.restore_many(payload, n, policies=policies, restoring=False,
+                                                             reseed=reseed)
                     else:
-                        handles = self._backend.restore_many(payload, n, restoring=False)
+                        handles = self._backend.restore_many(payload, n, restoring=False, reseed=reseed)
                     _refuse_unbound_tree(self._backend, handles, snap, [b.path for b in branches])
                 except BaseException:
                     private_dirs_mod.remove(roots)

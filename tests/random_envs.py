@@ -86,8 +86,25 @@ class NoRandomnessEnv(_NoisyWalk):
         return 0.0
 
 
+class LateGeneratorEnv(_NoisyWalk):
+    """Makes a generator of its own only at its first step (a lazily built component): a copy
+    forked before that step has no such generator yet."""
+
+    def _seed_noise(self, seed):
+        self.late = None
+
+    def _noise(self):
+        if self.late is None:
+            self.late = np.random.default_rng(12345)
+        return float(self.late.random())
+
+
 def no_randomness():
     return NoRandomnessEnv()
+
+
+def late_generator():
+    return LateGeneratorEnv()
 
 
 def global_random():

@@ -97,6 +97,48 @@ def test_reseed_reaches_generators_beyond_np_random(factory, backend):
         env.close()
 
 
+def test_copies_reseeded_from_their_snapshots_list_of_generators_draw_as_after_a_walk():
+    """The copies of a fork(rng="reseed") batch take the list of generators their frozen snapshot
+    found once for all of them (EnvServer.generators) instead of each walking the env's objects:
+    they must be reseeded exactly as a copy that walks the env itself is, and a copy that has run
+    the env since it was forked must walk it (a generator made since would be missed)."""
+    env = gym_fork.ForkableEnv(random_envs.own_generators, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        snap = env.snapshot()
+        listed = env.fork(snap, 1, rng="reseed", seeds=[7])[0]  # (its batch had the list made)
+        walked = env.fork(snap, 1, rng="same")[0]
+        try:
+            walked._request("rng_digests")  # any request that is not a copy's first words: no list
+            walked._request("reseed", 7)
+            assert listed._request("rng_digests") == walked._request("rng_digests")
+            acts = [0, 1, 1, 0, 1]
+            assert_same_traj(run_actions(listed, acts)[0], run_actions(walked, acts)[0])
+        finally:
+            listed.close()
+            walked.close()
+    finally:
+        env.close()
+    env = gym_fork.ForkableEnv(random_envs.late_generator, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        env.fork(snap, 1, rng="reseed", seeds=[1])[0].close()  # the frozen snapshot lists: no `late`
+        kids = env.fork(snap, 2, rng="same")
+        try:
+            for k in kids:
+                k.step(0)  # makes `late` (and the copy must forget the list it was forked with)
+            kids[0]._request("reseed", 5)
+            assert not same(run_actions(kids[0], [0, 0])[0], run_actions(kids[1], [0, 0])[0]), \
+                "a generator the env made after the fork was not reseeded"
+        finally:
+            for k in kids:
+                k.close()
+    finally:
+        env.close()
+
+
 def test_explore_says_when_reseeded_branches_all_went_on_alike():
     """16 branches that cannot differ (a deterministic policy, an env with no randomness after
     the snapshot) are 15 wasted: explore() says so; branches that differ pass without a word."""

@@ -1044,11 +1044,13 @@ class Backend(abc.ABC):
         return False
 
     def restore_many(self, payload: Any, n: int, binds: Any = None, policies: Any = None,
-                     restoring: bool = True, *, hold_tree: bool = False) -> list[Handle]:
+                     restoring: bool = True, *, hold_tree: bool = False, reseed: bool = False) -> list[Handle]:
         """``n`` independent restores (backends may run them concurrently); ``binds[i]`` for the i-th.
         ``policies``: pickled policies the new workers will run, which a backend may unpickle
         ahead (see ``CriuBackend.restore_many``); here they are not. ``restoring`` false: copies
-        for ``fork()`` (a hint, as ``snapshot``'s ``ready_copy``). ``hold_tree``: as for :meth:`restore`."""
+        for ``fork()`` (a hint, as ``snapshot``'s ``ready_copy``). ``hold_tree``: as for :meth:`restore`.
+        ``reseed``: each copy's next request will be ``reseed`` (a hint: a backend may find the
+        generators once for all of them, see ``EnvServer.generators``)."""
         return [self.restore(payload, None if binds is None else binds[i], hold_tree=hold_tree) for i in range(n)]
 
     def restore_verified(self, payload: Any) -> Handle:

@@ -141,12 +141,13 @@ class ForkPayload:
         _, type_name, message, tb = reply
         raise remote_exception(type_name, message, tb)
 
-    def clone_many(self, fds: Sequence[int], restoring: bool = True) -> list[Any]:
+    def clone_many(self, fds: Sequence[int], restoring: bool = True, reseed: bool = False) -> list[Any]:
         """One ``clone`` per descriptor, sent back to back (the frozen process forks them one after
         another while the copies made so far start on other CPUs), then every reply read in
         order: a result or the exception of each, so that the channel stays in step.
         ``restoring``: copies for a restore (the frozen process then keeps ready copies from now
-        on), not a batch for ``fork()``."""
+        on), not a batch for ``fork()``. ``reseed``: each copy will be reseeded first (the frozen
+        process then finds the env's generators once, for all its copies: ``EnvServer.generators``)."""
         with self.lock:
             if self.chan is None:
                 raise WorkerDiedError("the snapshot's frozen process is gone")
@@ -154,7 +155,7 @@ class ForkPayload:
             try:
                 with held():  # every request with its fd, every reply read: the channel stays in step
                     for fd in fds:
-                        self.chan.send(("clone", (restoring,)))
+                        self.chan.send(("clone", (restoring, reseed)))
                         send_fds(self.chan.sock, b"F", [fd])
                     for _fd in fds:
                         reply = self._reply()
@@ -496,14 +497,14 @@ class CriuBackend(Backend):
 
     def restore_many(self, payload: CriuPayload | ForkPayload, n: int,
                      binds: Sequence[Binds] | None = None, policies: Sequence[bytes] | None = None,
-                     restoring: bool = True, *, hold_tree: bool = False) -> list[Handle]:
+                     restoring: bool = True, *, hold_tree: bool = False, reseed: bool = False) -> list[Handle]:
         """``n`` new workers from ``payload``.  ``binds[i]``: ``(host dir, path)`` pairs the i-th
         worker sees in a mount namespace of its own (private directories, see
         :mod:`gym_fork.worker.mounts`).  ``policies``: pickled policies the new workers will run
         (``policy_rollout``), unpickled ahead where that saves work (see :meth:`_clone_preloaded`):
         a handle's ``preloaded`` says how many of them its worker holds, by index (the first ones).
         ``restoring`` false: copies for ``fork()``, not restores (see :meth:`ForkPayload.clone_many`).
-        ``hold_tree``: a restored tree's other processes stay stopped until the handle's
+        ``reseed``: the copies will be reseeded first (ditto). ``hold_tree``: a restored tree's other processes stay stopped until the handle's
         :meth:`~gym_fork.backends.base.Handle.release_held` (see :meth:`restore_verified`); a
         fork-tier copy holds no other process."""
         per = list(binds) if binds is not None else [None] * n
@@ -518,8 +519,8 @@ class CriuBackend(Backend):
             # in its namespace (see _restore_wrapper). The images are kept with the snapshot.
             if self._clones(payload, per):
                 if policies and n > 1 and not any(per) and not payload.spawned:
-                    return self._clone_preloaded(payload, n, list(policies))
-                return self._clone_many(payload, n, per, restoring)
+                    return self._clone_preloaded(payload, n, list(policies), reseed)
+                return self._clone_many(payload, n, per, restoring, reseed)
             if payload.image is None:
                 if payload.chan is None:
                     raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
@@ -562,7 +563,7 @@ class CriuBackend(Backend):
         return not isinstance(payload, ForkPayload) or not self._clones(payload, [binds])
 
     def _clone_many(self, payload: ForkPayload, n: int, binds: Sequence[Binds | None],
-                    restoring: bool = True) -> list[Handle]:
+                    restoring: bool = True, reseed: bool = False) -> list[Handle]:
         """``n`` copies of a frozen snapshot: its ready copy if it offered one, the rest cloned
         in one pipelined batch (:meth:`ForkPayload.clone_many`: 16 LunarLander copies in about
         half the time of one round trip each)."""
@@ -584,7 +585,7 @@ class CriuBackend(Backend):
                 h.send("hello", restoring)
                 fresh.append(h)
             try:
-                results = (payload.clone_many([theirs.fileno() for _ours, theirs in pairs], restoring)
+                results = (payload.clone_many([theirs.fileno() for _ours, theirs in pairs], restoring, reseed)
                            if pairs else [])
             except WorkerDiedError as e:
                 raise RestoreError(f"cloning the frozen snapshot failed: {e}") from e
@@ -609,7 +610,8 @@ class CriuBackend(Backend):
             raise
         return handles
 
-    def _clone_preloaded(self, payload: ForkPayload, n: int, policies: list[bytes]) -> list[Handle]:
+    def _clone_preloaded(self, payload: ForkPayload, n: int, policies: list[bytes],
+                         reseed: bool = False) -> list[Handle]:
         """``n`` copies of a frozen snapshot for branches that run ``policies`` in their workers.
 
         Unpickling a policy imports what it refers to by name (its module; torch for a torch
@@ -636,7 +638,7 @@ class CriuBackend(Backend):
                     found = self._fork_snapshot(first, ready_copy=False)
                     if isinstance(found, ForkPayload):
                         try:
-                            rest = self._clone_many(found, n - 1, [None] * (n - 1), restoring=False)
+                            rest = self._clone_many(found, n - 1, [None] * (n - 1), False, reseed)
                         finally:
                             self.release(found)
                         for h in rest:
@@ -646,7 +648,7 @@ class CriuBackend(Backend):
                 # a policy that does not unpickle there (each branch then says why, as without
                 # preloading), an older worker without these commands, a failed fork
                 log.debug("gym_fork: policies not preloaded: %s", e)
-            return [first, *self._clone_many(payload, n - 1, [None] * (n - 1), restoring=False)]
+            return [first, *self._clone_many(payload, n - 1, [None] * (n - 1), False, reseed)]
         except BaseException:
             first.kill()
             raise

@@ -293,6 +293,13 @@ class EnvServer:
         # a policy run here later is reseeded from the same seed (cmd_policy_rollout)
         self.copy_seed: int | None = None
         self.reseeded: dict[int, Any] = {}
+        # The env's generators as reseed.generators_of(env) lists them, found by a frozen snapshot
+        # whose copies will be reseeded first (fork(..., rng="reseed")), once for all of them: a
+        # copy's own walk of the env's objects cost it ~1 ms of CPU in copy-on-write faults (every
+        # object it visits is written: reference counts). A copy has the very objects its frozen
+        # snapshot walked, so the list holds for its reseed -- until it runs any other request
+        # that may run the env's code (the worker loop then drops it: _KEEP_GENERATORS).
+        self.generators: list | None = None
 
     def dispatch(self, cmd: str, args: tuple) -> Any:
         method: Callable | None = getattr(self, "cmd_" + cmd, None)
@@ -562,8 +569,9 @@ class EnvServer:
 
     def cmd_reseed(self, seed: int) -> list[str]:
         self.copy_seed, self.reseeded = seed, {}
+        found, self.generators = self.generators, None
         return reseed_env(self.env, seed, self.reseeded,
-                          skip=("torch.default_generator",) if self.torch_ahead else ())
+                          skip=("torch.default_generator",) if self.torch_ahead else (), found=found)
 
     def cmd_rng_digests(self) -> dict:
         """The digest of each random generator the env may draw from, by name, read without

@@ -296,6 +296,11 @@ def _poll_cap(server: EnvServer) -> float:
     return server.poll_cap if server.poll_cap is not None else spin_cap("GYM_FORK_WORKER_SPIN_US", 500)
 
 
+#: requests after which a copy's inherited list of generators (EnvServer.generators) still holds:
+#: none of them runs the env's code
+_KEEP_GENERATORS = frozenset({"hello", "reseed", "private_dirs", "poll", "ring", "ping", "last", "meta"})
+
+
 def serve(chan: Channel, server: EnvServer) -> None:
     """The active worker's loop. Once the controller hands it a step ring (``ring`` + an fd),
     requests are announced there and steps travel through it (:mod:`gym_fork.worker.ring`)."""
@@ -326,6 +331,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
             return
         if fswatch.deferred:  # a ready copy's first request: from now on it watches its changes
             fswatch.resume()
+        if server.generators is not None and cmd not in _KEEP_GENERATORS:  # the env may change now
+            server.generators = None
         if cmd == "step" and ring is None:  # most requests: the general path below, minus its cases
             try:
                 reply = (OK, step(*args))
@@ -554,6 +561,8 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
             continue
         try:
             if cmd == "clone":
+                if len(args) > 1 and args[1] and server.generators is None:  # its copies reseed first
+                    server.generators = reseed.generators_of(server.env)  # (see EnvServer.generators)
                 fd = _recv_one_fd(chan)
                 try:
                     _fork_copy(fd, chan, server)

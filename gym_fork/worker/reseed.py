@@ -225,11 +225,13 @@ def _process_generators() -> list[tuple[str, Any]]:
 
 
 def reseed_env(env: gym.Env, seed: int, reseeded: dict[int, Any] | None = None,
-               skip: tuple[str, ...] = ()) -> list[str]:
+               skip: tuple[str, ...] = (), found: list[tuple[str, Any]] | None = None) -> list[str]:
     """Give a copy its own randomness (see the module docstring). Returns where the reseeded
     generators hang, in the order they were reseeded; ``reseeded`` (if given) gets each of them,
     by id, so that :func:`reseed_policy` leaves them alone. ``skip``: generators, by where they
-    hang, that are not the env's (torch's, imported by a policy loaded ahead)."""
+    hang, that are not the env's (torch's, imported by a policy loaded ahead). ``found``:
+    :func:`generators_of` ``(env)`` found earlier on these very objects (see
+    ``EnvServer.generators``); not used where this makes generators of its own first."""
     u = env.unwrapped
     ale = getattr(u, "ale", None)
     if ale is not None and hasattr(ale, "cloneState") and hasattr(u, "seed_game") and hasattr(u, "load_game"):
@@ -237,12 +239,14 @@ def reseed_env(env: gym.Env, seed: int, reseeded: dict[int, Any] | None = None,
         # state aside (without its RNG), reseed + reload, then put the game state back.
         state = ale.cloneState(include_rng=False)
         u.seed_game(int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0]))
+        found = None  # (seed_game makes the env a new np_random)
         u.load_game()
         ale.restoreState(state)
     if getattr(u, "_np_random", None) is None:  # never seeded: Gymnasium would make one from entropy
         u.np_random = np.random.Generator(np.random.PCG64(0))  # (reseeded below, with the rest)
+        found = None  # (a generator the list cannot hold)
     done = []
-    for i, (where, g) in enumerate(generators_of(env)):
+    for i, (where, g) in enumerate(generators_of(env) if found is None else found):
         if where in skip:
             continue
         _reseed(g, np.random.SeedSequence(seed, spawn_key=(i + 1,)))
