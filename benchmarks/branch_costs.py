@@ -14,6 +14,9 @@ the process that spends it (``/proc/PID/schedstat``: nanoseconds on a CPU), per 
 * **the copy, until it is ready** (its CPU when ``fork()`` returns: Python's after-fork hooks,
   gym_fork's setup, the ``hello`` answer, each page it writes a copy-on-write fault); floor: the
   bare child's CPU at its first line of Python;
+* **its reseed** with ``rng="reseed"`` (``explore()``'s default; the rows above and below are
+  ``rng="same"``): a second batch, each copy's CPU when ``fork()`` returns minus the first
+  batch's; no floor (a bare child keeps its parent's generators) and not in the sums below;
 * **its first step, beyond a later one** (the copy-on-write faults of the pages a step writes);
   floor: the same in the bare child;
 * **each later step**, worker and learner, in ``explore()``'s own closed loop (16 branches
@@ -192,10 +195,18 @@ def one_rep(env: gym_fork.ForkableEnv, k: int, horizon: int, n_actions: int) -> 
             kid.close()
         time.sleep(0.15)  # (the copies' exits run at low priority: let them finish)
         close_busy_ms = busy_ms() - b0
+        # explore()'s default, rng="reseed": the same batch again, each copy reseeded as it is made
+        kids = env.fork(snap, k, rng="reseed", seeds=list(range(k)))
+        reseeded = [cpu_ms(kid._handle.pid) for kid in kids]
+        for kid in kids:
+            kid._begin_close()
+        for kid in kids:
+            kid.close()
+        time.sleep(0.15)
     finally:
         gc.enable()
         snap.release()
-    return {"frozen_fork_ms": frozen_ms, "copy_ready_ms": med(ready),
+    return {"frozen_fork_ms": frozen_ms, "copy_ready_ms": med(ready), "reseed_ms": med(reseeded) - med(ready),
             # the first step's CPU minus a later step's (measured in the loop after it)
             "first_step_extra_ms": med([f - r for f, r in zip(first, ready)]) - worker_us / 1e3,
             "worker_step_us": worker_us, "worker_alone_step_us": alone_us, "learner_step_us": learner_us,
@@ -239,6 +250,7 @@ def main() -> None:
     rows = [
         ["the frozen snapshot forks one copy", f"{m['frozen_fork_ms']:.2f} ms", f"{fl['fork_ms']:.2f} ms (bare os.fork)"],
         ["the copy, until ready", f"{m['copy_ready_ms']:.2f} ms", f"{fl['child_ready_ms']:.2f} ms (bare child, first line)"],
+        ["its reseed (rng='reseed', explore()'s default; not below)", f"{m['reseed_ms']:.2f} ms", "—"],
         ["its first step, beyond a later one", f"{m['first_step_extra_ms']:.2f} ms", f"{fl['first_step_extra_ms']:.2f} ms"],
         ["closing it (learner, copy, exit; whole machine)", f"{m['close_ms']:.2f} ms", f"{fl['exit_ms']:.2f} ms (bare child's exit)"],
         ["each later step: the worker", f"{m['worker_step_us']:.0f} µs", f"{step_ms * 1e3:.0f} µs (in-process step)"],

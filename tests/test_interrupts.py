@@ -426,6 +426,32 @@ def _children() -> set[int]:
 
 
 @pytest.mark.criu
+def test_a_request_cut_from_its_descriptor_fails_alone_and_the_channel_stays_in_step():
+    """A signal handler that raises (not Ctrl-C, which gym_fork holds back there) can cut a request
+    from the descriptor sent after it: the step-ring offer. The worker then read the start of the
+    next request (the resync marker) as the descriptor's byte, answered an error, and waited
+    forever inside the marker's frame while the learner waited for its answer (CI, Python 3.13,
+    the ring case of the test above). Now it reads those bytes again as the next request."""
+    env = gym_fork.ForkableEnv(EchoEnv)
+    try:
+        env.reset(seed=1)
+        chan = env._handle.chan
+        chan.send(("ring", (300000,)))  # ... and no descriptor after it
+        chan.send(("ping", ()))
+        chan.sock.settimeout(20)  # (before: the second reply never came)
+        try:
+            cut = chan.recv()
+            ping = chan.recv()
+        finally:
+            chan.sock.settimeout(None)
+        assert cut[0] != 0 and "file descriptor" in cut[2], cut
+        assert ping[0] == 0, ping
+        assert env.step(5)[0][1] == 5  # and the env goes on, in step
+    finally:
+        env.close()
+
+
+@pytest.mark.criu
 def test_interrupted_criu_restores_dumps_and_forks_leave_nothing_behind():
     """Ctrl-C during a CRIU restore (a restore, a fork of 3) or a dump: criu finishes (the client
     waits for it), and what it made is not kept: no restored worker left to exit into a zombie

@@ -179,6 +179,10 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def unread(self, data: bytes) -> None:
+        """Put bytes read from the socket back in front of it: the next read starts with them."""
+        self._extra = bytes(data) + self._extra
+
     def send(self, obj: Any) -> None:
         data = pickle.dumps(obj, protocol=5)  # (encode() + send_encoded(), inline: replies take this path)
         # One sendall of header+payload: small messages (every step) cost one syscall.

@@ -773,12 +773,24 @@ def _spawn_pidns_init(fd: int, server: EnvServer, *drop: Channel | None) -> int:
 
 
 def _recv_one_fd(chan: Channel) -> int:
-    _msg, fds = recv_fds(chan.sock, 1)
-    if len(fds) != 1:
-        for f in fds:
-            os.close(f)
-        raise RuntimeError("expected exactly one file descriptor with the command")
-    return fds[0]
+    """The descriptor sent right after a request (a ``b"F"`` byte carrying it). Where none came --
+    the sender was cut between the request and its descriptor (a signal handler that raised) --
+    what was read instead is the start of the next request: it goes back to be read as such, so
+    this request fails alone and the channel stays in step (it was read as the descriptor's byte,
+    and the worker then waited forever inside a frame whose head was gone)."""
+    msg, fds = recv_fds(chan.sock, 1)
+    if len(fds) == 1 and msg[:1] == b"F":
+        if len(msg) > 1:
+            chan.unread(msg[1:])
+        return fds[0]
+    for f in fds:
+        os.close(f)
+    if fds and msg[:1] == b"F":
+        msg = msg[1:]
+    if msg:
+        chan.unread(msg)
+    raise RuntimeError("expected exactly one file descriptor with the command (none came: the sender was cut "
+                       "between the two)")
 
 
 def main(argv: list[str]) -> int:
