@@ -99,8 +99,20 @@ class LateGeneratorEnv(_NoisyWalk):
         return float(self.late.random())
 
 
+class HugeHistoryEnv(OwnGeneratorsEnv):
+    """Holds more objects than the reseed walk visits (a long history of small records)."""
+
+    def _seed_noise(self, seed):
+        super()._seed_noise(seed)
+        self.history = [[i] for i in range(60_000)]
+
+
 def no_randomness():
     return NoRandomnessEnv()
+
+
+def huge_history():
+    return HugeHistoryEnv()
 
 
 def late_generator():

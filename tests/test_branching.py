@@ -139,6 +139,24 @@ def test_copies_reseeded_from_their_snapshots_list_of_generators_draw_as_after_a
         env.close()
 
 
+def test_a_reseed_walk_cut_short_still_says_so_with_the_list_made_once():
+    """The walk that finds an env's generators stops after WALK_LIMIT objects and says so (a
+    RuntimeWarning). Made once in the frozen snapshot for all its copies, that warning would reach
+    nobody: there the list is not kept, and each copy walks and says it, as before."""
+    env = gym_fork.ForkableEnv(random_envs.huge_history, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        with pytest.warns(RuntimeWarning, match="stopped after") as said:
+            kids = env.fork(snap, 2, rng="reseed", seeds=[1, 2])
+        for k in kids:
+            k.close()
+        told = {str(k._handle.pid) for k in kids if any(f"pid {k._handle.pid})" in str(w.message) for w in said)}
+        assert len(told) == 2, [str(w.message) for w in said]  # each copy says it of its own walk
+    finally:
+        env.close()
+
+
 def test_explore_says_when_reseeded_branches_all_went_on_alike():
     """16 branches that cannot differ (a deterministic policy, an env with no randomness after
     the snapshot) are 15 wasted: explore() says so; branches that differ pass without a word."""

@@ -60,6 +60,7 @@ from gym_fork.errors import NotSendableError  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
 from gym_fork.worker import cpus, lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files, fswatch, reseed  # noqa: E402
+from gym_fork.worker import ring as ring_mod  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
 CLONE_NEWPID = 0x20000000
@@ -196,6 +197,7 @@ def _fork_exact(quiet: bool = False) -> int:
             raise OSError(err, os.strerror(err))
         if pid == 0:
             _rekey_name_sequences(parent)
+            _own_after_fork_in_child()
         return pid
     rnd = sys.modules.get("random")
     state = rnd.getstate() if rnd is not None else None
@@ -209,6 +211,19 @@ def _fork_exact(quiet: bool = False) -> int:
             rnd.setstate(state)
         _rekey_name_sequences(parent)
     return pid
+
+
+def _own_after_fork_in_child() -> None:
+    """gym_fork's own after-fork hooks, which a quiet fork runs all the same: what a process holds
+    for its channel and no copy may take over (output not yet sent, the file-change group, step
+    rings, a session directory's lock). In a frozen process they have nothing left to drop (they
+    ran at its fork), but they cost a copy a few faults, and that must not rest on it."""
+    output._events.clear()
+    fswatch.forget()
+    ring_mod._drop_inherited()
+    sessions = sys.modules.get("gym_fork.snapshots.sessiondir")
+    if sessions is not None:
+        sessions._after_fork_in_child()
 
 
 def _name_sequences() -> list:
@@ -562,7 +577,7 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
         try:
             if cmd == "clone":
                 if len(args) > 1 and args[1] and server.generators is None:  # its copies reseed first
-                    server.generators = reseed.generators_of(server.env)  # (see EnvServer.generators)
+                    server.generators = _generators_once(server)
                 fd = _recv_one_fd(chan)
                 try:
                     _fork_copy(fd, chan, server)
@@ -609,6 +624,22 @@ BURST_READY = 2
 #: 1.4-2 ms for a CPU in about half of the restores made 30 ms apart (2 vCPUs; 2 ms of quiet were
 #: not enough). With no copy left, the next is forked at once: a restore may come any moment.
 BURST_QUIET_S = 0.004
+
+
+def _generators_once(server: EnvServer) -> list | None:
+    """The env's generators, found here once for all the copies about to be reseeded (see
+    ``EnvServer.generators``); None -- each copy walks the env itself, as without this -- where
+    the walk fails or warns: the copy's own walk then says so to the controller (a warning here,
+    in the frozen process, would reach nobody)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            found = reseed.generators_of(server.env)
+    except Exception:  # noqa: BLE001 - the copies' own walks raise it, each to its fork()
+        return None
+    return None if said else found
 
 
 def _readable(chan: Channel, timeout: float) -> bool:
