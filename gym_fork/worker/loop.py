@@ -327,6 +327,9 @@ def serve(chan: Channel, server: EnvServer) -> None:
     # A copy starts at the pace its snapshot's worker had learned (server.pace, set before forking).
     spin = SpinWait(_poll_cap(server), server.pace)
     clock, replied = time.perf_counter, 0.0
+    # a list of generators comes only with a fresh copy (frozen_loop makes it): a local, so that
+    # each step pays for the check a local's test, no attribute lookup
+    listed = server.generators is not None
     while True:
         try:
             if ring is None:
@@ -346,8 +349,8 @@ def serve(chan: Channel, server: EnvServer) -> None:
             return
         if fswatch.deferred:  # a ready copy's first request: from now on it watches its changes
             fswatch.resume()
-        if server.generators is not None and cmd not in _KEEP_GENERATORS:  # the env may change now
-            server.generators = None
+        if listed and cmd not in _KEEP_GENERATORS:  # the env may change now
+            server.generators, listed = None, False
         if cmd == "step" and ring is None:  # most requests: the general path below, minus its cases
             try:
                 reply = (OK, step(*args))
