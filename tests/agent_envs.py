@@ -656,6 +656,34 @@ def cache_clearing_hook():
     return GlobalRNGEnv()
 
 
+class CachedLookupEnv(_Base):
+    """Looks its values up through a ``functools.lru_cache`` that its module clears in every
+    forked child (``os.register_at_fork(after_in_child=cache_clear)``, as matplotlib's font
+    manager does), and shows how many entries the cache holds. A fork-tier snapshot whose fork
+    ran that hook came back with an empty cache: its copies showed other sizes than the
+    original."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import functools
+
+        @functools.lru_cache(64)
+        def lookup(x: int) -> int:
+            return 2 * x
+
+        self.lookup = lookup
+        os.register_at_fork(after_in_child=lookup.cache_clear)
+
+    def step(self, action):
+        self.t += 1
+        self.lookup(self.t % 50 + int(action))
+        return self._obs(float(self.lookup.cache_info().currsize)), 0.0, *self._done(), {}
+
+
+def cached_lookup():
+    return CachedLookupEnv()
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

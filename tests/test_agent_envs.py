@@ -1139,6 +1139,32 @@ def test_an_env_hook_run_after_fork_makes_snapshots_process_dumps():
         env.close()
 
 
+def test_a_cache_a_library_clears_after_fork_comes_back_as_the_original_holds_it():
+    """Fork-tier copies are forked without Python's after-fork hooks (no hook runs in the
+    original either). A cache that its library clears in a forked child (a hook known to be
+    harmless, so the env keeps the fork tier) was cleared in the snapshot's process when the
+    snapshot was taken: every restored copy and ``fork()`` child went on with an empty cache,
+    and the sizes it showed differed from the original's, silently."""
+    env = gym_fork.ForkableEnv(agent_envs.cached_lookup, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        for _ in range(5):
+            step(env, 1)
+        snap = env.snapshot()
+        assert type(snap._payload).__name__ == "ForkPayload"
+        want = [step(env, 2) for _ in range(3)]
+        assert want[0][0][1] == 6.0  # the cache's size: five entries before the snapshot, one more
+        env.restore(snap)
+        assert_same_traj([step(env, 2) for _ in range(3)], want)
+        [kid] = env.fork(snap)
+        try:
+            assert_same_traj([step(kid, 2) for _ in range(3)], want)
+        finally:
+            kid.close()
+    finally:
+        env.close()
+
+
 def test_without_root_a_pty_of_the_envs_own_is_refused_with_the_reason():
     """CRIU in a user namespace cannot mount the devpts instance a restore of ptys needs: the
     snapshot is refused up front (not a restore that fails later)."""

@@ -42,6 +42,7 @@ MODULES = [
     "gym_fork.check",
     "gym_fork.costs",
     "gym_fork.interrupts",
+    "gym_fork.atfork",
     "gym_fork.testing.interrupts",
 ]
 # Modules whose examples are all marked +SKIP, and why.

@@ -24,6 +24,7 @@ import tempfile
 import threading
 from typing import Any
 
+from gym_fork import atfork
 from gym_fork.errors import SnapshotCorruptedError
 from gym_fork.snapshots import reclaim
 from gym_fork.snapshots.files import is_no_space, no_space, open_regular, read_bounded
@@ -107,7 +108,7 @@ def _after_fork_in_child() -> None:
         _owner_fd = None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+atfork.in_child(_after_fork_in_child)
 
 
 def is_valid_id(snap_id: str) -> bool:

@@ -57,6 +57,7 @@ import select
 import stat
 import struct
 
+from gym_fork import atfork
 from gym_fork.worker import files
 
 # <linux/fanotify.h>
@@ -394,7 +395,7 @@ def _descendants() -> set[int]:
 
 
 files.on_spawn = note_spawn
-os.register_at_fork(after_in_child=forget)  # every fork: the env's own, gym_fork's fork tier
+atfork.in_child(forget)  # every fork: the env's own, gym_fork's fork tier
 
 
 def _record(rec: files.Record, buf: bytes, pos: int, end: int, mask: int, siblings: str | None = None) -> None:

@@ -32,6 +32,7 @@ import traceback
 import warnings
 from typing import Any
 
+from gym_fork import atfork
 from gym_fork.worker import files, fswatch, log_buffers
 
 OUTPUT = 2  # frame tag, next to channel.OK (0) and channel.ERR (1)
@@ -57,7 +58,7 @@ def install(source: Any = None) -> None:
     logging.getLogger().addHandler(_Forward())
     sys.stdout = _Lines("stdout", sys.stdout)
     sys.stderr = _Lines("stderr", sys.stderr)
-    os.register_at_fork(after_in_child=_events.clear)  # the parent sends what was pending
+    atfork.in_child(_events.clear)  # the parent sends what was pending
 
 
 def identify(env: Any) -> None:

@@ -18,8 +18,8 @@ and how it can be captured:
     workspace with their offset, ptys the env opened itself (both ends in the tree: an
     interactive shell, as pexpect runs one),
     interval timers (``signal.alarm``/``setitimer``) and POSIX timers, which a forked child does not
-    have, and the env's own ``os.register_at_fork(after_in_child=...)`` hooks, which a forked
-    child runs);
+    have, and the env's own ``os.register_at_fork(after_in_child=...)`` hooks, which the fork
+    tier's copies skip and the env may rely on);
 ``"criu+netns"``
     the same, but only when the worker has a network namespace of its own (TCP/UDP sockets and
     abstract unix sockets: a restored copy would otherwise collide with the original's address);
@@ -476,9 +476,10 @@ _hooks: list = []  # (after_in_child callable, the module that registered it) si
 
 def watch_at_fork_hooks() -> None:
     """Note every ``after_in_child`` hook registered from now on (the worker calls it before it
-    builds the env). A fork-tier copy runs such hooks and the original never does: an env whose
-    hook changes its state (a fork-safe generator reseeding itself) would go on differently in
-    every copy, so the scan reports the hooks it does not know (:func:`_child_hooks`)."""
+    builds the env). The fork tier forks without running them (``loop._fork_exact``), as the
+    original never runs them either; but a hook the env's own code registered may be one it
+    relies on in a process of its own, which nothing here can tell, so the scan reports the hooks
+    it does not know (:func:`_child_hooks`) and their envs get CRIU dumps, where no fork happens."""
     register = os.register_at_fork
     if getattr(register, "gym_fork_watch", False):
         return
@@ -520,8 +521,8 @@ def _child_hooks(me: int) -> list[Resource]:
     out = []
     for f, caller in _unknown:
         name = _hook_name(f, caller)
-        out.append(Resource("at-fork hook", me, f"{name} (os.register_at_fork(after_in_child=...): every fork-tier "
-                                                "copy runs it, the original never did)", "criu",
+        out.append(Resource("at-fork hook", me, f"{name} (os.register_at_fork(after_in_child=...): a fork-tier copy "
+                                                "skips it, and nothing tells whether the env relies on it)", "criu",
                             fix="a CRIU dump runs no hook: keep fork_tier='auto' (or False), which takes them; "
                                 "hooks of known libraries (locks, caches: functools.lru_cache's cache_clear) are "
                                 "not counted"))

@@ -61,6 +61,7 @@ import time
 import weakref
 from typing import Any
 
+from gym_fork import atfork
 from gym_fork.worker import resources, ring_slots
 from gym_fork.worker.channel import WAKE, Channel, ChannelClosed, SpinWait, spin_cap, unpack_frame
 
@@ -382,7 +383,7 @@ def _drop_inherited() -> None:
     _owned = 0
 
 
-os.register_at_fork(after_in_child=_drop_inherited)
+atfork.in_child(_drop_inherited)
 
 
 def _put(area: Any, parts: list) -> int | None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 
+from gym_fork import atfork
 from gym_fork.worker.loop import _fork_exact
 
 
@@ -20,20 +21,26 @@ def _draws() -> tuple:
             next(multiprocessing.synchronize.SemLock._rand))
 
 
-def _next_draws_in(fork) -> tuple:
-    """What a child made by ``fork()`` draws next (it reports them through a pipe and exits)."""
+def _in_child(fork, report) -> object:
+    """What ``report()`` returns in a child made by ``fork()`` (sent back through a pipe; the child
+    then exits)."""
     r, w = os.pipe()
     pid = fork()
     if pid == 0:
         try:
-            os.write(w, pickle.dumps(_draws()))
+            os.write(w, pickle.dumps(report()))
         finally:
             os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        drawn = pickle.loads(f.read())
+        got = pickle.loads(f.read())
     os.waitpid(pid, 0)
-    return drawn
+    return got
+
+
+def _next_draws_in(fork) -> tuple:
+    """What a child made by ``fork()`` draws next."""
+    return _in_child(fork, _draws)
 
 
 def test_a_forked_copy_draws_what_its_parent_draws_next():
@@ -51,78 +58,59 @@ def test_a_process_the_env_forks_itself_still_draws_afresh():
     assert child[0] != mine[0] and child[1] != mine[1]
 
 
-
-
-# Run in a fresh interpreter (one thread): there it forks with ``os.fork()`` as a worker forks a
-# frozen snapshot, and the frozen child then forks its copies. (A pytest-xdist test process has
-# execnet's threads, and a child forked from it still counts them: its quiet forks fall back.)
-_FROZEN_AND_ITS_COPY = r"""
+# Run in a fresh interpreter: one thread, as a worker between requests and a frozen snapshot
+# have. (A pytest-xdist test process has execnet's threads: its quiet forks fall back.)
+_QUIET_FORKS = r"""
 import os, sys
 sys.path.insert(0, {tests!r})
 import test_fork_exact as t
 from gym_fork.worker.loop import _fork_exact
 
-
-def in_frozen():
-    t._draws()
-    same = t._next_draws_in(lambda: _fork_exact(quiet=True)) == t._draws()
-    t._hook_runs.clear()  # (this child ran it, as a frozen snapshot did)
-    hooks = (t._hook_ran_in(_fork_exact), t._hook_ran_in(lambda: _fork_exact(quiet=True)))
-    return "%s %s %s" % (same, *hooks)
-
-
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.write(w, in_frozen().encode())
-    os._exit(0)
-os.close(w)
-print(os.read(r, 100).decode())
-os.waitpid(pid, 0)
+t._draws()
+same = t._next_draws_in(lambda: _fork_exact(quiet=True)) == t._draws()
+# a quiet fork whose child forks quietly again: a frozen snapshot forking its copy
+again = t._in_child(lambda: _fork_exact(quiet=True), lambda: t._next_draws_in(lambda: _fork_exact(quiet=True)) == t._draws())
+print(same, again, *t._in_child(_fork_exact, t._hooks_run), *t._in_child(lambda: _fork_exact(quiet=True), t._hooks_run))
 """
 
 
-def _frozen_and_its_copy() -> list[str]:
-    """In a fresh process's ``os.fork()`` child: whether a quiet fork's copy drew what its parent
-    draws next, whether ``os.fork()`` ran the after-fork hook, whether the quiet fork did."""
+def _quiet_forks() -> list[str]:
+    """In a fresh process: whether a quiet fork's child draws what its parent draws next, whether
+    the child of a quiet fork's child does too, which hooks (Python's, gym_fork's) ``os.fork()``
+    ran in its child, and which the quiet fork ran."""
     here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", _FROZEN_AND_ITS_COPY.format(tests=here)],
+    out = subprocess.run([sys.executable, "-c", _QUIET_FORKS.format(tests=here)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
 
-def test_a_frozen_snapshots_copy_draws_what_its_parent_draws_next():
-    """``quiet=True`` (a frozen snapshot forking a copy: libc's fork, no CPython after-fork work)
-    keeps the same promise: the copy goes on drawing as its parent would."""
-    assert _frozen_and_its_copy()[0] == "True"
+def test_a_quiet_fork_draws_what_its_parent_draws_next():
+    """``quiet=True`` (every fork of the fork tier: libc's fork, no CPython after-fork work)
+    keeps the same promise: the copy goes on drawing as its parent would, and so does a copy of
+    that copy (a frozen snapshot's)."""
+    assert _quiet_forks()[:2] == ["True", "True"]
 
 
-_hook_runs: list[int] = []
-os.register_at_fork(after_in_child=lambda: _hook_runs.append(1))  # (only ever notes a child's run)
+_python_hook_runs: list[int] = []
+_own_hook_runs: list[int] = []
+os.register_at_fork(after_in_child=lambda: _python_hook_runs.append(1))  # (only ever notes a child's run)
+atfork.in_child(lambda: _own_hook_runs.append(1))
 
 
-def _hook_ran_in(fork) -> bool:
-    r, w = os.pipe()
-    pid = fork()
-    if pid == 0:
-        try:
-            os.write(w, b"1" if _hook_runs else b"0")
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        ran = f.read() == b"1"
-    os.waitpid(pid, 0)
-    return ran
+def _hooks_run() -> tuple[bool, bool]:
+    """In a child: whether an ``os.register_at_fork`` hook ran, and whether a gym_fork one did."""
+    return bool(_python_hook_runs), bool(_own_hook_runs)
 
 
-def test_a_frozen_snapshots_copy_runs_no_after_fork_hook_again():
-    """A frozen snapshot ran every ``after_in_child`` hook when it was forked from the worker and
-    runs no env code after that: its copies skip them (a LunarLander copy's ~110 copy-on-write
-    faults of CPython's threading and logging resets), while the worker's own fork runs them."""
-    _same, worker_fork_ran_it, copy_ran_it = _frozen_and_its_copy()
-    assert worker_fork_ran_it == "True" and copy_ran_it == "False"
+def test_a_quiet_fork_runs_gym_forks_own_hooks_and_no_other():
+    """A fork-tier copy is the same computation going on: Python's after-fork hooks (a library's
+    cache cleared, a generator reseeded) would make it differ from the original, which never runs
+    them; the hooks for gym_fork's own per-process state (:mod:`gym_fork.atfork`) run in every
+    child all the same. ``os.fork()`` runs both."""
+    *_, os_python, os_own, quiet_python, quiet_own = _quiet_forks()
+    assert (os_python, os_own) == ("True", "True")
+    assert (quiet_python, quiet_own) == ("False", "True")
 
 
 def test_a_quiet_fork_with_another_thread_is_os_fork():
@@ -134,7 +122,7 @@ def test_a_quiet_fork_with_another_thread_is_os_fork():
     t = threading.Thread(target=stop.wait)
     t.start()
     try:
-        assert _hook_ran_in(lambda: _fork_exact(quiet=True))
+        assert _in_child(lambda: _fork_exact(quiet=True), _hooks_run) == (True, True)
     finally:
         stop.set()
         t.join()
