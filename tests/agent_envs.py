@@ -684,6 +684,36 @@ def cached_lookup():
     return CachedLookupEnv()
 
 
+class ReapFailsEnv(_Base):
+    """Fault injection for a fork-tier snapshot's answer: the bookkeeping the worker does right
+    after it forks a snapshot, its answer already sent (collecting its exited snapshots), raises
+    each time. (The worker's scan before the answer collects them too: only every second call,
+    the one after a fork, fails.) Otherwise a counter: the observation's first entry is the
+    number of steps since reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from gym_fork.worker import resources
+
+        real, calls = resources.reap_forked, [0]
+
+        def reap_then_fail(forked: set) -> None:
+            calls[0] += 1
+            real(forked)
+            if calls[0] % 2 == 0:
+                raise RuntimeError("injected: collecting the exited snapshots failed")
+
+        resources.reap_forked = reap_then_fail
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(0.0), 0.0, *self._done(), {}
+
+
+def reap_fails():
+    return ReapFailsEnv()
+
+
 class GoalsLeftEnv(_Base):
     """Goals left to visit in a set; each step visits a few and heads for whichever the set yields
     first. A set that shrank keeps its larger table, so a pickled copy (its elements added to an

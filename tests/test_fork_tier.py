@@ -276,6 +276,28 @@ class _ThreadedEnv(gym.Env):
         return np.array([self.x]), self.x, False, False, {}
 
 
+def test_a_failure_after_a_snapshots_answer_never_answers_it_twice():
+    """The worker answers a fork-tier snapshot request, then forks, then collects its exited
+    snapshots. An error in that last part sent a second answer, which the learner read as its
+    next request's: that step raised the snapshot's error, and every answer after it belonged to
+    the request before. Now the worker says so on its stderr, and each request gets its answer."""
+    import agent_envs
+
+    env = gym_fork.ForkableEnv(agent_envs.reap_fails, fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snaps = []
+        for t in range(1, 4):
+            snaps.append(env.snapshot())
+            obs, *_ = env.step(0)
+            assert obs[0] == t  # this step's own answer
+        obs, _ = env.restore(snaps[1])
+        assert obs[0] == 1
+        assert env.step(0)[0][0] == 2
+    finally:
+        env.close()
+
+
 def test_threaded_worker_falls_back_to_criu_dumps():
     with pytest.raises(BackendUnavailableError, match="threads"):
         gym_fork.ForkableEnv(_ThreadedEnv, backend="criu", fork_tier=True)

@@ -409,18 +409,23 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 # policy's next action -- overlaps the fork). A request on the new snapshot's
                 # own channel waits likewise until the child serves it.
                 sink.send((OK, None))
+                # Answered: from here on nothing may answer this request again. A second answer
+                # would be read as the next request's, and every answer after it one request off.
                 try:
                     pid = _fork_child(fd, chan)  # the child drops the ring (gym_fork.worker.ring)
-                except OSError as exc:  # e.g. ENOMEM: the snapshot's channel closes; using it
-                    os.close(fd)  # raises "the snapshot's frozen process is gone"
-                    print(f"gym_fork worker: fork for a snapshot failed: {exc}", file=sys.stderr, flush=True)
+                except Exception as exc:  # noqa: BLE001 - e.g. ENOMEM: the snapshot's channel closes;
+                    os.close(fd)  # using it raises "the snapshot's frozen process is gone"
+                    print(f"gym_fork worker: fork for a snapshot failed: {exc!r}", file=sys.stderr, flush=True)
                     continue
                 if pid == 0:
                     ready_ahead = bool(args[0]) if args else True
                     _child_life(lambda: frozen_loop(Channel.from_fd(fd), server, ready_ahead=ready_ahead))
                 _FORKED.add(pid)
                 os.close(fd)
-                resources.reap_forked(_FORKED)  # no /proc reads here: the scan collected the orphans
+                try:
+                    resources.reap_forked(_FORKED)  # no /proc reads here: the scan collected the orphans
+                except Exception as exc:  # noqa: BLE001 - the next scan collects them
+                    print(f"gym_fork worker: collecting exited snapshots failed: {exc!r}", file=sys.stderr, flush=True)
                 continue
             elif cmd == "ring":  # the controller's step ring: requests are announced there from now on
                 fd = _recv_one_fd(chan)
