@@ -8,6 +8,9 @@ On a machine whose CPUs are all busy during ``explore()`` (16 branches on 2 CPUs
 the wall time is the CPU the branches take, not latency: so each part is measured as CPU time of
 the process that spends it (``/proc/PID/schedstat``: nanoseconds on a CPU), per copy or per step:
 
+* **the snapshot's own process** (the frozen snapshot), from its fork until it waits for its
+  first request: once per ``explore()``, shared by its branches (not in the sums below); floor:
+  the bare child's CPU at its first line of Python;
 * **the frozen snapshot's fork** of one copy (its CPU over ``fork(snapshot, 16)``, / 16);
   floor: a bare ``os.fork()`` in a process as lean as a worker holding the same env after 100
   steps (no gym_fork code), the parent's CPU;
@@ -161,6 +164,8 @@ def one_rep(env: gym_fork.ForkableEnv, k: int, horizon: int, n_actions: int) -> 
     # every copy here is forked on demand, as 15 of explore()'s 16 are.
     snap = env._snapshot(ready_copy=False)
     frozen = snap._payload.pid  # (asked now: not inside the timed fork)
+    time.sleep(0.03)  # (by then it waits for its first request)
+    frozen_start_ms = cpu_ms(frozen)
     gc.disable()
     try:
         f0 = cpu_ms(frozen)
@@ -206,7 +211,7 @@ def one_rep(env: gym_fork.ForkableEnv, k: int, horizon: int, n_actions: int) -> 
     finally:
         gc.enable()
         snap.release()
-    return {"frozen_fork_ms": frozen_ms, "copy_ready_ms": med(ready), "reseed_ms": med(reseeded) - med(ready),
+    return {"frozen_start_ms": frozen_start_ms, "frozen_fork_ms": frozen_ms, "copy_ready_ms": med(ready), "reseed_ms": med(reseeded) - med(ready),
             # the first step's CPU minus a later step's (measured in the loop after it)
             "first_step_extra_ms": med([f - r for f, r in zip(first, ready)]) - worker_us / 1e3,
             "worker_step_us": worker_us, "worker_alone_step_us": alone_us, "learner_step_us": learner_us,
@@ -248,6 +253,8 @@ def main() -> None:
         return branch_ms / cpus / step_ms - args.horizon
 
     rows = [
+        ["the snapshot's own process, until it waits (once per explore(); not below)",
+         f"{m['frozen_start_ms']:.2f} ms", f"{fl['child_ready_ms']:.2f} ms (bare child, first line)"],
         ["the frozen snapshot forks one copy", f"{m['frozen_fork_ms']:.2f} ms", f"{fl['fork_ms']:.2f} ms (bare os.fork)"],
         ["the copy, until ready", f"{m['copy_ready_ms']:.2f} ms", f"{fl['child_ready_ms']:.2f} ms (bare child, first line)"],
         ["its reseed (rng='reseed', explore()'s default; not below)", f"{m['reseed_ms']:.2f} ms", "—"],
