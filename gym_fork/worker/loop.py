@@ -269,11 +269,11 @@ def _child_failed() -> NoReturn:
 def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     """fork(); in the child, the ``drop`` channels are closed (a child must hold no socket but
     its own channel: CRIU could not dump it otherwise) and ``keep_fd`` becomes its channel.
-    Returns the child's pid in the parent and 0 in the child."""
+    Returns the child's pid in the parent and 0 in the child. The worker calls it only after its
+    scan found one thread (``serve`` checks that before it answers: an error then is the request's
+    answer); a frozen snapshot has one thread, it never steps."""
     global _FROZEN
-    from_frozen = _FROZEN  # a frozen snapshot's copy (it has one thread: it never steps)
-    if not from_frozen:
-        _check_single_threaded()
+    from_frozen = _FROZEN
     pid = _fork_exact(quiet=True)  # (a copy goes on as the original: see _fork_exact)
     if pid == 0:
         _FROZEN = False  # (a copy steps)
