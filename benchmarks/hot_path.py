@@ -31,7 +31,11 @@ hits them alike):
 * **break-even depth** (LunarLander, 16 closed-loop branches x 100 steps): the prefix depth D
   above which branching from a snapshot beats replaying ``reset(seed) + D + 100`` steps per
   branch in process, from the measured costs: D* = (T_branch / 16 - t_reset) / t_step - 100;
-  also with the policy inside the workers.
+  also with the policy inside the workers. Its floor: the same branches from bare ``fork()``s
+  of a process as lean as a worker (no gym_fork code), the learner stepping them over sockets in
+  ``explore()``'s order (an action byte out, the observation's bytes back), and with the
+  branches run inside the children; T_branch and the replay measured in that process -- the
+  depth any fork-based ``explore()`` can reach on this machine.
 * **ForkableVecEnv(4)** (CartPole): µs per batch step vs ``SubprocVecEnv(4)``.
 * **step between policy calls** (CartPole, ``--gap-us`` of learner work, default 300 µs, before
   each step -- an SB3 ``MlpPolicy`` forward pass costs about that here): µs per step, the step
@@ -614,6 +618,108 @@ print(json.dumps({"native_s": med(nat), "forked_s": med(frk), "native_samples_s"
 """
 
 
+# The break-even's floor: the same branches from bare fork()s of a process as lean as a worker (no
+# gym_fork), the policy in the learner (one round trip per step over a socket, in the same order
+# as explore()'s pipelined loop), and with the policy in the children (no round trips); and the
+# replay it is weighed against, in the same process.
+_BREAK_EVEN_FLOOR_SCRIPT = r"""
+import json, os, socket, statistics, sys, time
+from gym_fork.worker import lean
+lean.install()  # as a worker
+import gc
+import numpy as np
+import gymnasium as gym
+
+reps, warm_steps, seed, prefix, branches = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *json.loads(sys.argv[4])
+env = gym.make("LunarLander-v3")
+env.reset(seed=seed)
+for a in prefix[:warm_steps]:
+    _, _, term, trunc, _ = env.step(a)
+    if term or trunc:
+        env.reset()
+
+def serve(sock):  # a bare worker: an action byte in, the observation's bytes out
+    while True:
+        d = sock.recv(8)
+        if not d:
+            os._exit(0)
+        obs, _, term, trunc, _ = env.step(d[0])
+        if term or trunc:
+            obs, _ = env.reset()
+        sock.sendall(obs.tobytes())
+
+def in_learner():
+    socks, pids = [], []
+    for _b in branches:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            serve(theirs)
+        theirs.close(); socks.append(ours); pids.append(pid)
+    for s, b in zip(socks, branches):
+        s.sendall(bytes([b[0]]))
+    for t in range(1, len(branches[0]) + 1):
+        for s, b in zip(socks, branches):
+            obs = np.frombuffer(s.recv(4096), np.float32)
+            _ = obs[0]  # a policy looks at every observation
+            if t < len(b):
+                s.sendall(bytes([b[t]]))
+    for s in socks:
+        s.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+def in_children():
+    pids = []
+    for b in branches:
+        pid = os.fork()
+        if pid == 0:
+            for a in b:
+                obs, _, term, trunc, _ = env.step(a)
+                _ = obs[0]
+                if term or trunc:
+                    env.reset()
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+gc.disable()
+learner_t, children_t = [], []
+for _ in range(reps):
+    for fn, xs in ((in_learner, learner_t), (in_children, children_t)):
+        t = time.perf_counter(); fn(); xs.append(time.perf_counter() - t)
+replay = gym.make("LunarLander-v3")
+reset_t, step_t = [], []
+for _ in range(reps):
+    t0 = time.perf_counter(); replay.reset(seed=seed); t1 = time.perf_counter()
+    for a in prefix:
+        obs, _, term, trunc, _ = replay.step(a)
+        _ = obs[0]
+        if term or trunc:
+            replay.reset()
+    reset_t.append(t1 - t0); step_t.append((time.perf_counter() - t1) / len(prefix))
+med = statistics.median
+print(json.dumps({"in_learner_s": med(learner_t), "in_children_s": med(children_t), "reset_ms": med(reset_t) * 1e3,
+                  "inproc_step_us": med(step_t) * 1e6}))
+"""
+
+
+def bench_break_even_floor(reps: int, prefix: list, branches: list) -> dict:
+    """The break-even depth's floor on this machine, without gym_fork (see the module docstring)."""
+    out = subprocess.run([sys.executable, "-c", _BREAK_EVEN_FLOOR_SCRIPT, str(reps), str(WARM_STEPS), str(SEED),
+                          json.dumps([prefix, branches])], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if out.returncode != 0:
+        raise RuntimeError(f"the break-even floor measurement failed:\n{out.stderr[-2000:]}")
+    fl = json.loads(out.stdout.strip().splitlines()[-1])
+    k, h, tr, ts = len(branches), len(branches[0]), fl["reset_ms"] / 1e3, fl["inproc_step_us"] / 1e6
+    fl["depth_in_learner"] = (fl["in_learner_s"] / k - tr) / ts - h
+    fl["depth_in_children"] = (fl["in_children_s"] / k - tr) / ts - h
+    return fl
+
+
 def bench_pong_floor(reps: int, prefix: list, branches: list) -> dict:
     """Pong's ceiling for fork-based branching on this machine, without gym_fork: in a process as
     lean as a worker, the native restore loop vs one bare ``fork()`` per branch (see the module
@@ -681,7 +787,7 @@ def bench_break_even(reps: int) -> dict:
     tb, tr, ts = med(branch_t), med(reset_t), med(step_t)
     depth = (tb / K - tr) / ts - H
     out = {"branch_s": tb, "reset_ms": tr * 1e3, "inproc_step_us": ts * 1e6, "break_even_depth": depth,
-           "branch_samples_s": branch_t}
+           "branch_samples_s": branch_t, "floor": bench_break_even_floor(reps, prefix, branches)}
     if branch_w:
         out["branch_in_workers_s"] = med(branch_w)
         out["break_even_depth_in_workers"] = (med(branch_w) / K - tr) / ts - H
@@ -781,6 +887,16 @@ def table(r: dict) -> list[list[str]]:
             rows.append(["Break-even depth, the policy in the workers (policy_in_worker=True)", "—",
                          f"{max(dw, 0):.0f} steps", "—", f"branching {be['branch_in_workers_s']:.2f} s",
                          "≤ 100 steps", "≤ 20 steps", verdict(dw <= 100)])
+        bf = be.get("floor")
+        if bf:
+            d_floor = bf["depth_in_learner"]
+            rows.append([f"Break-even's floor: the same {K} branches from bare fork()s, no gym_fork (policy in the "
+                         "learner, one round trip a step; in the children)", "—",
+                         f"{max(d_floor, 0):.0f} steps; {max(bf['depth_in_children'], 0):.0f} steps", "—",
+                         f"branching {bf['in_learner_s']:.2f} s / {bf['in_children_s']:.2f} s; in-proc step "
+                         f"{bf['inproc_step_us']:.0f} µs; gym_fork's {max(d, 0):.0f} steps are "
+                         f"{(d + H) / (d_floor + H):.2f}× the floor's branch cost", "≤ 100 steps", "—",
+                         "reachable by fork" if d_floor <= 100 else "not by fork here"])
     gs = r.get("gap_steps")
     if gs:
         i, g, p = gs["inproc"]["median_us"], gs["gym_fork"]["median_us"], gs["subproc"]["median_us"]
