@@ -1520,8 +1520,37 @@ def share_cpus(envs: Sequence[ForkableEnv]) -> None:
     (CartPole, 4 slots on 2 CPUs: a batch takes 0.81x the time it took with polling).
     With a CPU each, they poll as a single env's worker does."""
     if len(envs) + 1 > len(os.sched_getaffinity(0)):
+        set_workers_polling(envs, False)
+
+
+def set_workers_polling(envs: Sequence[ForkableEnv], on: bool) -> None:
+    """:meth:`ForkableEnv._set_worker_polling` for each of ``envs``, every request sent before
+    any answer is read: the workers answer at the same time, not one after another (the 16 copies
+    of an ``explore()``, LunarLander: 2.5-3.0 ms of round trips in turn, now 0.9-1.3 ms).
+
+    Raises:
+        The first error (a worker that died), once every request sent has been answered.
+    """
+    begun: list[ForkableEnv] = []
+    error: BaseException | None = None
+    try:
         for env in envs:
-            env._set_worker_polling(False)
+            if env._closed or on == env._handle.worker_polls:
+                continue
+            try:
+                env._handle.begin_worker_polling(on)
+            except Exception as e:  # noqa: BLE001 - raised below, once the others are answered
+                error = error or e
+                continue
+            begun.append(env)
+    finally:  # (Ctrl-C too: every answer of a request sent is read, so each channel stays in step)
+        for env in begun:
+            try:
+                env._handle.end_worker_polling(on)
+            except Exception as e:  # noqa: BLE001
+                error = error or e
+    if error is not None:
+        raise error
 
 
 def check_rng(rng: str, seeds: Sequence[int] | None, n: int, what: str) -> None:
