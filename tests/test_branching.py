@@ -506,6 +506,53 @@ def test_a_branch_snapshot_after_an_auto_reset_starts_a_new_timeline():
         env.close()
 
 
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [True, False])
+def test_branches_that_go_on_past_episode_ends_reset_in_their_workers_and_their_snapshots_do_not(
+        fork_tier, monkeypatch):
+    """With ``stop_at_done=False`` each branch's worker resets right after the step that ends an
+    episode and sends the new episode's start with it: the learner makes no reset round trip
+    (before: one per episode end, waited for while the other branches' steps queued up). The
+    branches still match a replay in one process. A branch's end snapshot (a fork, or a CRIU
+    dump) holds a worker that no longer resets on its own: restored, it runs to the episode's
+    end and stays there, as any env does."""
+    from gym_fork.worker.commands import AUTORESET_KEY
+
+    env = gym_fork.make("CartPole-v1", max_episode_steps=10, fork_tier=fork_tier)
+    try:
+        env.reset(seed=0)
+        root = env.snapshot()
+        resets = []
+        real_reset = gym_fork.ForkableEnv.reset
+        monkeypatch.setattr(gym_fork.ForkableEnv, "reset", lambda self, **kw: resets.append(1) or real_reset(self, **kw))
+        policy = lambda o: int(o[2] > 0)  # noqa: E731
+        res = gym_fork.explore(env, root, policy, n_branches=2, horizon=25, rng="same", stop_at_done=False,
+                               return_snapshots=True)
+        monkeypatch.undo()
+        assert resets == []
+        plain = gym.make("CartPole-v1", max_episode_steps=10)
+        for b in res.branches:
+            obs, _ = plain.reset(seed=0)
+            rewards = []
+            for a in b.actions:
+                obs, r, term, trunc, info = plain.step(a)
+                rewards.append(r)
+                final = obs
+                if term or trunc:
+                    obs, _ = plain.reset()
+            assert b.rewards == rewards and same(b.final_obs, final) and AUTORESET_KEY not in b.final_info
+            # the branch's end, restored: 25 steps = 2 episodes of 10 + 5 steps into the third
+            env.restore(b.snapshot)
+            for _ in range(5):
+                obs, _r, term, trunc, info = env.step(0)
+                ref = plain.step(0)
+                assert same(obs, ref[0]) and AUTORESET_KEY not in info
+            assert trunc  # ... and the env stays at that end (a reset after it would start anew)
+            assert same(env.step(0)[0], plain.step(0)[0])
+    finally:
+        env.close()
+
+
 def _dict_obs_env():
     class DictObs(gym.Env):
         observation_space = gym.spaces.Dict({"a": gym.spaces.Box(-1.0, 1.0, (3,), np.float32),

@@ -263,6 +263,10 @@ def own_action(action: Any) -> Any:
     return action
 
 
+#: the key under which a step's info carries the reset that followed it (EnvServer.autoreset)
+AUTORESET_KEY = "_gym_fork_autoreset"
+
+
 class EnvServer:
     """Executes protocol commands on one env and remembers the latest (obs, info)."""
 
@@ -307,12 +311,32 @@ class EnvServer:
             raise ValueError(f"unknown worker command {cmd!r}")
         return method(*args)
 
+    #: reset at once after a step that ends an episode, the new episode's (obs, info) sent with
+    #: that step's info under AUTORESET_KEY (cmd_autoreset): an explore() branch that goes on
+    #: past an episode's end (stop_at_done=False) then needs no round trip of its own to reset
+    autoreset = False
+
     # --- the Gymnasium API -------------------------------------------------------------------
     def cmd_step(self, action: Any) -> tuple:
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.last_obs, self.last_info = obs, info
         self.steps += 1
+        if self.autoreset and (terminated or truncated):
+            return obs, reward, terminated, truncated, self._reset_after(info)
         return obs, reward, terminated, truncated, info
+
+    def _reset_after(self, info: dict) -> dict:
+        """The episode just ended: reset now (see :attr:`autoreset`); ``info`` (a copy: the env's
+        own dict is not changed) with the new episode's (obs, info) under AUTORESET_KEY."""
+        new_obs, new_info = self.env.reset()
+        self.last_obs, self.last_info, self.steps = new_obs, new_info, 0
+        told = dict(info)
+        told[AUTORESET_KEY] = (new_obs, new_info)
+        return told
+
+    def cmd_autoreset(self, on: bool) -> None:
+        """Reset right after every step that ends an episode, from now on (or no more)."""
+        self.autoreset = bool(on)
 
     def cmd_rollout(self, actions: list, stop_at_done: bool) -> dict:
         """Step through ``actions`` here in the worker: one round trip for a whole open-loop
