@@ -504,6 +504,39 @@ def test_interrupted_criu_restores_dumps_and_forks_leave_nothing_behind():
 
 
 @pytest.mark.criu
+def test_ctrl_c_right_after_a_dumps_directory_is_made_leaves_no_directory(monkeypatch):
+    """Ctrl-C that comes just after a CRIU dump made its directory in the session dir, before
+    criu runs: the snapshot is not taken and the directory is gone. Before, it stayed (the
+    directory was made before the block that removes it on an interrupt; found by
+    test_interrupted_criu_restores_dumps_and_forks_leave_nothing_behind, once in a few runs)."""
+    from gym_fork.snapshots import sessiondir
+
+    env = gym_fork.ForkableEnv(EchoEnv, fork_tier=False)
+    try:
+        env.reset(seed=1)
+        env.step(5)
+        made = sessiondir.private_mkdir
+
+        def interrupted(path):  # Ctrl-C once the dump's directory exists, still inside the call
+            made(path)
+            if path.endswith(".tmp"):
+                raise KeyboardInterrupt
+            return path
+
+        monkeypatch.setattr(sessiondir, "private_mkdir", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            env.snapshot()
+        monkeypatch.undo()
+        assert [n for n in os.listdir(sessiondir.session_dir()) if n.endswith(".tmp")] == []
+        snap = env.snapshot()  # and the env goes on
+        after = env.step(6)[0]
+        env.restore(snap)
+        assert same(env.step(6)[0], after)
+    finally:
+        env.close()
+
+
+@pytest.mark.criu
 @pytest.mark.parametrize("api", ["sb3", "gymnasium"])
 def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api):
     """Ctrl-C in a vector env's step: some sub-envs stepped (and reset at an episode's end) and the

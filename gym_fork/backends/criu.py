@@ -451,10 +451,13 @@ class CriuBackend(Backend):
         hashed while they are streamed, see :meth:`dump_transient`)."""
         self._require_criu("this snapshot" if leave_running else "persist()")
         root = sessiondir.session_dir()
-        tmp = sessiondir.private_mkdir(into or os.path.join(root, f".{snap_id}.tmp"))
+        tmp = into or os.path.join(root, f".{snap_id}.tmp")
         final = os.path.join(root, f"snap-{snap_id}")
-        private_net = self._private_net(handle.pid)
         try:
+            # made inside the try, and removed by its path: Ctrl-C right after the directory was
+            # made (still in private_mkdir, or in _private_net) left it behind in the session dir
+            sessiondir.private_mkdir(tmp)
+            private_net = self._private_net(handle.pid)
             external = [f"unix[{handle.ino}]"]
             if private_net:
                 external.append(f"net[{netns.netns_inode(handle.pid)}]:{treecapture.NETNS_KEY}")
@@ -466,6 +469,8 @@ class CriuBackend(Backend):
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and is_no_space(e):  # (making the directory)
+                raise no_space(e, root, f"the CRIU images of worker {handle.pid}") from e
             if "No space left on device" in tail:
                 raise no_space(OSError(errno.ENOSPC, "No space left on device"), root,
                                f"the CRIU images of worker {handle.pid}") from e
