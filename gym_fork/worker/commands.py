@@ -328,8 +328,7 @@ class EnvServer:
     def _reset_after(self, info: dict) -> dict:
         """The episode just ended: reset now (see :attr:`autoreset`); ``info`` (a copy: the env's
         own dict is not changed) with the new episode's (obs, info) under AUTORESET_KEY."""
-        new_obs, new_info = self.env.reset()
-        self.last_obs, self.last_info, self.steps = new_obs, new_info, 0
+        new_obs, new_info = self.cmd_reset(None, None)  # (as a reset request would: same bookkeeping)
         told = dict(info)
         told[AUTORESET_KEY] = (new_obs, new_info)
         return told
