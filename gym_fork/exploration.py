@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 
 from gym_fork.backends import capacity
-from gym_fork.env import ForkableEnv, requests_at_once, share_cpus
+from gym_fork.env import ForkableEnv, WorkerCall, collect_calls, share_cpus
 from gym_fork.errors import UncapturedFilesError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.channel import canonical_digest
@@ -458,19 +458,13 @@ def _autoreset(kids: list) -> None:
     episode's start with that step (``EnvServer.autoreset``): a reset in the middle of the loop
     was a round trip of its own, for which the learner waited while the others' steps queued up
     (16 x 100 closed-loop branches that go on past episode ends, in-process A/B: LunarLander
-    0.86-0.98x, CartPole 0.86-0.96x the time). All told at once; a worker of an older gym_fork,
+    0.86-0.98x, CartPole 0.86-0.96x the time). All told at once (:class:`~gym_fork.env.WorkerCall`); a worker of an older gym_fork,
     which does not know the request, resets through a round trip as before. A worker stops
     resetting on its own before it is snapshotted (a branch's end state): no snapshot holds one
     that does."""
-
-    def answered(kid: ForkableEnv) -> None:
-        try:
-            kid._handle.receive()
-        except ValueError as e:
-            if "unknown worker command" not in str(e):
-                raise
-
-    requests_at_once(kids, lambda kid: kid._handle.send("autoreset", True), answered)
+    _results, error = collect_calls([WorkerCall(kid, "autoreset", (True,)) for kid in kids], tolerate_unknown=True)
+    if error is not None:
+        raise error
 
 
 def _progress(total: int, enabled: bool, unit: str = "step"):

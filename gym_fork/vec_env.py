@@ -22,7 +22,8 @@ from stable_baselines3.common.vec_env.base_vec_env import (VecEnv, VecEnvIndices
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import ForkableEnv, _refuse_unbound_tree, check_rng, close_envs, share_cpus, start_envs
+from gym_fork.env import (FAILED, ForkableEnv, WorkerCall, _refuse_unbound_tree, check_rng, close_envs, collect_calls,
+                          share_cpus, start_envs)
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
@@ -32,47 +33,6 @@ EnvSpecifier = str | Callable[[], gym.Env] | gym.Env
 
 
 # --- requests to many workers at once ----------------------------------------------------------
-class _Call:
-    """One request to one ForkableEnv's worker, sent now and answered by :meth:`result`.
-
-    The request goes out at construction (``Handle.send``), so the workers of all calls created
-    before the first ``result()`` compute concurrently; the in-process pickle backend just runs
-    the command then. Errors (a dead worker, an exception in the env) surface from ``result()``,
-    never earlier, so a caller can always collect every reply and keep every channel in
-    request/reply step.
-    """
-
-    __slots__ = ("env", "handle", "cmd", "args", "error", "sent")
-
-    def __init__(self, env: ForkableEnv, cmd: str, args: tuple = ()):
-        self.env, self.cmd, self.args = env, cmd, args
-        self.error: BaseException | None = None
-        self.sent = False
-        if env.closed:
-            self.error = EnvClosedError(f"{cmd}() on a closed ForkableEnv; create a new one")
-            return
-        self.handle = env._handle
-        if hasattr(self.handle, "send"):  # a handle without send/receive is asked in result()
-            try:
-                self.handle.send(cmd, *args)
-                self.sent = True
-            except Exception as e:  # noqa: BLE001 - reported by result()
-                self.error = e
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        try:
-            if self.sent:
-                return self.handle.receive()
-            return self.handle.request(self.cmd, *self.args)
-        except WorkerError as e:
-            # Like ForkableEnv._request: a missing attribute is a plain AttributeError.
-            if e.remote_type == "AttributeError" and self.cmd == "getattr":
-                raise AttributeError(str(e)) from None
-            raise
-
-
 def _abandon(envs: Sequence[ForkableEnv], actions: Sequence[Any] | None = None) -> None:
     """After Ctrl-C: every sub-env's request in flight is given up here and settled after the
     env's next resync: a step (its action in ``actions``) or its auto-reset; without
@@ -85,29 +45,10 @@ def _abandon(envs: Sequence[ForkableEnv], actions: Sequence[Any] | None = None) 
         env._give_up_request(lambda env=env, action=action: env._settle_step(action, may_reset=True))
 
 
-_FAILED = object()
-
-
-def _collect(calls: Sequence[_Call]) -> tuple[list[Any], BaseException | None]:
-    """Every call's result (``_FAILED`` where it raised) and the first error, if any.
-
-    All replies are read even after a failure: an unread reply would desynchronize its channel.
-    """
-    results: list[Any] = []
-    first: BaseException | None = None
-    for call in calls:
-        try:
-            results.append(call.result())
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the other replies
-            results.append(_FAILED)
-            first = first or e
-    return results, first
-
-
 def _run(envs: Sequence[ForkableEnv], cmd: str, args: Sequence[tuple] | tuple = ()) -> list[Any]:
     """``cmd`` on every env concurrently; ``args`` is one tuple for all or one tuple per env."""
     per_env = args if args and isinstance(args, list) else [args] * len(envs)
-    results, error = _collect([_Call(env, cmd, a) for env, a in zip(envs, per_env, strict=True)])
+    results, error = collect_calls([WorkerCall(env, cmd, a) for env, a in zip(envs, per_env, strict=True)])
     if error is not None:
         raise error
     return results
@@ -248,7 +189,7 @@ class ForkableVecEnv(VecEnv):
         self.closed = False
         # why the last step did not complete (Ctrl-C in the middle): steps wait for a reset
         self._incomplete: str | None = None
-        self._calls: list[_Call] = []
+        self._calls: list[WorkerCall] = []
         self._step_actions: Sequence[Any] = ()
         self._obs: list[Any] = [None] * len(envs)  # each slot's observation for the next action
         super().__init__(len(envs), envs[0].observation_space, envs[0].action_space)
@@ -260,11 +201,11 @@ class ForkableVecEnv(VecEnv):
         self._cancel_pending_step()
         # SB3 passes options only when there are some (reset(seed=s) otherwise): so do we.
         args = [(self._seeds[i], self._options[i] or None) for i in range(self.num_envs)]
-        calls = [_Call(env, "reset", a) for env, a in zip(self.envs, args, strict=True)]
+        calls = [WorkerCall(env, "reset", a) for env, a in zip(self.envs, args, strict=True)]
         try:
-            results, error = _collect(calls)
+            results, error = collect_calls(calls)
             for env, r in zip(self.envs, results):
-                if r is not _FAILED:  # (also when another one failed: this one did reset)
+                if r is not FAILED:  # (also when another one failed: this one did reset)
                     env._record_reset()
         except BaseException as e:  # Ctrl-C: each worker resets all the same (settled by asking it)
             _abandon(self.envs)
@@ -310,7 +251,7 @@ class ForkableVecEnv(VecEnv):
         self._calls = calls = []
         try:
             for env, a in zip(self.envs, actions):
-                calls.append(_Call(env, "step", (a,)))
+                calls.append(WorkerCall(env, "step", (a,)))
         except BaseException:  # Ctrl-C: the steps sent so far run all the same
             _abandon(self.envs, actions)
             self._calls = []
@@ -323,24 +264,24 @@ class ForkableVecEnv(VecEnv):
             raise RuntimeError("step_wait() without step_async()")
         calls, self._calls, self.waiting = self._calls, [], False
         results: list[Any] = []
-        resets: dict[int, _Call] = {}
+        resets: dict[int, WorkerCall] = {}
         error: BaseException | None = None
         try:
             for i, (call, action) in enumerate(zip(calls, self._step_actions)):
                 try:
                     out = call.result()
                 except Exception as e:  # noqa: BLE001 - raised after every reply is read
-                    results.append(_FAILED)
+                    results.append(FAILED)
                     error = error or e
                     continue
                 _note_step(call.env, action)
                 results.append(out)
                 if out[2] or out[3]:
                     # Send the auto-reset now: it overlaps with the replies still to come.
-                    resets[i] = _Call(call.env, "reset", (None, None))
-            reset_results, reset_error = _collect(list(resets.values()))
+                    resets[i] = WorkerCall(call.env, "reset", (None, None))
+            reset_results, reset_error = collect_calls(list(resets.values()))
             for i, r in zip(resets, reset_results):
-                if r is not _FAILED:
+                if r is not FAILED:
                     self.envs[i]._record_reset()
         except BaseException:  # Ctrl-C: every worker steps (and resets) all the same
             _abandon(self.envs, self._step_actions)
@@ -355,10 +296,10 @@ class ForkableVecEnv(VecEnv):
             # caller's choice, as after any error).
             reset_out = dict(zip(resets, reset_results))
             for i, out in enumerate(results):
-                if out is _FAILED:
+                if out is FAILED:
                     continue
                 if i in reset_out:
-                    if reset_out[i] is _FAILED:
+                    if reset_out[i] is FAILED:
                         continue
                     self._obs[i], self.reset_infos[i] = reset_out[i]
                 else:
@@ -387,7 +328,7 @@ class ForkableVecEnv(VecEnv):
             return
         self.closed = True
         if self.waiting:  # read the step replies first: the workers are still answering them
-            _collect(self._calls)
+            collect_calls(self._calls)
             self._calls, self.waiting = [], False
         close_envs(self.envs)
 
@@ -574,9 +515,9 @@ class ForkableVecEnv(VecEnv):
         """SB3: reset() cancels a step_async() whose step_wait() was never called."""
         self._check_open("reset")
         if self.waiting:
-            results, _ = _collect(self._calls)
+            results, _ = collect_calls(self._calls)
             for env, action, out in zip(self.envs, self._step_actions, results):
-                if out is not _FAILED:
+                if out is not FAILED:
                     _note_step(env, action)
             self._calls, self.waiting = [], False
 

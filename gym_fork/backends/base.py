@@ -149,13 +149,6 @@ class Handle(abc.ABC):
         polls)."""
         self.worker_polls = on
 
-    def begin_worker_polling(self, on: bool) -> None:
-        """First half of :meth:`set_worker_polling` (in process: all of it)."""
-        self.set_worker_polling(on)
-
-    def end_worker_polling(self, on: bool) -> None:
-        """Second half of :meth:`set_worker_polling`, after :meth:`begin_worker_polling`."""
-
     def adopt_pace(self, other: "Handle") -> None:
         """Take over what ``other``, the handle this one replaces, learned about step timing
         (nothing to learn in process)."""
@@ -430,19 +423,8 @@ class RemoteHandle(Handle):
                 raise WorkerDiedError(f"the env worker (pid {self.pid}) died: {self.exit_status()}") from e
             self.worker_polls = on
             return
-        self.begin_worker_polling(on)
-        self.end_worker_polling(on)
-
-    def begin_worker_polling(self, on: bool) -> None:
-        """First half of :meth:`set_worker_polling` (the round trip): the request is sent;
-        :meth:`end_worker_polling` reads its answer. Many workers are told at once this way
-        (:func:`gym_fork.env.set_workers_polling`)."""
-        self.send("poll", None if on else 0.0)
-
-    def end_worker_polling(self, on: bool) -> None:
-        """Second half of :meth:`set_worker_polling`, after :meth:`begin_worker_polling`."""
         try:
-            self.receive()
+            self.request("poll", None if on else 0.0)
         except ValueError as e:
             if "unknown worker command" not in str(e):
                 raise
