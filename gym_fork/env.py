@@ -34,7 +34,7 @@ from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir, tre
 from gym_fork.snapshots.workspace import Workspace, aliases_of, attach as attach_workspace, binds_for as workspace_binds
 from gym_fork.snapshots.workspace import remove_dirs
 from gym_fork.worker import files
-from gym_fork.worker.commands import MUTABLE_ACTIONS, make_source, own_action, pickle_policy
+from gym_fork.worker.commands import AUTORESET_KEY, MUTABLE_ACTIONS, make_source, own_action, pickle_policy
 
 log = logging.getLogger("gym_fork")
 # lineages whose first snapshot looked for sets that iterate by memory address (_warn_address_order)
@@ -360,15 +360,30 @@ class ForkableEnv(gym.Wrapper):
         """First half of :meth:`step`: the worker starts stepping; collect with :meth:`step_receive`.
         Lets many ForkableEnvs step in parallel from one thread. Until its reply is read, this env
         takes no other call (:class:`~gym_fork.errors.ConcurrentUseError`: it would drop the reply)."""
+        self._step_send(action, False)
+
+    def _step_send(self, action: Any, reset_at_end: bool) -> None:
+        """:meth:`step_send`; ``reset_at_end``: the worker resets right after a step that ends
+        the episode, and the step's reply carries the reset's (obs, info) (:func:`take_autoreset`
+        takes it out) -- where the worker takes such steps (``Handle.autoreset_steps``); a
+        worker of an older gym_fork just steps, and the caller resets it with a request of its own."""
         if self._closed:
             raise EnvClosedError("step() on a closed ForkableEnv; create a new one")
+        handle = self._handle
+        may_reset = self._step_may_reset = reset_at_end and handle.autoreset_steps
         try:
-            self._handle.send("step", action)
+            if may_reset:
+                handle.send("step", action, True)
+            else:
+                handle.send("step", action)
             self._record_step(action)
         except BaseException as e:  # Ctrl-C inside the send: given up, settled at the next request
             if not isinstance(e, Exception):
-                self._give_up_request(lambda: self._settle_step(action))
+                self._give_up_request(lambda: self._settle_step(action, may_reset=may_reset))
             raise
+
+    #: the step in flight was sent with reset_at_end (its worker may have reset after it)
+    _step_may_reset = False
 
     def step_receive(self) -> tuple[Any, float, bool, bool, dict]:
         try:
@@ -380,7 +395,8 @@ class ForkableEnv(gym.Wrapper):
         except BaseException as e:  # Ctrl-C: its reply is dropped (the channel may be mid-frame)
             if not isinstance(e, Exception):
                 action = self._actions[-1] if self._actions else None
-                self._give_up_request(lambda: self._settle_step(action))
+                may_reset = self._step_may_reset
+                self._give_up_request(lambda: self._settle_step(action, may_reset=may_reset))
             raise
 
     def rollout(self, actions: Sequence[Any] | None = None, *, policy: Callable[[Any], Any] | None = None,
@@ -1590,6 +1606,19 @@ class WorkerCall:
 
 FAILED = object()
 UNKNOWN = object()
+
+
+def take_autoreset(env: ForkableEnv, info: Any) -> tuple[Any, dict] | None:
+    """The ``(obs, info)`` of the reset that ``env``'s worker made right after a step that ended
+    the episode (a step sent with ``reset_at_end``), taken out of that step's ``info`` (the
+    worker's own copy of the env's dict) and accounted for as the env's reset. None where the
+    worker did not reset: an older gym_fork's, which the caller resets with a request of its own."""
+    if type(info) is not dict:
+        return None
+    reset = info.pop(AUTORESET_KEY, None)
+    if reset is not None:
+        env._record_reset()
+    return reset
 
 
 def collect_calls(calls: Sequence[WorkerCall], *, tolerate_unknown: bool = False) -> tuple[list[Any], BaseException | None]:

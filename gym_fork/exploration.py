@@ -17,11 +17,11 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 
 from gym_fork.backends import capacity
-from gym_fork.env import ForkableEnv, WorkerCall, collect_calls, share_cpus
+from gym_fork.env import ForkableEnv, share_cpus, take_autoreset
 from gym_fork.errors import UncapturedFilesError
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.channel import canonical_digest
-from gym_fork.worker.commands import AUTORESET_KEY, is_sb3_model, own_action, own_copy, pickle_policy
+from gym_fork.worker.commands import is_sb3_model, own_action, own_copy, pickle_policy
 
 Policy = Callable[[Any], Any]
 
@@ -370,15 +370,14 @@ def _take_reply(kid: ForkableEnv, b: Branch, action: Any, stop_at_done: bool) ->
     b.actions.append(own_action(action))  # (a policy may fill one array for every step)
     b.rewards.append(float(r))
     if term or trunc:
-        reset = info.pop(AUTORESET_KEY, None) if type(info) is dict else None  # (the worker's copy)
+        reset = None if stop_at_done else take_autoreset(kid, info)  # (sent with reset_at_end)
         b.final_obs, b.final_info = o, info
         b.terminated, b.truncated = bool(term), bool(trunc)
         if stop_at_done:
             return _ENDED
-        if reset is None:
+        if reset is None:  # a worker of an older gym_fork: a round trip of its own
             o, _ = kid.reset()
-        else:  # the worker reset right after the step (_autoreset): no round trip
-            kid._record_reset()
+        else:
             o = reset[0]
         return o
     b.final_obs, b.final_info = o, info
@@ -398,7 +397,7 @@ def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Calla
     try:
         for i in live:  # step 0 of every branch: each with its own copy, as in the workers
             pending[i] = a = policy(own_copy(obs0))
-            kids[i].step_send(a)
+            kids[i]._step_send(a, not stop_at_done)
         for t in range(horizon):
             if not live:
                 break
@@ -411,7 +410,7 @@ def _run_closed_loop_pipelined(kids: list, branches: list[Branch], policy: Calla
                 still.append(i)
                 if more:  # (its own copy: a policy that changes it must not change final_obs)
                     pending[i] = a = policy(own_copy(o))
-                    kids[i].step_send(a)
+                    kids[i]._step_send(a, not stop_at_done)
             live = still
             if bar is not None:
                 bar.update(1)
@@ -424,8 +423,6 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
                      progress: bool | None) -> None:
     n_branches = len(kids)
     share_cpus(kids)  # (they step at once: where they outnumber the CPUs, polling takes the CPU one waits for)
-    if not stop_at_done:
-        _autoreset(kids)
     obs0, _info0, _ = kids[0]._request("last")
     obs = [own_copy(obs0) for _ in range(n_branches)]  # (each branch its own: the workers' do too)
     live = list(range(n_branches))
@@ -438,7 +435,7 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
             break
         actions = act([own_copy(obs[i]) for i in live])
         for i, a in zip(live, actions):
-            kids[i].step_send(a)
+            kids[i]._step_send(a, not stop_at_done)
         still = []
         for i, a in zip(live, actions):
             o = _take_reply(kids[i], branches[i], a, stop_at_done)
@@ -451,20 +448,6 @@ def _run_closed_loop(kids: list, branches: list[Branch], act: Callable, horizon:
             bar.update(1)
     if bar is not None:
         bar.close()
-
-
-def _autoreset(kids: list) -> None:
-    """Each branch's worker resets right after a step that ends an episode and sends the new
-    episode's start with that step (``EnvServer.autoreset``): a reset in the middle of the loop
-    was a round trip of its own, for which the learner waited while the others' steps queued up
-    (16 x 100 closed-loop branches that go on past episode ends, in-process A/B: LunarLander
-    0.86-0.98x, CartPole 0.86-0.96x the time). All told at once (:class:`~gym_fork.env.WorkerCall`); a worker of an older gym_fork,
-    which does not know the request, resets through a round trip as before. A worker stops
-    resetting on its own before it is snapshotted (a branch's end state): no snapshot holds one
-    that does."""
-    _results, error = collect_calls([WorkerCall(kid, "autoreset", (True,)) for kid in kids], tolerate_unknown=True)
-    if error is not None:
-        raise error
 
 
 def _progress(total: int, enabled: bool, unit: str = "step"):

@@ -23,7 +23,7 @@ from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
 from gym_fork.env import (FAILED, ForkableEnv, WorkerCall, _refuse_unbound_tree, check_rng, close_envs, collect_calls,
-                          share_cpus, start_envs)
+                          share_cpus, start_envs, take_autoreset)
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
@@ -251,7 +251,9 @@ class ForkableVecEnv(VecEnv):
         self._calls = calls = []
         try:
             for env, a in zip(self.envs, actions):
-                calls.append(WorkerCall(env, "step", (a,)))
+                # (the worker resets right after a step that ends the episode and sends the reset
+                # with it: no second round trip; an older gym_fork's worker is reset in step_wait)
+                calls.append(WorkerCall(env, "step", (a, True) if env._handle.autoreset_steps else (a,)))
         except BaseException:  # Ctrl-C: the steps sent so far run all the same
             _abandon(self.envs, actions)
             self._calls = []
@@ -264,7 +266,8 @@ class ForkableVecEnv(VecEnv):
             raise RuntimeError("step_wait() without step_async()")
         calls, self._calls, self.waiting = self._calls, [], False
         results: list[Any] = []
-        resets: dict[int, WorkerCall] = {}
+        resets: dict[int, WorkerCall] = {}  # slots reset by a request of their own
+        reset_now: dict[int, Any] = {}  # slots whose worker reset right after the step: (obs, info)
         error: BaseException | None = None
         try:
             for i, (call, action) in enumerate(zip(calls, self._step_actions)):
@@ -275,10 +278,13 @@ class ForkableVecEnv(VecEnv):
                     error = error or e
                     continue
                 _note_step(call.env, action)
-                results.append(out)
                 if out[2] or out[3]:
-                    # Send the auto-reset now: it overlaps with the replies still to come.
-                    resets[i] = WorkerCall(call.env, "reset", (None, None))
+                    reset = take_autoreset(call.env, out[4]) if len(call.args) > 1 else None
+                    if reset is not None:  # the worker reset already, with the step
+                        reset_now[i] = reset
+                    else:  # Send the auto-reset now: it overlaps with the replies still to come.
+                        resets[i] = WorkerCall(call.env, "reset", (None, None))
+                results.append(out)
             reset_results, reset_error = collect_calls(list(resets.values()))
             for i, r in zip(resets, reset_results):
                 if r is not FAILED:
@@ -294,7 +300,7 @@ class ForkableVecEnv(VecEnv):
             # from it fed slot i's old observation with slot i's next action). reset() brings all
             # back in line (or, for a dead worker, restore() of its slot: stepping on is the
             # caller's choice, as after any error).
-            reset_out = dict(zip(resets, reset_results))
+            reset_out = {**reset_now, **dict(zip(resets, reset_results))}
             for i, out in enumerate(results):
                 if out is FAILED:
                     continue
@@ -307,7 +313,7 @@ class ForkableVecEnv(VecEnv):
             raise error or reset_error
 
         obs, rews, dones, infos = [], [], [], []
-        reset_out = dict(zip(resets, reset_results))
+        reset_out = {**reset_now, **dict(zip(resets, reset_results))}
         for i, (o, reward, terminated, truncated, info) in enumerate(results):
             done = terminated or truncated
             # See https://github.com/openai/gym/issues/3102 (as SB3)
@@ -516,9 +522,11 @@ class ForkableVecEnv(VecEnv):
         self._check_open("reset")
         if self.waiting:
             results, _ = collect_calls(self._calls)
-            for env, action, out in zip(self.envs, self._step_actions, results):
+            for call, action, out in zip(self._calls, self._step_actions, results):
                 if out is not FAILED:
-                    _note_step(env, action)
+                    _note_step(call.env, action)
+                    if len(call.args) > 1 and (out[2] or out[3]):
+                        take_autoreset(call.env, out[4])  # (its worker reset: accounted for)
             self._calls, self.waiting = [], False
 
     def __repr__(self) -> str:

@@ -28,7 +28,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 
 from gym_fork.backends.base import Backend
 from gym_fork.errors import IncompleteStepError, RestoreError
-from gym_fork.env import ForkableEnv, check_rng, close_envs, share_cpus, start_envs
+from gym_fork.env import ForkableEnv, WorkerCall, check_rng, close_envs, share_cpus, start_envs, take_autoreset
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source
 from gym_fork.worker.reseed import reseed_env
@@ -374,7 +374,7 @@ class ForkableVectorEnv(VectorEnv):
             # (after an error the caller decides: reset(), or restore() of a dead slot, as before)
             if not isinstance(e, Exception):  # Ctrl-C: the steps sent run all the same
                 for env, action in zip(self.envs, actions):  # (also one interrupted inside its step_send())
-                    env._give_up_request(lambda env=env, action=action: env._settle_step(action))
+                    env._give_up_request(lambda env=env, action=action: env._settle_step(action, may_reset=True))
                 self._unsettled[:] = True
                 self._unsettled_why = "interrupted"
             raise
@@ -383,35 +383,39 @@ class ForkableVectorEnv(VectorEnv):
               resetting: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         results: list[Any] = [None] * self.num_envs
         error: BaseException | None = None
+        same_step = mode == AutoresetMode.SAME_STEP
+        calls: dict[int, WorkerCall] = {}  # the sub-envs reset now (NEXT_STEP), sent with the steps
         sent = []
         for i, (env, action) in enumerate(zip(self.envs, actions)):
             if resetting[i]:
+                calls[i] = WorkerCall(env, "reset", (None, None))
                 continue
             try:
                 # (a row of a Box batch, a Dict action's arrays: views of the caller's arrays;
-                # the env records its own copy)
-                env.step_send(action)
+                # the env records its own copy.) SAME_STEP: the worker resets right after a step
+                # that ends the episode and sends the reset with it: no round trip of its own
+                env._step_send(action, same_step)
                 sent.append(i)
             except Exception as e:  # noqa: BLE001 - raised once every sent step is answered
                 error = error or e
-        # While those workers step, reset the sub-envs whose episode ended on the last step.
-        for i in np.flatnonzero(resetting):
+        # Every request is out before any reply is read: the resets run while the others step.
+        for i in range(self.num_envs):
             try:
-                results[i] = self.envs[i].reset()
-            except Exception as e:  # noqa: BLE001
-                error = error or e
-        for i in sent:
-            try:
-                results[i] = self.envs[i].step_receive()
+                if i in calls:
+                    results[i] = calls[i].result()
+                    self.envs[i]._record_reset()
+                elif i in sent:
+                    results[i] = self.envs[i].step_receive()
             except Exception as e:  # noqa: BLE001
                 error = error or e
         finals: dict[int, tuple] = {}
-        if error is None and mode == AutoresetMode.SAME_STEP:
+        if error is None and same_step:
             for i in sent:
                 if results[i][2] or results[i][3]:
                     finals[i] = results[i]
-                    try:
-                        results[i] = results[i][:4] + (self.envs[i].reset(),)
+                    reset = take_autoreset(self.envs[i], results[i][4])
+                    try:  # (a worker of an older gym_fork: reset by a request of its own)
+                        results[i] = results[i][:4] + (reset or self.envs[i].reset(),)
                     except Exception as e:  # noqa: BLE001
                         error = error or e
         if error is not None:

@@ -513,9 +513,9 @@ def test_branches_that_go_on_past_episode_ends_reset_in_their_workers_and_their_
     """With ``stop_at_done=False`` each branch's worker resets right after the step that ends an
     episode and sends the new episode's start with it: the learner makes no reset round trip
     (before: one per episode end, waited for while the other branches' steps queued up). The
-    branches still match a replay in one process. A branch's end snapshot (a fork, or a CRIU
-    dump) holds a worker that no longer resets on its own: restored, it runs to the episode's
-    end and stays there, as any env does."""
+    branches still match a replay in one process. The reset rides on each step request (packed
+    kind "A"), it is no mode of the worker: a branch's end snapshot (a fork, or a CRIU dump),
+    restored and stepped, runs to the episode's end and stays there, as any env does."""
     from gym_fork.worker.commands import AUTORESET_KEY
 
     env = gym_fork.make("CartPole-v1", max_episode_steps=10, fork_tier=fork_tier)

@@ -536,30 +536,54 @@ def test_ctrl_c_right_after_a_dumps_directory_is_made_leaves_no_directory(monkey
         env.close()
 
 
+class EndingEchoEnv(EchoEnv):
+    """:class:`EchoEnv` whose episodes end after 5 steps."""
+
+    def step(self, action):
+        obs, reward, _terminated, truncated, info = super().step(action)
+        return obs, reward, self.t == 5, truncated, info
+
+
 @pytest.mark.criu
-@pytest.mark.parametrize("api", ["sb3", "gymnasium"])
-def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api):
+@pytest.mark.parametrize("api,ends", [("sb3", False), ("gymnasium", False), ("sb3", True), ("gymnasium", True)])
+def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api, ends):
     """Ctrl-C in a vector env's step: some sub-envs stepped (and reset at an episode's end) and the
     caller holds none of their results. The next step raises IncompleteStepError until reset();
     after it, every sub-env answers its own action, and counts the steps its worker took. Before: the next step read the interrupted
-    batch's replies (or was refused for good: its sends still held their channels)."""
+    batch's replies (or was refused for good: its sends still held their channels). ``ends``:
+    episodes end every 5 steps, and the workers reset right after such a step, in the same
+    request (SB3's auto-reset; Gymnasium's in SAME_STEP mode): an interrupt may fall between."""
+    from gymnasium.vector import AutoresetMode
+
     from gym_fork.errors import IncompleteStepError
     from gym_fork.vector import ForkableVectorEnv
 
     n = 3
+    source = EndingEchoEnv if ends else EchoEnv
     if api == "sb3":
         pytest.importorskip("stable_baselines3")  # (the full suite's Python has it)
         from gym_fork.vec_env import ForkableVecEnv
 
-        venv = ForkableVecEnv(EchoEnv, n_envs=n)
+        venv = ForkableVecEnv(source, n_envs=n)
     else:
-        venv = ForkableVectorEnv([EchoEnv] * n)
+        venv = ForkableVectorEnv([source] * n, autoreset_mode=AutoresetMode.SAME_STEP if ends else
+                                 AutoresetMode.NEXT_STEP)
     rng = np.random.default_rng(11)
 
     def step(actions):
+        """The observations, each with the action it answers put back where an episode ended
+        (an episode's last observation, kept in the infos: the one returned starts the next)."""
         if api == "sb3":
-            return venv.step(np.array(actions))[0]
-        return venv.step(np.array(actions))[0]
+            obs, _r, dones, infos = venv.step(np.array(actions))
+            ended = [infos[j].get("terminal_observation") if dones[j] else None for j in range(n)]
+        else:
+            obs, _r, term, _trunc, infos = venv.step(np.array(actions))
+            ended = [infos["final_obs"][j] if term[j] else None for j in range(n)]
+        for j, final in enumerate(ended):
+            if final is not None:
+                assert final[0] == 5 and obs[j][0] == 0 and venv.envs[j].steps == 0
+                obs[j] = final
+        return obs
 
     try:
         venv.reset()
@@ -584,6 +608,8 @@ def test_an_interrupted_vector_step_asks_for_a_reset_and_never_mixes_replies(api
             answered += 1
             assert [int(o[1]) for o in obs] == actions, f"step {i}: {obs} for actions {actions}"
             for j, (o, env) in enumerate(zip(obs, venv.envs)):  # the accounting follows each worker
+                if ends and o[0] == 5:  # (reset since: checked in step())
+                    continue
                 h = 0  # (every reset here is unseeded)
                 for x in env._actions:
                     h = (h * 31 + int(x)) % 1_000_003

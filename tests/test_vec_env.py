@@ -461,6 +461,70 @@ def test_workers_are_told_their_polling_all_at_once_and_a_dead_one_is_reported_a
         env.close()
 
 
+@pytest.mark.criu
+@pytest.mark.parametrize("fork_tier", [True, False])
+def test_episode_ends_reset_in_the_workers_with_their_step_and_an_older_ones_by_a_request(monkeypatch, fork_tier):
+    """A slot whose episode ends is reset by its worker right after that step, in the same request
+    (a step frame of kind "A"): no reset request of its own (before: a second round trip, ~6 % of a
+    batch's wake-ups). Results match DummyVecEnv bit for bit and each slot counts its worker's steps.
+    A worker that answers ``hello`` with frame version 2 (as one of an older gym_fork does) is
+    reset by a request of its own, as before. A slot snapshotted and restored, or forked into
+    others, steps on as any env: the reset is per request, no mode of the worker."""
+    from gym_fork.backends.base import RemoteHandle
+
+    kw = {"max_episode_steps": 7}
+    venv = ForkableVecEnv("CartPole-v1", 3, backend="criu", env_kwargs=kw, seed=4, fork_tier=fork_tier)
+    ref = DummyVecEnv([lambda: gym.make("CartPole-v1", **kw)] * 3)
+    sent: list = []
+
+    def spy(self, cmd, *args, _send=RemoteHandle.send):
+        sent.append((self.pid, cmd, len(args)))
+        return _send(self, cmd, *args)
+
+    def run(steps: int, what: str) -> int:
+        ends = 0
+        for t in range(steps):
+            a = np.array([t % 2, (t // 2) % 2, 1])
+            out = venv.step(a)
+            assert_same_step(out, ref.step(a), f"{what}, step {t}")
+            assert same(venv.reset_infos, ref.reset_infos)
+            ends += int(out[2].sum())
+            assert [e.steps for e in venv.envs] == [e._worker_steps() for e in venv.envs]
+        return ends
+
+    try:
+        ref.seed(4)
+        assert same(venv.reset(), ref.reset())
+        assert all(e._handle.autoreset_steps for e in venv.envs)
+        # slot 2: a worker that reads frames of version 2 only (a controller offering 2 learns that)
+        old = venv.envs[2]._handle
+        assert old.request("hello", 2, True)[0] == old.pid and old.packed and not old.autoreset_steps
+        monkeypatch.setattr(RemoteHandle, "send", spy)
+        ends = run(30, "new and old workers")
+        monkeypatch.undo()
+        resets = [pid for pid, cmd, _ in sent if cmd == "reset"]
+        assert ends >= 9 and resets and set(resets) == {old.pid}
+        assert {n for pid, cmd, n in sent if cmd == "step" and pid != old.pid} == {2}  # (action, True)
+        old.request("hello")  # (it reads version 3 after all)
+        assert old.autoreset_steps
+        # slot 0 at an episode's end: snapshotted, forked into the others and restored into itself
+        while not venv.step(np.array([1, 1, 1]))[2][0]:
+            pass
+        snap = venv.snapshot(0)
+        venv.fork_into(snap, [1, 2])
+        venv.restore(0, snap)
+        assert [e.steps for e in venv.envs] == [0, 0, 0]  # (right after an auto-reset)
+        for e in venv.envs:  # stepped directly, a restored worker does not reset on its own
+            for _ in range(7):
+                *_, term, trunc, _info = e.step(1)
+                if term or trunc:
+                    break
+            assert e.steps == e._worker_steps() > 0 and (term or trunc)
+    finally:
+        venv.close()
+        ref.close()
+
+
 @pytest.mark.alone
 @pytest.mark.criu
 def test_gymnasium_vector_env_workers_that_outnumber_the_cpus_sleep_between_requests(monkeypatch):

@@ -26,7 +26,7 @@ from gym_fork.errors import (ConcurrentUseError, BundleError, IncompleteStepErro
 from gym_fork.worker import files
 from gym_fork.worker import ring as rings
 from gym_fork.worker import ring_slots
-from gym_fork.worker.channel import OK, PACKED_VERSION, Channel, ChannelClosed, SpinWait, send_fds, spin_cap, step_parts
+from gym_fork.worker.channel import OK, PACKED_OLDEST, PACKED_VERSION, Channel, ChannelClosed, SpinWait, send_fds, spin_cap, step_parts
 from gym_fork.worker.commands import EnvServer, EnvSource
 from gym_fork.worker.resources import kill_env_descendants
 
@@ -53,6 +53,10 @@ class Handle(abc.ABC):
 
     pid: int | None = None
     closed: bool = False
+    #: the worker takes ``request("step", action, True)``: a step, then at once a reset if it
+    #: ended the episode (``EnvServer.cmd_step``'s ``reset_at_end``), so a vector env's
+    #: auto-reset costs no round trip of its own; False for a worker of an older gym_fork
+    autoreset_steps: bool = False
     # an RLock: which thread holds it is known atomically with taking it (``_is_owned``), so a
     # hold an interrupt left behind (Ctrl-C right after the gate was taken, before the code that
     # lets it go was entered) is told apart from another thread's call and let go (recover_gate)
@@ -183,6 +187,8 @@ _GOES_ON = frozenset({"step", "rollout", "policy_rollout", "replay"})
 
 class LocalHandle(Handle):
     """The env lives in this process (pickle backend)."""
+
+    autoreset_steps = True  # (this process's own EnvServer)
 
     #: the command that Ctrl-C cut inside the env's own code, leaving its state unknown (half a
     #: step may have run); a worker would have finished it, this process cannot. Until a
@@ -331,6 +337,7 @@ class RemoteHandle(Handle):
         self.preloaded = 0  # how many policies its worker has unpickled ahead (load_policy)
         self.initial: list | None = None  # [obs, info, steps] from the first "hello", if any
         self.packed = False  # the worker reads packed step frames (learned from init/meta/hello)
+        self.autoreset_steps = False  # ... and those that reset at an episode's end (version 3)
         self._cmd = ""  # the request in flight (its reply is read by receive())
         self._offered = False  # that request is a hello offering packed frames
         self._status: str | None = None
@@ -644,13 +651,18 @@ class RemoteHandle(Handle):
             self._drop_ring()
         result = _result(reply)
         if cmd == "hello" and len(result) == 5:  # the worker reads packed step frames
-            self.packed = result[4] == PACKED_VERSION
-            self._fast_steps &= self.packed
+            self.learn_packed(result[4])
             return result[:4]
         if cmd in ("init", "meta") and type(result) is dict:
-            self.packed = result.get("packed") == PACKED_VERSION
-            self._fast_steps &= self.packed
+            self.learn_packed(result.get("packed"))
         return result
+
+    def learn_packed(self, version: Any) -> None:
+        """The packed step frames the worker says it reads (``init``, ``meta``, ``hello``): of a
+        version this module writes, or none (pickles)."""
+        self.packed = type(version) is int and PACKED_OLDEST <= version <= PACKED_VERSION
+        self.autoreset_steps = self.packed and version >= 3
+        self._fast_steps &= self.packed
 
     def _post(self, cmd: str, args: tuple) -> None:
         """Send one request: a step as a packed frame where the worker reads them, a plain
@@ -666,10 +678,10 @@ class RemoteHandle(Handle):
         if cmd == "step" and self.packed:
             self._pending = True  # (before the send: see _resync)
             if ring is None:
-                chan.send_step(args[0])
-            elif not ring.post(chan, step_parts(args[0])):
+                chan.send_step(*args)  # (action,) or (action, reset_at_end): see autoreset_steps
+            elif not ring.post(chan, step_parts(*args)):
                 ring.announce()  # larger than the ring: on the socket
-                chan.send_step(args[0])
+                chan.send_step(*args)
         elif cmd == "hello" and len(args) <= 1:  # args: () or (whether the obs and info are wanted,)
             self._send_plain(("hello", (PACKED_VERSION, *args)))  # an older worker refuses the arguments
             self._offered = True

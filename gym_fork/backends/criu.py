@@ -52,7 +52,7 @@ from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import check_field, check_images
 from gym_fork.snapshots.files import is_no_space, no_space
 from gym_fork.worker import cpus
-from gym_fork.worker.channel import OK, PACKED_VERSION, READY, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
+from gym_fork.worker.channel import OK, READY, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
 from gym_fork.worker.commands import EnvSource, pickled_modules
 from gym_fork.worker.resources import Scan
 from gym_fork.backends import netns, treecapture
@@ -683,7 +683,7 @@ class CriuBackend(Backend):
             else:
                 payload.taken(hello[0])
         h.initial = list(hello[1:4])
-        h.packed = hello[4] == PACKED_VERSION
+        h.learn_packed(hello[4])
         return h
 
     def persist(self, payload: CriuPayload | ForkPayload) -> CriuPayload | ForkPayload:

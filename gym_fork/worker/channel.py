@@ -39,7 +39,11 @@ OK = 0
 ERR = 1
 # (2 is gym_fork.worker.output's OUTPUT: the env's prints and warnings, ahead of a reply)
 READY = 3  # a frozen snapshot's unsolicited (READY, copy's host pid): its channel follows (SCM_RIGHTS)
-PACKED_VERSION = 2  # the packed step frames this module reads and writes (2: scalar-dict schemas)
+#: the packed step frames this module reads and writes (2: scalar-dict schemas; 3: a step request
+#: that also resets at the episode's end, kind "A"). A peer that reads frames says its version; one
+#: of 2 reads all but kind "A", and a controller sends it none.
+PACKED_VERSION = 3
+PACKED_OLDEST = 2  # the oldest version whose frames this module still writes (and reads)
 
 _HEADER = struct.Struct("!Q")
 _PACKED = 1 << 63  # header flag: the payload is a packed step frame, not a pickle
@@ -198,13 +202,14 @@ class Channel:
     def send_encoded(self, frame: bytes) -> None:
         self.sock.sendall(frame)
 
-    def send_step(self, action: Any) -> None:
-        """Send ``("step", (action,))`` as a packed frame (the peer must read them)."""
-        head = _INT_STEP.get(type(action))
+    def send_step(self, action: Any, reset_at_end: bool = False) -> None:
+        """Send ``("step", (action,))`` as a packed frame (the peer must read them); with
+        ``reset_at_end``, ``("step", (action, True))``, a kind "A" frame (the peer must read version 3)."""
+        head = (_INT_STEP_RESET if reset_at_end else _INT_STEP).get(type(action))
         if head is not None and _INT64_MIN <= action <= _INT64_MAX:  # a discrete action
             self.sock.sendall(head + _I64.pack(action))
             return
-        self._send_packed(step_parts(action))
+        self._send_packed(step_parts(action, reset_at_end))
 
     def reply(self, reply: tuple) -> None:
         """Send a worker's reply: packed when the request was packed and the reply is a step's
@@ -306,10 +311,11 @@ class Channel:
             self._recv_exact_into(memoryview(buf)[k:_HEADER.size])
             k = _HEADER.size
         (n,) = _HEADER.unpack_from(buf)
-        if n == _INT_STEP_LENGTH and k == _FIRST_READ and buf[8] == 0x53 and buf[9] in _INT_TYPES:
+        if n == _INT_STEP_LENGTH and k == _FIRST_READ and buf[8] in _STEP_KINDS and buf[9] in _INT_TYPES:
             # the usual request: a step with an int action (np.int64 from Gymnasium's spaces)
             self.packed_in = True
-            return ("step", (_INT_TYPES[buf[9]](_I64.unpack_from(buf, 10)[0]),))
+            action = _INT_TYPES[buf[9]](_I64.unpack_from(buf, 10)[0])
+            return ("step", (action,)) if buf[8] == 0x53 else ("step", (action, True))
         if n == _PACKED:  # a wake frame
             if k > _HEADER.size:
                 self._extra = bytes(memoryview(buf)[_HEADER.size:k]) + self._extra
@@ -392,7 +398,9 @@ class Channel:
 
 
 # --- packed step frames ------------------------------------------------------------------------
-# A frame is b"S" + one value (a step request's action) or b"R" + five values (a step's result).
+# A frame is b"S" + one value (a step request's action), b"A" + one value (the same, and the
+# worker resets right after a step that ends the episode: EnvServer.cmd_step's reset_at_end;
+# version 3) or b"R" + five values (a step's result).
 # A value is a tag byte and its bytes:
 #   N None | T, F a bool | i a Python int (<q) | f a Python float (<d)
 #   g an np.float64 (<d) | j an np.int64 (<q) | b an np.bool_ (one byte)
@@ -411,15 +419,17 @@ _NUMERIC = frozenset("biufc")  # dtype kinds whose bytes are the whole value
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # a whole step request for an int or np.int64 action, but its 8 bytes (what _pack would write)
 _INT_STEP = {int: _HEADER.pack(10 | _PACKED) + b"Si", np.int64: _HEADER.pack(10 | _PACKED) + b"Sj"}
+_INT_STEP_RESET = {t: head[:8] + b"A" + head[9:] for t, head in _INT_STEP.items()}  # ... kind "A"
+_STEP_KINDS = frozenset(b"SA")
 _FIRST_READ = _HEADER.size + 10  # its length: what Channel.recv reads before it knows a length
 _INT_STEP_LENGTH = 10 | _PACKED  # its header
 _INT_TYPES = {ord("i"): int, ord("j"): np.int64}  # its tags (as _UNPACKERS decode them)
 
 
-def step_parts(action: Any) -> list:
+def step_parts(action: Any, reset_at_end: bool = False) -> list:
     """The packed frame of a step request, as a list of byte chunks; the first is an empty
-    placeholder for the socket's length header."""
-    parts = [b"", b"S"]
+    placeholder for the socket's length header. ``reset_at_end``: kind "A" (see above)."""
+    parts = [b"", b"A" if reset_at_end else b"S"]
     _pack(action, parts)
     return parts
 
@@ -693,6 +703,9 @@ def _unpack_frame(view: memoryview) -> tuple:
     if kind == 0x53:  # S: a step request
         action, _ = _unpack(view, 1)
         return ("step", (action,))
+    if kind == 0x41:  # A: a step request, and a reset if that step ends the episode
+        action, _ = _unpack(view, 1)
+        return ("step", (action, True))
     if kind == 0x52:  # R: a step's result
         obs, pos = _unpack(view, 1)
         reward, pos = _unpack(view, pos)

@@ -263,7 +263,7 @@ def own_action(action: Any) -> Any:
     return action
 
 
-#: the key under which a step's info carries the reset that followed it (EnvServer.autoreset)
+#: the key under which a step's info carries the reset that followed it (EnvServer.cmd_step's reset_at_end)
 AUTORESET_KEY = "_gym_fork_autoreset"
 
 
@@ -311,31 +311,27 @@ class EnvServer:
             raise ValueError(f"unknown worker command {cmd!r}")
         return method(*args)
 
-    #: reset at once after a step that ends an episode, the new episode's (obs, info) sent with
-    #: that step's info under AUTORESET_KEY (cmd_autoreset): an explore() branch that goes on
-    #: past an episode's end (stop_at_done=False) then needs no round trip of its own to reset
-    autoreset = False
-
     # --- the Gymnasium API -------------------------------------------------------------------
-    def cmd_step(self, action: Any) -> tuple:
+    def cmd_step(self, action: Any, reset_at_end: bool = False) -> tuple:
+        """The env's step. ``reset_at_end`` (packed kind "A": a vector env's step, an explore()
+        branch that goes on past episode ends): a step that ends the episode is followed by a
+        reset at once, sent with it (:meth:`_reset_after`), so the controller needs no round trip
+        of its own to reset. Per request, never a standing mode: a worker snapshotted or stepped
+        directly afterwards steps as any other."""
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.last_obs, self.last_info = obs, info
         self.steps += 1
-        if self.autoreset and (terminated or truncated):
+        if reset_at_end and (terminated or truncated):
             return obs, reward, terminated, truncated, self._reset_after(info)
         return obs, reward, terminated, truncated, info
 
     def _reset_after(self, info: dict) -> dict:
-        """The episode just ended: reset now (see :attr:`autoreset`); ``info`` (a copy: the env's
+        """The episode just ended: reset now (see :meth:`cmd_step`); ``info`` (a copy: the env's
         own dict is not changed) with the new episode's (obs, info) under AUTORESET_KEY."""
         new_obs, new_info = self.cmd_reset(None, None)  # (as a reset request would: same bookkeeping)
         told = dict(info)
         told[AUTORESET_KEY] = (new_obs, new_info)
         return told
-
-    def cmd_autoreset(self, on: bool) -> None:
-        """Reset right after every step that ends an episode, from now on (or no more)."""
-        self.autoreset = bool(on)
 
     def cmd_rollout(self, actions: list, stop_at_done: bool) -> dict:
         """Step through ``actions`` here in the worker: one round trip for a whole open-loop
@@ -567,9 +563,11 @@ class EnvServer:
         if not fswatch.deferred:  # (a ready copy opens its group with its first request)
             fswatch.start(refresh=os.getpid() == 1)
         if packed:
+            # the newest version both read (a controller of version 2 compares for equality)
+            version = min(int(packed), PACKED_VERSION)
             if not state:
-                return host_pid(), None, None, self.steps, PACKED_VERSION
-            return host_pid(), self.last_obs, self.last_info, self.steps, PACKED_VERSION
+                return host_pid(), None, None, self.steps, version
+            return host_pid(), self.last_obs, self.last_info, self.steps, version
         return host_pid(), self.last_obs, self.last_info, self.steps
 
     def cmd_order_hazard(self) -> str | None:

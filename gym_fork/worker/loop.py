@@ -304,7 +304,7 @@ def _poll_cap(server: EnvServer) -> float:
 
 #: requests after which a copy's inherited list of generators (EnvServer.generators) still holds:
 #: none of them runs the env's code
-_KEEP_GENERATORS = frozenset({"hello", "reseed", "private_dirs", "poll", "ring", "ping", "last", "meta", "autoreset"})
+_KEEP_GENERATORS = frozenset({"hello", "reseed", "private_dirs", "poll", "ring", "ping", "last", "meta"})
 
 
 def serve(chan: Channel, server: EnvServer) -> None:
@@ -375,7 +375,6 @@ def serve(chan: Channel, server: EnvServer) -> None:
                 if len(args) > 1:  # off the learner's CPU: it polls for the answer (see cpus)
                     cpus.step_aside(args[1])
                 server.pace = spin.avg  # its copies go on at this pace
-                server.autoreset = False  # (a branch's end: no snapshot resets on its own)
                 server.forget_rollout()
                 fd = _recv_one_fd(chan)
                 try:
@@ -453,7 +452,6 @@ def serve(chan: Channel, server: EnvServer) -> None:
             elif cmd == "resources":  # before a CRIU dump: what it would (not) capture
                 _reap_zombies()
                 server.forget_rollout()
-                server.autoreset = False  # (no image resets on its own: see fork_snapshot)
                 drop_ring = True
                 reply = (OK, resources.fork_blockers({chan.fileno(), *fswatch.own_fds()}, _FORKED).to_wire())
             else:

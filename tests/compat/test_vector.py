@@ -106,6 +106,41 @@ def test_bit_identical_to_sync_vector_env(case, mode):
         ref.close()
 
 
+@pytest.mark.parametrize("mode", MODES[:2], ids=[m.value for m in MODES[:2]])
+def test_episode_ends_cost_no_round_trip_of_their_own(mode, monkeypatch):
+    """SAME_STEP: a worker whose step ends the episode resets in that request (no reset request
+    at all). NEXT_STEP: the reset that replaces a sub-env's next step is sent with the others'
+    steps, before any reply is read (before: a round trip of its own, waited for one by one).
+    The results stay SyncVectorEnv's, bit for bit."""
+    from gym_fork.backends.base import RemoteHandle
+
+    fn = lambda: gym.make("CartPole-v1", max_episode_steps=6)  # noqa: E731
+    ref = SyncVectorEnv([fn] * 3, autoreset_mode=mode)
+    envs = ForkableVectorEnv([fn] * 3, autoreset_mode=mode)
+    calls: list = []
+    for name in ("send", "receive", "request"):
+        def spy(self, *args, _f=getattr(RemoteHandle, name), _name=name):
+            calls.append((_name, args[0] if args else None))
+            return _f(self, *args)
+        monkeypatch.setattr(RemoteHandle, name, spy)
+    try:
+        assert_same(envs.reset(seed=5), ref.reset(seed=5))
+        resets = 0
+        for t in range(20):
+            a = np.array([t % 2, 1, 0])
+            del calls[:]
+            got = envs.step(a)
+            assert_same(got, ref.step(a), f"at step {t}")
+            cmds = [c for _, c in calls if c is not None]
+            assert [k for k, _ in calls] == ["send"] * 3 + ["receive"] * 3, calls  # (no request of its own)
+            resets += cmds.count("reset")
+        assert (resets > 0) == (mode == AutoresetMode.NEXT_STEP)
+    finally:
+        monkeypatch.undo()
+        envs.close()
+        ref.close()
+
+
 def test_pickle_backend_bit_identical_to_sync_vector_env():
     fn = CASES["CartPole"][0]
     ref = SyncVectorEnv([fn] * 2)

@@ -200,3 +200,34 @@ def test_values_survive_bit_for_bit():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("action", ACTIONS, ids=lambda a: type(a).__name__)
+def test_a_step_request_that_resets_at_the_episodes_end_round_trip(pair, action):
+    """Kind "A" (version 3): the same action, and the worker is asked to reset right after a
+    step that ends the episode -- ``("step", (action, True))`` -- on both the int fast path and
+    the general one; a plain step frame still decodes to one argument."""
+    ctl, wrk = pair
+    ctl.send_step(action, True)
+    cmd, args = wrk.recv()
+    assert wrk.packed_in and cmd == "step" and len(args) == 2 and args[1] is True
+    assert same(action, args[0]), (action, args[0])
+    ctl.send_step(action)
+    assert len(wrk.recv()[1]) == 1
+
+
+def test_a_controller_learns_which_frames_the_worker_reads():
+    """Version 2 workers (an older gym_fork's, restored from a bundle) get packed steps but no
+    kind "A"; a version this module does not write gets pickles."""
+    from gym_fork.backends.base import RemoteHandle
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        h = RemoteHandle(Channel(a), None, 0)
+        for version, packed, autoreset in ((2, True, False), (3, True, True), (4, False, False), (1, False, False),
+                                           (None, False, False), ("3", False, False)):
+            h.learn_packed(version)
+            assert (h.packed, h.autoreset_steps) == (packed, autoreset), version
+    finally:
+        a.close()
+        b.close()
