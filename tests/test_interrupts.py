@@ -536,6 +536,34 @@ def test_ctrl_c_right_after_a_dumps_directory_is_made_leaves_no_directory(monkey
         env.close()
 
 
+def test_ctrl_c_right_after_a_bundles_directory_is_made_leaves_no_directory(monkeypatch, tmp_path):
+    """Ctrl-C just after ``save_snapshot`` made its bundle's temporary directory: nothing is left
+    next to the bundle's path, no bundle is there, and the snapshot saves afterwards. Before, the
+    directory was made before the block that removes it."""
+    from gym_fork.snapshots import sessiondir
+
+    env = gym_fork.ForkableEnv(EchoEnv, backend="pickle")
+    try:
+        env.reset(seed=1)
+        env.step(5)
+        snap = env.snapshot()
+        made = sessiondir.private_mkdir
+
+        def interrupted(path):  # Ctrl-C once the directory exists, still inside the call
+            made(path)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(sessiondir, "private_mkdir", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            snap.save(str(tmp_path / "b"))
+        monkeypatch.undo()
+        assert os.listdir(tmp_path) == []
+        snap.save(str(tmp_path / "b"))
+        assert os.listdir(tmp_path) == ["b"]
+    finally:
+        env.close()
+
+
 class EndingEchoEnv(EchoEnv):
     """:class:`EchoEnv` whose episodes end after 5 steps."""
 

@@ -185,6 +185,39 @@ def test_agent_down_env_keeps_running():
         ref.close()
 
 
+def test_ctrl_c_right_after_the_migrations_directory_is_made_leaves_nothing_and_the_env_runs_on(monkeypatch):
+    """Ctrl-C just after a migration made its images directory in the session dir (before its
+    dump started): the directory is gone and the env goes on where it was, still snapshottable.
+    Before, the directory was made before the block that removes it."""
+    from gym_fork.snapshots import sessiondir
+
+    env, ref = _pair(_actions(30))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there: the connection would fail, after the interrupt
+    made = sessiondir.private_mkdir
+
+    def interrupted(path):  # Ctrl-C once the migration's directory exists, still inside the call
+        made(path)
+        if os.path.basename(path).startswith("mig-"):
+            raise KeyboardInterrupt
+        return path
+
+    try:
+        monkeypatch.setattr(sessiondir, "private_mkdir", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            env.migrate(f"127.0.0.1:{port}", token="x")
+        monkeypatch.undo()
+        assert [n for n in os.listdir(sessiondir.session_dir()) if n.startswith("mig-")] == []
+        acts = _actions(40, seed=2)
+        assert_same_traj(run_actions(env, acts)[0], run_actions(ref, acts)[0])
+        env.snapshot()
+    finally:
+        env.close()
+        ref.close()
+
+
 def test_wrong_token_refused_and_logged(lo):
     env, ref = _pair(_actions(30))
     try:

@@ -187,19 +187,23 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
     agent stops what it restored) on failure. Touches neither the env nor ``snap``: the worker
     may go on stepping meanwhile."""
     key = bundle_key(tok)
-    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"mig-{os.urandom(4).hex()}"))
+    tmp = os.path.join(sessiondir.session_dir(), f"mig-{os.urandom(4).hex()}")
     into = os.path.join(tmp, "images")
     sock = None
-    # CRIU dumps a copy of the snapshot into a private dir in another thread while the images
-    # are streamed (and hashed) as CRIU writes them: dump and transfer overlap.
+    dumper = None
     t_dump = time.monotonic()
 
     def dumped() -> None:
         timings["save_s"] = time.monotonic() - t_dump
 
-    dumper = DumpThread(lambda: snap.payload_backend.dump_transient(snap.payload(), into), on_end=dumped,
-                        name="gym_fork-migration-dump")
     try:
+        # made inside the try, removed by its path: Ctrl-C right after it was made (still in
+        # private_mkdir, or starting the dump's thread) left it behind in the session dir
+        sessiondir.private_mkdir(tmp)
+        # CRIU dumps a copy of the snapshot into a private dir in another thread while the images
+        # are streamed (and hashed) as CRIU writes them: dump and transfer overlap.
+        dumper = DumpThread(lambda: snap.payload_backend.dump_transient(snap.payload(), into), on_end=dumped,
+                            name="gym_fork-migration-dump")
         t0 = time.monotonic()
         sock, hello = conn.result()
         timings["connect_wait_s"] = time.monotonic() - t0
@@ -234,7 +238,8 @@ def ship_snapshot(snap: Any, target: str, tok: bytes, conn: Any, timings: dict,
             conn.discard()
         raise
     finally:
-        dumper.join()
+        if dumper is not None:
+            dumper.join()
         shutil.rmtree(tmp, ignore_errors=True)
     sock.settimeout(None)
     return sock, hello, reply, nbytes

@@ -226,20 +226,27 @@ class JobHost:
         target = req.get("target", "")
         t_freeze = time.time()
         tl: dict[str, float] = {}
-        tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"job-{os.urandom(4).hex()}"))
-        images = sessiondir.private_mkdir(os.path.join(tmp, "images"))
+        tmp = os.path.join(sessiondir.session_dir(), f"job-{os.urandom(4).hex()}")
+        images = os.path.join(tmp, "images")
         # resolve the target, connect and authenticate while CRIU dumps (off the critical path)
         conn = Background(lambda: self.targets.connect(target), close=lambda c: c.sock.close())
         sock = None
-        # CRIU dumps the tree in a thread while the images are streamed as it writes them
-        st = criu_status()
-        limit = dump_size_bound(self.pid, tree=True)
+        dumper = None
 
         def dumped() -> None:
             tl["dump_s"] = time.time() - t_freeze
 
-        dumper = DumpThread(lambda: _dump_tree(images, self.pid, self.ino), on_end=dumped, name="gym_fork-job-dump")
         try:
+            # inside the try: the directories are removed whatever fails after they were made,
+            # and a failure to size the dump is the job's "failed" answer (it trains on), not
+            # the supervisor's exception
+            sessiondir.private_mkdir(tmp)
+            sessiondir.private_mkdir(images)
+            st = criu_status()
+            limit = dump_size_bound(self.pid, tree=True)
+            # CRIU dumps the tree in a thread while the images are streamed as it writes them
+            dumper = DumpThread(lambda: _dump_tree(images, self.pid, self.ino), on_end=dumped,
+                                name="gym_fork-job-dump")
             t0 = time.time()
             c = conn.result()
             sock = c.sock
@@ -286,7 +293,8 @@ class JobHost:
                 pass
             return False
         finally:
-            dumper.join()
+            if dumper is not None:
+                dumper.join()
             shutil.rmtree(tmp, ignore_errors=True)
 
 

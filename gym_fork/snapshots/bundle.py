@@ -97,8 +97,11 @@ def save_snapshot(snap: Any, path: str, *, key: bytes | None = None) -> str:
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists; choose a new path or remove it first")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = sessiondir.private_mkdir(f"{path}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
+    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(3).hex()}"
     try:
+        # made inside the try: Ctrl-C right after the directory was made (still in private_mkdir)
+        # left it behind
+        sessiondir.private_mkdir(tmp)
         with snap._open_payload() as payload:  # a stored snapshot's images, reassembled
             fields = snap._backend.bundle_write(payload, tmp)
         meta = bundle_meta(snap, **fields)
