@@ -536,6 +536,38 @@ def test_ctrl_c_right_after_a_dumps_directory_is_made_leaves_no_directory(monkey
         env.close()
 
 
+def test_ctrl_c_right_after_a_restores_directory_is_made_leaves_no_directory(monkeypatch):
+    """Ctrl-C just after a CRIU restore made its work directory in the session dir, before criu
+    runs: no ``restore-*`` directory is left, the env is where it was, and the next restore works.
+    Before, the directory was made before the block that removes it."""
+    from gym_fork.snapshots import sessiondir
+
+    env = gym_fork.ForkableEnv(EchoEnv, fork_tier=False)
+    try:
+        env.reset(seed=1)
+        env.step(5)
+        snap = env.snapshot()
+        at_snap = env.step(6)[0]
+        before = env.step(7)[0]
+        mkdir = os.mkdir
+
+        def interrupted(path, *args, **kw):  # Ctrl-C once the restore's directory exists
+            mkdir(path, *args, **kw)
+            if os.path.basename(str(path)).startswith("restore-"):
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(os, "mkdir", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            env.restore(snap)
+        monkeypatch.undo()
+        assert [n for n in os.listdir(sessiondir.session_dir()) if n.startswith("restore-")] == []
+        assert env.step(8)[0][1] == 8 and env.step(8)[0][0] == before[0] + 2  # (where it was)
+        env.restore(snap)
+        assert same(env.step(6)[0], at_snap)
+    finally:
+        env.close()
+
+
 def test_ctrl_c_right_after_a_bundles_directory_is_made_leaves_no_directory(monkeypatch, tmp_path):
     """Ctrl-C just after ``save_snapshot`` made its bundle's temporary directory: nothing is left
     next to the bundle's path, no bundle is there, and the snapshot saves afterwards. Before, the

@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -776,10 +775,8 @@ class CriuBackend(Backend):
             ours, theirs = socket.socketpair()
         new_ino = socket_inode(theirs.fileno())
         os.set_inheritable(theirs.fileno(), True)  # criu swrk is fork+exec'd and must inherit it
-        # per restore work dir: logs and stats of concurrent restores must not collide
-        workdir = tempfile.mkdtemp(prefix="restore-", dir=sessiondir.session_dir())
         try:
-            pid = self._criu_restore(payload, binds, ours, theirs, new_ino, nsfd, workdir, hold_tree)
+            pid = self._criu_restore(payload, binds, ours, theirs, new_ino, nsfd, hold_tree)
         except BaseException as e:
             if not isinstance(e, Exception):  # Ctrl-C, also in the cleanup after criu: what it
                 client.kill_socket_holders(new_ino)  # restored goes, and is reaped (our child);
@@ -805,9 +802,13 @@ class CriuBackend(Backend):
         return handle
 
     def _criu_restore(self, payload: CriuPayload, binds: Binds | None, ours: socket.socket, theirs: socket.socket,
-                      new_ino: int, nsfd: int, workdir: str, hold_tree: bool = False) -> int:
+                      new_ino: int, nsfd: int, hold_tree: bool = False) -> int:
         """:meth:`restore_verified`'s call to criu; returns the restored root's pid."""
+        # per restore work dir: logs and stats of concurrent restores must not collide. Made
+        # inside the try and removed by its path: Ctrl-C right after it was made leaves nothing
+        workdir = os.path.join(sessiondir.session_dir(), f"restore-{os.urandom(6).hex()}")
         try:
+            os.mkdir(workdir, 0o700)
             inherit = {f"socket:[{payload.ino}]": theirs.fileno()}
             if nsfd >= 0:
                 inherit[treecapture.NETNS_KEY] = nsfd
