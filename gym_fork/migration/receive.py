@@ -84,9 +84,10 @@ def receive_checkpoint(conn: socket.socket, req: dict, state_dir: str, node: str
     if size + (1 << 20) > free:
         raise NoSpaceError(f"node {node}: {free} bytes free in {state_dir}, the checkpoint needs {size}")
     send_msg(conn, {"ok": True, "ready": True})  # the sender streams only after this
-    d = sessiondir.private_mkdir(os.path.join(state_dir, f"in-{os.urandom(6).hex()}"))
+    d = os.path.join(state_dir, f"in-{os.urandom(6).hex()}")
     t0 = time.monotonic()
     try:
+        sessiondir.private_mkdir(d)  # (inside the try: removed by its path whatever fails after)
         conn.settimeout(RECEIVE_TIMEOUT_S)
         images = sessiondir.private_mkdir(os.path.join(d, "bundle", "images"))
         digests, size = receive_images(conn, size, images, str(req.get("hash", "sha256")))

@@ -81,8 +81,9 @@ def _check_alive(node: Any) -> None:
 def _export_snapshot(snap: Any, tok: bytes, host_timings: dict) -> tuple[Any, int]:
     """CRIU images of ``snap`` (a dump of its frozen copy), as a signed bundle in this node's object
     store; returns ``(ref, bytes)``. Does not touch the env: its worker may go on meanwhile."""
-    tmp = sessiondir.private_mkdir(os.path.join(sessiondir.session_dir(), f"rmig-{os.urandom(4).hex()}"))
+    tmp = os.path.join(sessiondir.session_dir(), f"rmig-{os.urandom(4).hex()}")
     try:
+        sessiondir.private_mkdir(tmp)  # (inside the try: removed by its path whatever fails after)
         t1 = time.perf_counter()
         snap.persist()
         t2 = time.perf_counter()
