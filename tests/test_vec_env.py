@@ -525,6 +525,39 @@ def test_episode_ends_reset_in_the_workers_with_their_step_and_an_older_ones_by_
         ref.close()
 
 
+@pytest.mark.alone  # (a ring takes one of the machine's few ring slots)
+@pytest.mark.criu
+def test_a_slot_with_a_step_ring_resets_with_its_step_through_the_ring(monkeypatch):
+    """A slot stepped directly often enough has a shared-memory step ring; the vector env's steps
+    then go through it as kind "A" frames, and episode ends match DummyVecEnv's bit for bit."""
+    from gym_fork.backends.base import RemoteHandle
+
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 2)
+    kw = {"max_episode_steps": 9}
+    venv = ForkableVecEnv("CartPole-v1", 1, backend="criu", env_kwargs=kw, seed=3)
+    ref = DummyVecEnv([lambda: gym.make("CartPole-v1", **kw)])
+    try:
+        ref.seed(3)
+        assert same(venv.reset(), ref.reset())
+        slot, ref_slot = venv.envs[0], ref.envs[0]
+        for t in range(6):  # directly: the ring opens after RING_AFTER steps
+            assert same(slot.step(t % 2)[0], ref_slot.step(t % 2)[0])
+        assert slot._handle.ring is not None, "no ring opened (another process holds the machine's ring slot?)"
+        slot.reset(seed=5)
+        ref_slot.reset(seed=5)
+        venv._obs[0] = slot._request("last")[0]
+        ends = 0
+        for t in range(40):
+            a = np.array([t % 2])
+            out = venv.step(a)
+            assert_same_step(out, ref.step(a), f"at step {t}")
+            ends += int(out[2][0])
+        assert ends >= 3 and slot._handle.ring is not None and slot.steps == slot._worker_steps()
+    finally:
+        venv.close()
+        ref.close()
+
+
 @pytest.mark.alone
 @pytest.mark.criu
 def test_gymnasium_vector_env_workers_that_outnumber_the_cpus_sleep_between_requests(monkeypatch):
