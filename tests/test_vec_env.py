@@ -514,6 +514,7 @@ def test_episode_ends_reset_in_the_workers_with_their_step_and_an_older_ones_by_
         venv.fork_into(snap, [1, 2])
         venv.restore(0, snap)
         assert [e.steps for e in venv.envs] == [0, 0, 0]  # (right after an auto-reset)
+        assert all(e._handle.autoreset_steps for e in venv.envs)  # (restored copies say version 3 too)
         for e in venv.envs:  # stepped directly, a restored worker does not reset on its own
             for _ in range(7):
                 *_, term, trunc, _info = e.step(1)
