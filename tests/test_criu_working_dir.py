@@ -59,6 +59,35 @@ def test_a_dump_waits_for_another_dumps_directory_in_the_same_working_directory(
     assert same(env.step(0)[0], want[0])
 
 
+def test_a_streamed_dump_waits_for_another_processs_dump_in_the_same_working_directory(dumped_env, tmp_path):
+    """A dump whose images are read as they are written (a migration's) cannot be tried again, so
+    it must not meet another dump's directory at all: every gym_fork process takes a lock per
+    working directory around its dumps (``_cwd_locks``), and this one waits while another process
+    holds it. Before, it failed at once with "Can't create a directory (-17)" (seen in CI: two test
+    processes, one project directory, a migration beside a snapshot)."""
+    env, cwd = dumped_env
+    other = subprocess.Popen(  # another process, dumping a tree of its own in the same directory
+        [sys.executable, "-c",
+         "import os, sys, time\n"
+         "from gym_fork.criu import client\n"
+         "with client._cwd_locks(os.getpid(), 30):\n"
+         "    os.mkdir(client.PARASITE_PROC_DIR)  # (its parasite's, while it dumps)\n"
+         "    print('dumping', flush=True)\n"
+         "    time.sleep(0.5)\n"
+         "    os.rmdir(client.PARASITE_PROC_DIR)\n"],
+        cwd=cwd, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    try:
+        assert other.stdout.readline().strip() == "dumping"
+        into = tmp_path / "streamed"
+        payload, _size = env._backend._dump(env._handle, "streamed", leave_running=True, into=str(into))
+        assert (into / "inventory.img").exists() and not (cwd / client.PARASITE_PROC_DIR).exists()
+    finally:
+        other.wait(timeout=30)
+    assert other.returncode == 0
+    _check_untouched(env)
+
+
 def test_two_learners_in_one_directory_dump_side_by_side(tmp_path):
     """The collision itself: two processes, each dumping its own worker in a loop, in one cwd."""
     script = (

@@ -12,7 +12,9 @@ session's unprivileged user + mount namespace, ``--unprivileged``; see :mod:`gym
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import random
 import re
@@ -22,11 +24,12 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from gym_fork.criu.status import (children_by_parent, criu_status, criu_timeout, kill_socket_holders, new_client,
                                   reap as _reap)
+from gym_fork.snapshots import sessiondir
 
 
 #: CRIU's parasite, inside every process it dumps whose ``/proc`` is not its own PID namespace's
@@ -34,7 +37,9 @@ from gym_fork.criu.status import (children_by_parent, criu_status, criu_timeout,
 #: working directory, mounts a proc there for a moment and removes it.  Two dumps at once of
 #: processes with one working directory (two learners started in one project directory, a live
 #: migration's dump beside a snapshot's) collide on it: one fails with "Can't create a directory
-#: (-17)" -- 3 in 120 dumps of two learners here.  :func:`dump` tries again.
+#: (-17)" -- 3 in 120 dumps of two learners here.  :func:`dump` takes a lock per working directory
+#: that every gym_fork process of this user takes (``_cwd_locks``), and tries again where another
+#: process's dump took none (an older gym_fork, or any other CRIU user).
 PARASITE_PROC_DIR = "proc.crtools"
 #: how long :func:`dump` tries again while another dump holds :data:`PARASITE_PROC_DIR` (it holds it
 #: for milliseconds); still there after that, and empty, it is a leftover of a dump that was killed
@@ -76,8 +81,51 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
             message names it.
         Exception: pycriu's own errors for a failed dump (see the log).
     """
-    with _DUMP_LOCK:
+    with _DUMP_LOCK, _cwd_locks(pid, timeout if timeout is not None else criu_timeout()):
         _dump_retrying(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options, retry)
+
+
+@contextlib.contextmanager
+def _cwd_locks(pid: int, wait: float) -> Iterator[None]:
+    """Hold, for each working directory of the tree at ``pid``, a lock that every gym_fork process
+    of this user takes around its dumps (``flock`` on a file named by the directory's device and
+    inode, in :func:`~gym_fork.snapshots.sessiondir.base_dir`): dumps of trees that share a working
+    directory then run one at a time across processes, and their parasites no longer collide on
+    :data:`PARASITE_PROC_DIR` -- which a dump that is streamed as it is written (a migration's,
+    ``retry=False``) could not survive (seen in CI: two test processes, one project directory).
+    A lock not had within ``wait`` seconds (a dump that hangs elsewhere) is gone without; the
+    retry is there for that, and for processes that take no lock. None inside a ``gym-fork run``
+    job, which CRIU may checkpoint whole at any moment: a held lock would have to travel with it."""
+    if os.environ.get(sessiondir.JOB_ENV):
+        yield
+        return
+    keys = set()
+    for p in _tree_by_children_files(pid):
+        try:
+            st = os.stat(f"/proc/{p}/cwd")  # (the directory itself, in whatever mount namespace)
+        except OSError:
+            continue
+        keys.add((st.st_dev, st.st_ino))
+    fds: list[int] = []
+    try:
+        base = sessiondir.private_mkdir(sessiondir.base_dir())
+        deadline = time.monotonic() + wait
+        for dev, ino in sorted(keys):  # (one order for all: no two processes wait on each other)
+            fd = os.open(os.path.join(base, f"dump-cwd-{dev:x}-{ino:x}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o600)
+            fds.append(fd)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.002)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)  # (lets the lock go)
 
 
 def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Sequence[str], mode: str,
@@ -194,6 +242,30 @@ def _tree(pid: int) -> list[int]:
         p = todo.pop()
         out.append(p)
         todo += kids.get(p, [])
+    return out
+
+
+def _tree_by_children_files(pid: int) -> list[int]:
+    """:func:`_tree` through each thread's ``/proc/PID/task/TID/children``: tens of µs for a
+    worker, where :func:`_tree`'s scan of all of ``/proc`` takes ~1 ms per hundred processes (it
+    runs before every dump). :func:`_tree` where the kernel has no such files."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue  # (gone meanwhile)
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except FileNotFoundError:
+                if os.path.isdir(f"/proc/{p}/task/{tid}"):  # the thread is there, its file is not:
+                    return _tree(pid)  # this kernel has none (else: a thread that ended meanwhile)
+            except OSError:
+                continue
     return out
 
 

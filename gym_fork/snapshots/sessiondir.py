@@ -40,7 +40,7 @@ _BLOCK = 1 << 20
 _lock = threading.Lock()
 _session: str | None = None
 _owner_fd: int | None = None  # the flock-ed owner lock of _session, open for this process's lifetime
-_JOB_ENV = "GYM_FORK_CONTROL_FD"  # set inside a `gym-fork run` job (gym_fork.migration.control)
+JOB_ENV = "GYM_FORK_CONTROL_FD"  # set inside a `gym-fork run` job (gym_fork.migration.control)
 
 
 def is_image_name(name: str) -> bool:
@@ -68,7 +68,7 @@ def session_dir() -> str:
     with _lock:
         if _session is None or not os.path.isdir(_session):
             base = private_mkdir(base_dir())
-            if os.environ.get(_JOB_ENV):
+            if os.environ.get(JOB_ENV):
                 # inside a `gym-fork run` job, which CRIU checkpoints whole: a held lock would have
                 # to travel with it, so no lock (and no reclaiming by others); the job's own exit
                 # removes it
