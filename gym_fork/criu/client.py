@@ -100,7 +100,7 @@ def _cwd_locks(pid: int, wait: float) -> Iterator[None]:
         yield
         return
     keys = set()
-    for p in _tree_by_children_files(pid):
+    for p in _tree(pid):
         try:
             st = os.stat(f"/proc/{p}/cwd")  # (the directory itself, in whatever mount namespace)
         except OSError:
@@ -234,8 +234,8 @@ def _parasite_mkdir_errno(log: str) -> int | None:
     return None
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants."""
+def _tree_by_scan(pid: int) -> list[int]:
+    """:func:`_tree` from a scan of all of ``/proc`` (a kernel without children files)."""
     kids = children_by_parent()
     out, todo = [], [pid]
     while todo:
@@ -245,10 +245,10 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _tree_by_children_files(pid: int) -> list[int]:
-    """:func:`_tree` through each thread's ``/proc/PID/task/TID/children``: tens of µs for a
-    worker, where :func:`_tree`'s scan of all of ``/proc`` takes ~1 ms per hundred processes (it
-    runs before every dump). :func:`_tree` where the kernel has no such files."""
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, through each thread's ``/proc/PID/task/TID/children``: tens of
+    µs for a worker, where a scan of all of ``/proc`` takes ~1 ms per hundred processes (this runs
+    before every dump: :func:`_cwd_locks`)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -263,7 +263,7 @@ def _tree_by_children_files(pid: int) -> list[int]:
                     todo += [int(c) for c in f.read().split()]
             except FileNotFoundError:
                 if os.path.isdir(f"/proc/{p}/task/{tid}"):  # the thread is there, its file is not:
-                    return _tree(pid)  # this kernel has none (else: a thread that ended meanwhile)
+                    return _tree_by_scan(pid)  # this kernel has none (else: a thread that ended meanwhile)
             except OSError:
                 continue
     return out
