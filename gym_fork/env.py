@@ -25,7 +25,8 @@ from gym_fork.backends import Backend, get_backend
 from gym_fork.backends.auto import start_env
 from gym_fork.backends.base import Handle, RemoteHandle
 from gym_fork.errors import (BackendUnavailableError, EnvClosedError, EnvNotShippableError, ForeignSnapshotError,
-                             NotSendableError, UncapturableStateError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError)
+                             NotSendableError, UncapturableStateError, UncapturedFilesError, UnsupportedEnvError, WorkerDiedError, WorkerError,
+                             remote_exception)
 from gym_fork.interrupts import held
 from gym_fork.proxy import WorkerEnv, read
 from gym_fork.proxy import call as proxy_call
@@ -34,7 +35,7 @@ from gym_fork.snapshots import private_dirs as private_dirs_mod, sessiondir, tre
 from gym_fork.snapshots.workspace import Workspace, aliases_of, attach as attach_workspace, binds_for as workspace_binds
 from gym_fork.snapshots.workspace import remove_dirs
 from gym_fork.worker import files
-from gym_fork.worker.commands import AUTORESET_KEY, MUTABLE_ACTIONS, make_source, own_action, pickle_policy
+from gym_fork.worker.commands import AUTORESET_ERROR_KEY, AUTORESET_KEY, MUTABLE_ACTIONS, make_source, own_action, pickle_policy
 
 log = logging.getLogger("gym_fork")
 # lineages whose first snapshot looked for sets that iterate by memory address (_warn_address_order)
@@ -1612,9 +1613,21 @@ def take_autoreset(env: ForkableEnv, info: Any) -> tuple[Any, dict] | None:
     """The ``(obs, info)`` of the reset that ``env``'s worker made right after a step that ended
     the episode (a step sent with ``reset_at_end``), taken out of that step's ``info`` (the
     worker's own copy of the env's dict) and accounted for as the env's reset. None where the
-    worker did not reset: an older gym_fork's, which the caller resets with a request of its own."""
+    worker did not reset: an older gym_fork's, which the caller resets with a request of its own.
+
+    Raises what the env's reset raised there (a :class:`~gym_fork.errors.WorkerError`, as a
+    reset request's error would be), after taking it out of ``info``: the step stands (the
+    caller has counted it), the reset does not, and the env needs ``reset()`` as after any
+    failed reset."""
     if type(info) is not dict:
         return None
+    failed = info.pop(AUTORESET_ERROR_KEY, None)
+    if failed is not None:
+        type_name, message, traceback_text = failed
+        error = remote_exception(type_name, message, traceback_text)
+        error.args = (f"{error} (in the reset right after a step that ended the episode; that step "
+                      "was taken and counted, and the env needs reset() before its next step)",)
+        raise error
     reset = info.pop(AUTORESET_KEY, None)
     if reset is not None:
         env._record_reset()

@@ -370,11 +370,11 @@ def _take_reply(kid: ForkableEnv, b: Branch, action: Any, stop_at_done: bool) ->
     b.actions.append(own_action(action))  # (a policy may fill one array for every step)
     b.rewards.append(float(r))
     if term or trunc:
-        reset = None if stop_at_done else take_autoreset(kid, info)  # (sent with reset_at_end)
         b.final_obs, b.final_info = o, info
         b.terminated, b.truncated = bool(term), bool(trunc)
         if stop_at_done:
             return _ENDED
+        reset = take_autoreset(kid, info)  # (sent with reset_at_end; raises where that reset did)
         if reset is None:  # a worker of an older gym_fork: a round trip of its own
             o, _ = kid.reset()
         else:

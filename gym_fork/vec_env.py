@@ -8,6 +8,7 @@ per-slot snapshots: :meth:`ForkableVecEnv.snapshot`, :meth:`ForkableVecEnv.resto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import sys
@@ -279,7 +280,13 @@ class ForkableVecEnv(VecEnv):
                     continue
                 _note_step(call.env, action)
                 if out[2] or out[3]:
-                    reset = take_autoreset(call.env, out[4]) if len(call.args) > 1 else None
+                    try:
+                        reset = take_autoreset(call.env, out[4]) if len(call.args) > 1 else None
+                    except Exception as e:  # noqa: BLE001 - the reset after the step raised: as a reset request's error
+                        reset_now[i] = FAILED
+                        error = error or e
+                        results.append(out)
+                        continue
                     if reset is not None:  # the worker reset already, with the step
                         reset_now[i] = reset
                     else:  # Send the auto-reset now: it overlaps with the replies still to come.
@@ -526,7 +533,8 @@ class ForkableVecEnv(VecEnv):
                 if out is not FAILED:
                     _note_step(call.env, action)
                     if len(call.args) > 1 and (out[2] or out[3]):
-                        take_autoreset(call.env, out[4])  # (its worker reset: accounted for)
+                        with contextlib.suppress(Exception):  # (a reset that raised: reset() follows)
+                            take_autoreset(call.env, out[4])  # (its worker reset: accounted for)
             self._calls, self.waiting = [], False
 
     def __repr__(self) -> str:

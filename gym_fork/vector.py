@@ -409,15 +409,19 @@ class ForkableVectorEnv(VectorEnv):
             except Exception as e:  # noqa: BLE001
                 error = error or e
         finals: dict[int, tuple] = {}
-        if error is None and same_step:
+        if same_step:  # (also where another sub-env failed: a worker that reset is accounted for)
             for i in sent:
-                if results[i][2] or results[i][3]:
-                    finals[i] = results[i]
-                    reset = take_autoreset(self.envs[i], results[i][4])
-                    try:  # (a worker of an older gym_fork: reset by a request of its own)
-                        results[i] = results[i][:4] + (reset or self.envs[i].reset(),)
-                    except Exception as e:  # noqa: BLE001
-                        error = error or e
+                out = results[i]
+                if out is None or not (out[2] or out[3]):
+                    continue
+                finals[i] = out
+                try:  # (raises where the env's reset after the step did: the step stands)
+                    reset = take_autoreset(self.envs[i], out[4])
+                    if reset is None and error is None:  # an older gym_fork's worker: a request of its own
+                        reset = self.envs[i].reset()
+                    results[i] = out[:4] + (reset,)
+                except Exception as e:  # noqa: BLE001
+                    error = error or e
         if error is not None:
             # Some sub-envs did step: reset() brings them all back to a known state.
             raise error

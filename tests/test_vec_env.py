@@ -461,6 +461,102 @@ def test_workers_are_told_their_polling_all_at_once_and_a_dead_one_is_reported_a
         env.close()
 
 
+_DOOMED_SEED = 1000
+
+
+def reset_fails_once_factory():
+    """A factory for an env whose episodes end after 3 steps and which, reset with the seed
+    ``_DOOMED_SEED``, fails its next reset (once). In a closure: shipped by value (see walk_factory)."""
+
+    def make():
+        class ResetFailsOnce(gym.Env):
+            def __init__(self):
+                self.observation_space = gym.spaces.Box(-1e6, 1e6, (1,), np.float64)
+                self.action_space = gym.spaces.Discrete(2)
+                self.t, self.resets, self.doomed = 0, 0, False
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                if seed is not None:
+                    self.doomed = seed == _DOOMED_SEED
+                self.resets += 1
+                if self.doomed and self.resets == 2:
+                    raise RuntimeError("this reset fails once")
+                self.t = 0
+                return np.array([0.0]), {}
+
+            def step(self, action):
+                self.t += 1
+                return np.array([10.0 * self.t + int(action)]), 1.0, self.t == 3, False, {}
+
+        return ResetFailsOnce()
+
+    return make
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("api,backend", [("sb3", "criu"), ("gymnasium", "criu"), ("sb3", "pickle")])
+def test_a_reset_that_fails_right_after_the_step_that_ended_the_episode_leaves_that_step_counted(api, backend):
+    """A vector env's worker resets right after a step that ends the episode, in the same request.
+    Where that reset raises, the step was taken all the same: the env's error is raised (its own
+    type, saying it was the reset after the step), and every sub-env's step count and action log
+    are its worker's -- the failed one's with that step, the others' with the reset they made.
+    Before, the whole reply was an error, the step was not counted and (Gymnasium) the other
+    sub-envs' resets were not accounted for. After reset() all step on as before. The same for
+    envs in this process (the pickle backend), whose server is this process's own."""
+    from gymnasium.vector import AutoresetMode
+
+    from gym_fork.vector import ForkableVectorEnv
+
+    make = reset_fails_once_factory()
+    if api == "sb3":
+        venv = ForkableVecEnv(make, n_envs=3, backend=backend, seed=_DOOMED_SEED)
+        venv.reset()
+        step = venv.step
+    else:
+        venv = ForkableVectorEnv([make] * 3, backend=backend, autoreset_mode=AutoresetMode.SAME_STEP)
+        venv.reset(seed=_DOOMED_SEED)
+        step = venv.step
+    counts = lambda: ([e.steps for e in venv.envs], [e._worker_steps() for e in venv.envs])  # noqa: E731
+    try:
+        for t in range(2):
+            step(np.array([1, 0, 1]))
+        with pytest.raises(RuntimeError, match="this reset fails once.*in the reset right after a step") as raised:
+            step(np.array([0, 1, 1]))
+        assert isinstance(raised.value, WorkerError) and raised.value.remote_type == "RuntimeError"
+        mine, workers = counts()
+        assert mine == workers == [3, 0, 0]
+        assert [int(a) for a in venv.envs[0]._actions] == [1, 1, 0]  # (that step is in its log)
+        assert [int(a) for a in venv.envs[1]._actions] == []  # (a new episode's: empty)
+        venv.reset()
+        for t in range(3):
+            out = step(np.array([1, 1, 1]))
+        assert list(out[2]) == [True] * 3  # (SB3's dones; Gymnasium's terminations)
+        mine, workers = counts()
+        assert mine == workers == [0, 0, 0]
+    finally:
+        venv.close()
+
+
+@pytest.mark.criu
+def test_a_branch_whose_reset_after_its_episodes_end_fails_says_so_and_the_env_is_untouched():
+    """explore() past episode ends (``stop_at_done=False``): a branch's worker resets right after
+    the step that ended its episode. That reset raising stops explore() with the env's error,
+    saying where it came from; the explored env itself is where it was."""
+    from gym_fork import ForkableEnv, explore
+
+    env = ForkableEnv(reset_fails_once_factory()(), backend="criu")
+    try:
+        env.reset(seed=_DOOMED_SEED)
+        env.step(1)
+        with pytest.raises(RuntimeError, match="this reset fails once.*in the reset right after a step"):
+            explore(env, None, lambda obs: 0, n_branches=2, horizon=4, stop_at_done=False, progress=False)
+        assert env.steps == env._worker_steps() == 1
+        assert env.step(0)[0][0] == 20.0
+    finally:
+        env.close()
+
+
 @pytest.mark.criu
 @pytest.mark.parametrize("fork_tier", [True, False])
 def test_episode_ends_reset_in_the_workers_with_their_step_and_an_older_ones_by_a_request(monkeypatch, fork_tier):

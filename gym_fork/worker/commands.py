@@ -16,6 +16,7 @@ import os
 import pickletools
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import cloudpickle
@@ -266,6 +267,11 @@ def own_action(action: Any) -> Any:
 #: the key under which a step's info carries the reset that followed it (EnvServer.cmd_step's reset_at_end)
 AUTORESET_KEY = "_gym_fork_autoreset"
 
+#: where the env's reset right after such a step raised: the step's info carries, under this key
+#: instead, ``(type name, message, traceback)`` as an error reply says them (plain strings: a
+#: controller of an older gym_fork, which knows no such key, resets the env by a request of its own)
+AUTORESET_ERROR_KEY = "_gym_fork_autoreset_error"
+
 
 class EnvServer:
     """Executes protocol commands on one env and remembers the latest (obs, info)."""
@@ -327,10 +333,15 @@ class EnvServer:
 
     def _reset_after(self, info: dict) -> dict:
         """The episode just ended: reset now (see :meth:`cmd_step`); ``info`` (a copy: the env's
-        own dict is not changed) with the new episode's (obs, info) under AUTORESET_KEY."""
-        new_obs, new_info = self.cmd_reset(None, None)  # (as a reset request would: same bookkeeping)
+        own dict is not changed) with the new episode's (obs, info) under AUTORESET_KEY -- or,
+        where the env's reset raised, what it raised under AUTORESET_ERROR_KEY: the step was
+        taken all the same, and its reply must say so (an error reply would tell the controller
+        it was not, and its step count and action log would lag the worker's by that step)."""
         told = dict(info)
-        told[AUTORESET_KEY] = (new_obs, new_info)
+        try:
+            told[AUTORESET_KEY] = self.cmd_reset(None, None)  # (as a reset request would: same bookkeeping)
+        except Exception as e:  # noqa: BLE001 - reported with the step, raised by take_autoreset
+            told[AUTORESET_ERROR_KEY] = (type(e).__name__, str(e), traceback.format_exc())
         return told
 
     def cmd_rollout(self, actions: list, stop_at_done: bool) -> dict:
