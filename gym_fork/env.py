@@ -392,6 +392,9 @@ class ForkableEnv(gym.Wrapper):
         except Exception as e:
             if self._handle.refused(e):  # the env's step raised (or was refused): not taken, as in step()
                 self._unrecord_step()
+            elif ran_unanswered(e) and self._step_may_reset:  # (counted at the send)
+                action = self._actions[-1] if self._actions else None
+                self._account_unanswered_step(action, counted=True, may_reset=True)
             raise
         except BaseException as e:  # Ctrl-C: its reply is dropped (the channel may be mid-frame)
             if not isinstance(e, Exception):
@@ -1381,9 +1384,25 @@ class ForkableEnv(gym.Wrapper):
     def _worker_steps(self) -> int | None:
         """The worker's step count since its last reset (None: it cannot say)."""
         try:
-            return int(self._handle.request("last")[2])
+            return int(self._handle.request("steps"))
+        except WorkerError as e:  # (an older gym_fork's worker knows no "steps": "last" says it too)
+            if not (isinstance(e, ValueError) and "unknown worker command" in str(e)):
+                return None
         except Exception:  # noqa: BLE001 - a dead worker: nothing to account for
             return None
+        try:
+            return int(self._handle.request("last")[2])
+        except Exception:  # noqa: BLE001 - as above
+            return None
+
+    def _account_unanswered_step(self, action: Any, *, counted: bool, may_reset: bool) -> None:
+        """A step that ran but whose reply could not come back (:func:`ran_unanswered`): counted
+        (``counted``: it is already); sent with ``reset_at_end``, the reset that may have followed
+        it in the same request is accounted for as the worker says."""
+        if not counted:
+            self._record_step(action)
+        if may_reset:
+            self._settle_step(action, may_reset=True)
 
     def _settle_step(self, action: Any, *, may_reset: bool = False) -> None:
         """After an interrupted step (counted or not, by step_send()): counted when the worker
@@ -1592,6 +1611,8 @@ class WorkerCall:
                 self.error = e
 
     def result(self) -> Any:
+        """The reply; raises what the request raised (kept in :attr:`error`: the caller may ask
+        whether it ran all the same, :func:`ran_unanswered`)."""
         if self.error is not None:
             raise self.error
         try:
@@ -1599,14 +1620,25 @@ class WorkerCall:
                 return self.handle.receive()
             return self.handle.request(self.cmd, *self.args)
         except WorkerError as e:
+            self.error = e
             # Like ForkableEnv._request: a missing attribute is a plain AttributeError.
             if e.remote_type == "AttributeError" and self.cmd == "getattr":
                 raise AttributeError(str(e)) from None
+            raise
+        except Exception as e:
+            self.error = e
             raise
 
 
 FAILED = object()
 UNKNOWN = object()
+
+
+def ran_unanswered(error: BaseException) -> bool:
+    """Whether ``error``, from a worker's reply, says the request ran but what it returned could
+    not come back (a :class:`~gym_fork.errors.NotSendableError` from the worker; one raised here
+    while sending means nothing ran)."""
+    return isinstance(error, WorkerError) and isinstance(error, NotSendableError)
 
 
 def take_autoreset(env: ForkableEnv, info: Any) -> tuple[Any, dict] | None:

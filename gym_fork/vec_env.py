@@ -24,7 +24,7 @@ from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
 from gym_fork.env import (FAILED, ForkableEnv, WorkerCall, _refuse_unbound_tree, check_rng, close_envs, collect_calls,
-                          share_cpus, start_envs, take_autoreset)
+                          ran_unanswered, share_cpus, start_envs, take_autoreset)
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
@@ -205,8 +205,9 @@ class ForkableVecEnv(VecEnv):
         calls = [WorkerCall(env, "reset", a) for env, a in zip(self.envs, args, strict=True)]
         try:
             results, error = collect_calls(calls)
-            for env, r in zip(self.envs, results):
-                if r is not FAILED:  # (also when another one failed: this one did reset)
+            for env, call, r in zip(self.envs, calls, results):
+                # (also when another one failed: this one did reset; and one whose answer could not come back)
+                if r is not FAILED or ran_unanswered(call.error):
                     env._record_reset()
         except BaseException as e:  # Ctrl-C: each worker resets all the same (settled by asking it)
             _abandon(self.envs)
@@ -277,6 +278,8 @@ class ForkableVecEnv(VecEnv):
                 except Exception as e:  # noqa: BLE001 - raised after every reply is read
                     results.append(FAILED)
                     error = error or e
+                    if ran_unanswered(e):  # the step ran (and a reset may have followed): as step() counts it
+                        call.env._account_unanswered_step(action, counted=False, may_reset=len(call.args) > 1)
                     continue
                 _note_step(call.env, action)
                 if out[2] or out[3]:
@@ -293,8 +296,8 @@ class ForkableVecEnv(VecEnv):
                         resets[i] = WorkerCall(call.env, "reset", (None, None))
                 results.append(out)
             reset_results, reset_error = collect_calls(list(resets.values()))
-            for i, r in zip(resets, reset_results):
-                if r is not FAILED:
+            for (i, call), r in zip(resets.items(), reset_results):
+                if r is not FAILED or ran_unanswered(call.error):  # (one unanswered ran all the same)
                     self.envs[i]._record_reset()
         except BaseException:  # Ctrl-C: every worker steps (and resets) all the same
             _abandon(self.envs, self._step_actions)
@@ -535,6 +538,8 @@ class ForkableVecEnv(VecEnv):
                     if len(call.args) > 1 and (out[2] or out[3]):
                         with contextlib.suppress(Exception):  # (a reset that raised: reset() follows)
                             take_autoreset(call.env, out[4])  # (its worker reset: accounted for)
+                elif ran_unanswered(call.error):  # (it ran: only its answer did not come back)
+                    call.env._account_unanswered_step(action, counted=False, may_reset=len(call.args) > 1)
             self._calls, self.waiting = [], False
 
     def __repr__(self) -> str:

@@ -28,7 +28,8 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 
 from gym_fork.backends.base import Backend
 from gym_fork.errors import IncompleteStepError, RestoreError
-from gym_fork.env import ForkableEnv, WorkerCall, check_rng, close_envs, share_cpus, start_envs, take_autoreset
+from gym_fork.env import (ForkableEnv, WorkerCall, check_rng, close_envs, ran_unanswered, share_cpus, start_envs,
+                          take_autoreset)
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.commands import EnvSource, build_env, make_source
 from gym_fork.worker.reseed import reseed_env
@@ -408,6 +409,8 @@ class ForkableVectorEnv(VectorEnv):
                     results[i] = self.envs[i].step_receive()
             except Exception as e:  # noqa: BLE001
                 error = error or e
+                if i in calls and ran_unanswered(e):  # (it reset: only its answer did not come back)
+                    self.envs[i]._record_reset()
         finals: dict[int, tuple] = {}
         if same_step:  # (also where another sub-env failed: a worker that reset is accounted for)
             for i in sent:

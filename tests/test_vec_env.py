@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import os
 import signal
+import threading
 import time
 
 import gymnasium as gym
@@ -464,9 +465,10 @@ def test_workers_are_told_their_polling_all_at_once_and_a_dead_one_is_reported_a
 _DOOMED_SEED = 1000
 
 
-def reset_fails_once_factory():
+def reset_fails_once_factory(unsendable: bool = False):
     """A factory for an env whose episodes end after 3 steps and which, reset with the seed
-    ``_DOOMED_SEED``, fails its next reset (once). In a closure: shipped by value (see walk_factory)."""
+    ``_DOOMED_SEED``, fails its next reset (once): it raises, or (``unsendable``) returns an info
+    that does not pickle. In a closure: shipped by value (see walk_factory)."""
 
     def make():
         class ResetFailsOnce(gym.Env):
@@ -480,9 +482,11 @@ def reset_fails_once_factory():
                 if seed is not None:
                     self.doomed = seed == _DOOMED_SEED
                 self.resets += 1
-                if self.doomed and self.resets == 2:
+                if self.doomed and self.resets == 2 and not unsendable:
                     raise RuntimeError("this reset fails once")
                 self.t = 0
+                if self.doomed and self.resets == 2:
+                    return np.array([0.0]), {"lock": threading.Lock()}
                 return np.array([0.0]), {}
 
             def step(self, action):
@@ -532,6 +536,48 @@ def test_a_reset_that_fails_right_after_the_step_that_ended_the_episode_leaves_t
         for t in range(3):
             out = step(np.array([1, 1, 1]))
         assert list(out[2]) == [True] * 3  # (SB3's dones; Gymnasium's terminations)
+        mine, workers = counts()
+        assert mine == workers == [0, 0, 0]
+    finally:
+        venv.close()
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("api,older", [("sb3", False), ("sb3", True), ("gymnasium", False)])
+def test_a_reset_whose_answer_cannot_come_back_is_accounted_for(api, older):
+    """A sub-env's reset whose info does not pickle ran all the same: the vector env raises
+    NotSendableError and accounts for that reset (and the step before it), as ForkableEnv.reset
+    does. The reset made right after the step that ended the episode, in the same request (one
+    reply for both), is settled by asking the worker its count (``steps``: ``last`` would send
+    that info again); ``older``: a worker answered as an older gym_fork's, reset by a request of
+    its own. Before, the slot kept counting the ended episode's steps."""
+    from gymnasium.vector import AutoresetMode
+
+    from gym_fork.errors import NotSendableError
+    from gym_fork.vector import ForkableVectorEnv
+
+    make = reset_fails_once_factory(unsendable=True)
+    if api == "sb3":
+        venv = ForkableVecEnv(make, n_envs=3, backend="criu", seed=_DOOMED_SEED)
+        venv.reset()
+    else:
+        venv = ForkableVectorEnv([make] * 3, backend="criu", autoreset_mode=AutoresetMode.SAME_STEP)
+        venv.reset(seed=_DOOMED_SEED)
+    counts = lambda: ([e.steps for e in venv.envs], [e._worker_steps() for e in venv.envs])  # noqa: E731
+    try:
+        if older:
+            old = venv.envs[0]._handle
+            assert old.request("hello", 2, True)[0] == old.pid and not old.autoreset_steps
+        for t in range(2):
+            venv.step(np.array([1, 0, 1]))
+        with pytest.raises(NotSendableError, match="does not pickle"):
+            venv.step(np.array([0, 1, 1]))
+        mine, workers = counts()
+        assert mine == workers == [0, 0, 0]
+        venv.reset()
+        for t in range(3):
+            out = venv.step(np.array([1, 1, 1]))
+        assert list(out[2]) == [True] * 3
         mine, workers = counts()
         assert mine == workers == [0, 0, 0]
     finally:

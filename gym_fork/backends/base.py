@@ -179,7 +179,7 @@ class Handle(abc.ABC):
 
 
 #: in-process commands that only read (an interrupt inside one leaves the env as it was)
-_READS = frozenset({"last", "meta", "ping", "hello", "rollout_progress", "getattr", "ref_get", "ref_value",
+_READS = frozenset({"last", "steps", "meta", "ping", "hello", "rollout_progress", "getattr", "ref_get", "ref_value",
                     "order_hazard", "render"})
 #: ... and those that go on from the env's state: refused after a cut (see LocalHandle.cut)
 _GOES_ON = frozenset({"step", "rollout", "policy_rollout", "replay"})

@@ -560,6 +560,11 @@ class EnvServer:
         """(obs, info, steps) of the latest reset/step: what restore() hands back."""
         return self.last_obs, self.last_info, self.steps
 
+    def cmd_steps(self) -> int:
+        """The step count since the last reset, alone: what a controller asks to settle a request
+        whose reply did not come (``last`` would send the info too, which may be what did not pickle)."""
+        return self.steps
+
     def cmd_ping(self) -> int:
         return host_pid()
 
