@@ -465,10 +465,10 @@ def test_workers_are_told_their_polling_all_at_once_and_a_dead_one_is_reported_a
 _DOOMED_SEED = 1000
 
 
-def reset_fails_once_factory(unsendable: bool = False):
+def reset_fails_once_factory(unsendable: bool = False, fail_at: int = 2):
     """A factory for an env whose episodes end after 3 steps and which, reset with the seed
-    ``_DOOMED_SEED``, fails its next reset (once): it raises, or (``unsendable``) returns an info
-    that does not pickle. In a closure: shipped by value (see walk_factory)."""
+    ``_DOOMED_SEED``, fails its reset number ``fail_at`` (once): it raises, or (``unsendable``)
+    returns an info that does not pickle. In a closure: shipped by value (see walk_factory)."""
 
     def make():
         class ResetFailsOnce(gym.Env):
@@ -482,10 +482,10 @@ def reset_fails_once_factory(unsendable: bool = False):
                 if seed is not None:
                     self.doomed = seed == _DOOMED_SEED
                 self.resets += 1
-                if self.doomed and self.resets == 2 and not unsendable:
+                if self.doomed and self.resets == fail_at and not unsendable:
                     raise RuntimeError("this reset fails once")
                 self.t = 0
-                if self.doomed and self.resets == 2:
+                if self.doomed and self.resets == fail_at:
                     return np.array([0.0]), {"lock": threading.Lock()}
                 return np.array([0.0]), {}
 
@@ -699,6 +699,39 @@ def test_a_slot_with_a_step_ring_resets_with_its_step_through_the_ring(monkeypat
     finally:
         venv.close()
         ref.close()
+
+
+@pytest.mark.alone  # (a ring takes one of the machine's few ring slots)
+@pytest.mark.criu
+@pytest.mark.parametrize("unsendable", [False, True])
+def test_a_failed_reset_after_a_step_through_the_ring_leaves_the_counts_the_workers(monkeypatch, unsendable):
+    """The reset right after a step that ended the episode raises (or its info does not pickle)
+    while the slot's steps go through its shared-memory ring: the same error and the same counts
+    as over the socket (the tests above), and the ring stays in use."""
+    from gym_fork.backends.base import RemoteHandle
+    from gym_fork.errors import NotSendableError
+
+    monkeypatch.setattr(RemoteHandle, "RING_AFTER", 2)
+    venv = ForkableVecEnv(reset_fails_once_factory(unsendable, fail_at=3), 1, backend="criu", seed=_DOOMED_SEED)
+    try:
+        venv.reset()
+        slot = venv.envs[0]
+        for _ in range(6):  # directly: the ring opens after RING_AFTER steps
+            slot.step(0)
+        slot.reset()
+        venv._obs[0] = slot._request("last")[0]
+        assert slot._handle.ring is not None, "no ring opened (another process holds the machine's ring slot?)"
+        venv.step(np.array([1]))
+        venv.step(np.array([1]))
+        with pytest.raises(NotSendableError if unsendable else RuntimeError):
+            venv.step(np.array([1]))  # (the third step: the episode ends, its reset is the doomed one)
+        assert slot.steps == slot._worker_steps() == (0 if unsendable else 3)
+        venv.reset()
+        for _ in range(3):
+            out = venv.step(np.array([1]))
+        assert out[2][0] and slot.steps == slot._worker_steps() == 0 and slot._handle.ring is not None
+    finally:
+        venv.close()
 
 
 @pytest.mark.alone
