@@ -264,6 +264,16 @@ class ForkableVecEnv(VecEnv):
         self.waiting = True
 
     def step_wait(self) -> VecEnvStepReturn:
+        """Every slot's reply to :meth:`step_async` (SB3's ``VecEnv.step_wait``).
+
+        Raises:
+            Exception: what a slot's ``step`` or auto-reset raised (a
+                :class:`~gym_fork.errors.WorkerError` that is also the env's own type), once every
+                reply is read. Each slot's step count and action log say what its worker did: a
+                step that ran counts even where the reset right after it raised or its answer
+                could not come back (:class:`~gym_fork.errors.NotSendableError`);
+                :attr:`current_obs` holds where each slot is. ``reset()`` brings all back in line.
+        """
         if not self.waiting:
             raise RuntimeError("step_wait() without step_async()")
         calls, self._calls, self.waiting = self._calls, [], False

@@ -350,6 +350,12 @@ class ForkableVectorEnv(VectorEnv):
         Raises:
             AssertionError: ``autoreset_mode`` is ``DISABLED`` and a sub-env whose episode ended
                 was not reset (nothing is stepped then).
+            Exception: what a sub-env's ``step`` or ``reset`` raised (a
+                :class:`~gym_fork.errors.WorkerError` that is also the env's own type), once every
+                sub-env's reply is read. Each sub-env's step count and action log say what its
+                worker did: a step that ran counts even where the reset right after it raised
+                (``SAME_STEP``) or its answer could not come back
+                (:class:`~gym_fork.errors.NotSendableError`). ``reset()`` brings all back in line.
         """
         actions = list(iterate(self.action_space, actions))
         if len(actions) != self.num_envs:
