@@ -298,12 +298,11 @@ class ForkableVecEnv(VecEnv):
                     except Exception as e:  # noqa: BLE001 - the reset after the step raised: as a reset request's error
                         reset_now[i] = FAILED
                         error = error or e
-                        results.append(out)
-                        continue
-                    if reset is not None:  # the worker reset already, with the step
-                        reset_now[i] = reset
-                    else:  # Send the auto-reset now: it overlaps with the replies still to come.
-                        resets[i] = WorkerCall(call.env, "reset", (None, None))
+                    else:
+                        if reset is not None:  # the worker reset already, with the step
+                            reset_now[i] = reset
+                        else:  # Send the auto-reset now: it overlaps with the replies still to come.
+                            resets[i] = WorkerCall(call.env, "reset", (None, None))
                 results.append(out)
             reset_results, reset_error = collect_calls(list(resets.values()))
             for (i, call), r in zip(resets.items(), reset_results):
