@@ -1282,13 +1282,13 @@ def test_a_proc_pid_file_held_at_a_dump_is_dumped_again_or_refused(monkeypatch):
         with pytest.raises(SnapshotError, match=r"holds /proc/[0-9]+/stat open"):
             env.snapshot()
         env.step(1)  # untouched; closes it
-        real, calls = client.proc_files_held, []
+        real, calls = client.files_held, []
 
-        def once(images_dir):  # caught mid-read at the first dump only
+        def once(images_dir, held_paths=()):  # caught mid-read at the first dump only
             calls.append(images_dir)
-            return ["/proc/1/stat"] if len(calls) == 1 else real(images_dir)
+            return (["/proc/1/stat"], []) if len(calls) == 1 else real(images_dir, held_paths)
 
-        monkeypatch.setattr(client, "proc_files_held", once)
+        monkeypatch.setattr(client, "files_held", once)
         snap = env.snapshot()
         assert len(calls) == 2
         env.step(0)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
+import time
 
 import pytest
 
@@ -339,6 +341,83 @@ def test_a_copys_snapshot_can_be_saved_and_loaded_elsewhere(tmp_path, how):
 # the tree's other processes are held stopped until their files are in place.
 
 WATCH_ACTS = (3, 0, 2)
+
+
+def _holder_pid(env: gym_fork.ForkableEnv) -> int:
+    """Host pid of the HolderEnv's tool process."""
+    from gym_fork.worker.resources import descendants_of
+
+    for pid in descendants_of(env.worker_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"SIGUSR1" in f.read():
+                return pid
+    raise AssertionError("no tool process")
+
+
+def _holds_state_file(pid: int) -> bool:
+    fd_dir = f"/proc/{pid}/fd"
+    return any(os.readlink(os.path.join(fd_dir, fd)).endswith("/state.txt") for fd in os.listdir(fd_dir))
+
+
+def _tell(pid: int, sig: int, holding: bool) -> None:
+    os.kill(pid, sig)
+    deadline = time.monotonic() + 5
+    while _holds_state_file(pid) != holding:
+        assert time.monotonic() < deadline, "the tool did not do as told"
+        time.sleep(0.001)
+
+
+def test_a_workspace_file_a_tool_holds_open_at_the_dump_is_dumped_again_or_refused(tmp_path, monkeypatch):
+    """A tool in the workspace that reads a file on its own schedule (a file watcher, every
+    millisecond) can be caught by a CRIU dump with that file open, though the scan just before
+    the dump found it closed. CRIU reopens such a file at restore by its path, before the
+    snapshot's files are put back: the restored tool read the trajectory being left (CI caught a
+    restored watcher logging a change the snapshot never saw; ~4 % of that env's dumps held its
+    file), or the restore failed on the file's size. Such a dump is now taken again; a file held
+    through every try is refused, naming it, and the env steps on."""
+    from gym_fork.criu import client
+    from gym_fork.errors import SnapshotError
+
+    env = gym_fork.ForkableEnv(envs.holder, workspace=str(tmp_path / "ws"))
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        tool = _holder_pid(env)
+        real, tries, hold = client._dump_once, [], {"every": False}
+
+        def caught(*args, **kwargs):  # the tool opens the file after the scan, before the freeze
+            tries.append(1)
+            if len(tries) == 1 or hold["every"]:
+                _tell(tool, signal.SIGUSR1, True)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                if not hold["every"] and _holds_state_file(tool):
+                    _tell(tool, signal.SIGUSR2, False)
+
+        monkeypatch.setattr(client, "_dump_once", caught)
+        snap = env.snapshot()
+        assert len(tries) == 2  # (the first try held it: dumped again)
+        with snap._open_payload() as payload, open(os.path.join(payload.path, "files.img"), "rb") as f:
+            assert b"state.txt" not in f.read()
+        assert list(env.step(2)[0]) == [2.0, 2.0]
+        env.restore(snap)
+        assert list(env.step(3)[0]) == [2.0, 2.0]
+        # held through every try: refused by name, and the env is where it was
+        tool = _holder_pid(env)  # (the restored one)
+        tries.clear()
+        hold["every"] = True
+        with pytest.raises(SnapshotError, match=r"holds \S*/state.txt open, a file of the env's workspace"):
+            env.snapshot()
+        assert len(tries) == client.PROC_FILE_TRIES
+        _tell(tool, signal.SIGUSR2, False)
+        assert list(env.step(1)[0]) == [3.0, 3.0]
+        hold["every"] = False
+        tries.clear()
+        env.snapshot().release()
+        assert len(tries) == 2
+    finally:
+        env.close()
 
 
 def test_a_restored_file_watcher_sees_only_the_snapshots_files(tmp_path):

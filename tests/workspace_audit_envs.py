@@ -384,6 +384,53 @@ class WatcherEnv(_OneHelper):
         return np.array([self.t, changes], float), 0.0, False, False, {"logged": logged}
 
 
+_HOLD = ("import os, signal, time\n"
+         "held = []\n"
+         "def hold(*_):\n"
+         "    held.append(os.open('state.txt', os.O_RDONLY))\n"
+         "def let_go(*_):\n"
+         "    while held:\n"
+         "        os.close(held.pop())\n"
+         "signal.signal(signal.SIGUSR1, hold)\n"
+         "signal.signal(signal.SIGUSR2, let_go)\n"
+         "print('ready', flush=True)\n"
+         "while True:\n"
+         "    time.sleep(0.01)\n")
+
+
+class HolderEnv(_OneHelper):
+    """An agent env with a tool in its workspace that opens ``state.txt`` on ``SIGUSR1`` and
+    closes it on ``SIGUSR2`` (a watcher's read, stretched so that a test can place it); each step
+    writes ``state.txt`` (``"t:a"``) and the observation is the step and the first byte of what the
+    file holds."""
+
+    def reset(self, *, seed=None, options=None):
+        r = super().reset(seed=seed)
+        self._write("0")
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", _HOLD], cwd=self.workspace, stdout=subprocess.PIPE)
+            self.proc.stdout.readline()  # (its handlers are set: a signal before would end it)
+            self.proc.stdout.close()
+        return r
+
+    def _write(self, content: str) -> None:
+        tmp = os.path.join(self.workspace, "state.tmp")
+        with open(tmp, "w") as f:
+            f.write(content)
+        os.replace(tmp, os.path.join(self.workspace, "state.txt"))
+
+    def step(self, a):
+        self.t += 1
+        self._write(f"{self.t}:{int(a)}")
+        with open(os.path.join(self.workspace, "state.txt")) as f:
+            first = f.read(1)
+        return np.array([self.t, float(first)]), 0.0, False, False, {}
+
+
+def holder() -> HolderEnv:
+    return HolderEnv()
+
+
 def watcher(start: str = "reset") -> WatcherEnv:
     """``start``: when the watcher starts, at the first ``"reset"`` or at the first ``"step"``
     (a snapshot taken between the two holds the worker alone)."""

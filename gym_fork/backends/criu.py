@@ -463,7 +463,8 @@ class CriuBackend(Backend):
             with _dump_binary(self, handle.pid) as binary:
                 client.dump(handle.pid, tmp, leave_running=leave_running, external=external, mode=self.mode,
                             binary=binary, options=treecapture.dump_options(scan, private_net),
-                            retry=into is None)  # (images dumped into= are read as they are written)
+                            retry=into is None,  # (images dumped into= are read as they are written)
+                            held_paths=scan.workspace if scan is not None else ())
             treecapture.mark_images(tmp, scan)
         except Exception as e:  # noqa: BLE001 - pycriu raises its own types; we wrap them all
             tail = log_tail(os.path.join(tmp, "dump.log"))

@@ -53,7 +53,8 @@ _DUMP_LOCK = threading.Lock()
 
 def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[str] = (),
          mode: str = "root", binary: str | None = None, log_file: str = "dump.log",
-         timeout: float | None = None, options: Mapping[str, Any] | None = None, retry: bool = True) -> None:
+         timeout: float | None = None, options: Mapping[str, Any] | None = None, retry: bool = True,
+         held_paths: Sequence[str] = ()) -> None:
     """Dump the process tree rooted at ``pid`` into the existing directory ``images_dir``.
 
     Args:
@@ -67,6 +68,10 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
         log_file: CRIU's log, inside ``images_dir`` (read it with :func:`~gym_fork.criu.status.log_tail`).
         timeout: seconds before criu is killed (default ``$GYM_FORK_CRIU_TIMEOUT``, 60).
         options: further pycriu ``opts`` fields, e.g. ``{"tcp_established": True, "ghost_limit": N}``.
+        held_paths: directories (the env's workspace, as the tree names it) whose regular files
+            no process may hold open in the images: a restore reopens a file by its path before
+            the caller puts the directory's content back, so it would read the trajectory being
+            left (see :func:`files_held`).
 
     A dump that meets another one's :data:`PARASITE_PROC_DIR` in a working directory is tried
     again (the failed try left the tree running); an empty one older than
@@ -74,15 +79,20 @@ def dump(pid: int, images_dir: str, *, leave_running: bool, external: Sequence[s
     that someone reads while CRIU writes them (a migration streams them) must come from one try.
     This process's dumps run one at a time.
 
+    A dump that caught a process with a file of ``/proc/PID/`` or of ``held_paths`` open (a tool
+    that reads one for a moment, on its own schedule) is taken again, up to :data:`PROC_FILE_TRIES`
+    times in all (once with ``retry=False``).
+
     Raises:
         TimeoutError: the dump took longer than ``timeout``; criu was killed.
-        OSError: CRIU could not make its temporary directory in the working directory of a
+        OSError: ``EBUSY``: such a file was open in every try (the message names it). Or CRIU could not make its temporary directory in the working directory of a
             process of the tree (read-only, or a :data:`PARASITE_PROC_DIR` that stays); the
             message names it.
         Exception: pycriu's own errors for a failed dump (see the log).
     """
     with _DUMP_LOCK, _cwd_locks(pid, timeout if timeout is not None else criu_timeout()):
-        _dump_retrying(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options, retry)
+        _dump_retrying(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options, retry,
+                       held_paths)
 
 
 @contextlib.contextmanager
@@ -130,7 +140,7 @@ def _cwd_locks(pid: int, wait: float) -> Iterator[None]:
 
 def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Sequence[str], mode: str,
                    binary: str | None, log_file: str, timeout: float | None, options: Mapping[str, Any] | None,
-                   retry: bool) -> None:
+                   retry: bool, held_paths: Sequence[str] = ()) -> None:
     before = set(os.listdir(images_dir))
     # (a directory made just before the first try is a leftover once PARASITE_DIR_WAIT_S old)
     deadline = time.monotonic() + 2 * PARASITE_DIR_WAIT_S
@@ -138,17 +148,27 @@ def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Seq
     while True:
         try:
             _dump_once(pid, images_dir, leave_running, external, mode, binary, log_file, timeout, options)
-            held = proc_files_held(images_dir) if leave_running else []
-            if not held:
+            proc, own = files_held(images_dir, held_paths) if leave_running else ([], [])
+            if not proc and not own:
                 return
             proc_tries -= 1
             if not retry or proc_tries <= 0:
-                raise OSError(errno.EBUSY, f"a process of the dumped tree (root {pid}) holds {held[0]} open, a file "
-                                           "of /proc named by a pid that a restore cannot give back (a restored tree "
-                                           f"has its own PID namespace): no restore could reopen it (tried "
-                                           f"{PROC_FILE_TRIES} times). Close it between steps; the env keeps running")
-            _remove_new(images_dir, before)  # caught mid-read (redis-server reads its /proc/PID/stat
-            time.sleep(random.uniform(0.001, 0.005))  # every 100 ms): dump again, it is gone by now
+                tries = f"tried {PROC_FILE_TRIES} times" if retry else "a streamed dump is not tried again"
+                if proc:
+                    raise OSError(errno.EBUSY, f"a process of the dumped tree (root {pid}) holds {proc[0]} open, a "
+                                               "file of /proc named by a pid that a restore cannot give back (a "
+                                               "restored tree has its own PID namespace): no restore could reopen "
+                                               f"it ({tries}). Close it between steps; the env keeps running")
+                raise OSError(errno.EBUSY, f"a process of the dumped tree (root {pid}) holds {own[0]} open, a file "
+                                           "of the env's workspace: a restore would reopen it by its path before "
+                                           "the snapshot's files are put back, and read the trajectory being left "
+                                           f"({tries}). Open workspace files only for a moment (a tool that watches "
+                                           "the workspace: read and close), or only during a step; the env keeps "
+                                           "running")
+            # caught mid-read (redis-server reads its /proc/PID/stat every 100 ms, a file watcher
+            # its workspace every millisecond): dump again, it is closed by now
+            _remove_new(images_dir, before)
+            time.sleep(random.uniform(0.001, 0.005))
             continue
         except TimeoutError:
             raise
@@ -169,29 +189,43 @@ def _dump_retrying(pid: int, images_dir: str, leave_running: bool, external: Seq
             time.sleep(random.uniform(0.002, 0.02))  # apart from the other dump's next try
 
 
-#: dumps that find a /proc/PID file held open (proc_files_held) before one is said to fail
+#: dumps that find a file held open that no restore may reopen (files_held) before one is said to fail
 PROC_FILE_TRIES = 4
 _PROC_PID_FILE = re.compile(rb"/proc/[0-9]+/")
 
 
-def proc_files_held(images_dir: str) -> list[str]:
-    """Files under ``/proc/PID/`` that the dumped processes held open (``files.img``): CRIU
-    reopens them by that path at restore, where the restored tree's pids belong to a PID
-    namespace of its own, so the restore fails ("Can't open file proc/PID/stat on restore").
-    A raw search first (a few µs); the image is parsed only where it finds one."""
+def files_held(images_dir: str, held_paths: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """The files that the dumped processes held open (``files.img``) and that a restore must not
+    reopen by their path: those under ``/proc/PID/`` -- the restored tree's pids belong to a PID
+    namespace of its own, so the restore fails ("Can't open file proc/PID/stat on restore") --
+    and the regular files under ``held_paths`` (their directories, a working directory there,
+    are kept in place by the restore and are fine). A raw search first (a few µs); the image is
+    parsed only where it finds one."""
     path = os.path.join(images_dir, "files.img")
+    prefixes = [p.rstrip("/").encode() + b"/" for p in held_paths if p]
     try:
         with open(path, "rb") as f:
-            if not _PROC_PID_FILE.search(f.read()):
-                return []
+            raw = f.read()
+        if not _PROC_PID_FILE.search(raw) and not any(p in raw for p in prefixes):
+            return [], []
         import pycriu
 
         with open(path, "rb") as f:
             entries = pycriu.images.load(f)["entries"]
     except Exception:  # noqa: BLE001 - an unreadable image is caught by the checksums
-        return []
-    return [name for e in entries if e.get("type") == "REG"
-            and _PROC_PID_FILE.match((name := (e.get("reg") or {}).get("name", "")).encode())]
+        return [], []
+    proc: list[str] = []
+    own: list[str] = []
+    for e in entries:
+        if e.get("type") != "REG":
+            continue
+        reg = e.get("reg") or {}
+        name = reg.get("name", "")
+        if _PROC_PID_FILE.match(name.encode()):
+            proc.append(name)
+        elif any(name.encode().startswith(p) for p in prefixes) and stat.S_ISREG(reg.get("mode", stat.S_IFREG)):
+            own.append(name)
+    return proc, own
 
 
 def _remove_new(images_dir: str, before: set[str]) -> None:

@@ -103,6 +103,9 @@ class Scan:
     resources: list[Resource]
     fork_processes: list[int]  # gym_fork fork-tier processes among the worker's descendants
     tree: list[int]  # host pids of the env's own processes (worker first, then its descendants)
+    # the env's workspace as the tree's processes name it (and its real path): a CRIU dump that
+    # caught one of them with a file there open is taken again (criu.client.dump's held_paths)
+    workspace: list[str] = field(default_factory=list)
 
     def to_wire(self) -> dict:
         d = asdict(self)
@@ -111,7 +114,8 @@ class Scan:
     @classmethod
     def from_wire(cls, d: dict) -> "Scan":
         return cls(pid=d["pid"], ns_init=d["ns_init"], resources=[Resource(**r) for r in d["resources"]],
-                   fork_processes=list(d["fork_processes"]), tree=list(d["tree"]))
+                   fork_processes=list(d["fork_processes"]), tree=list(d["tree"]),
+                   workspace=list(d.get("workspace", ())))  # (an older gym_fork's worker: none)
 
 
 _WORKER_COMM = b""  # the worker's own name, set below (forked copies inherit the value)
@@ -429,6 +433,8 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
         quick = _quick_state(own_fds)
         if quick is not None and quick == _last_clean:
             log_buffers.flush()  # (the logs the last scan noted are those open now)
+            # (no workspace paths: the worker alone, one thread, holds nothing open at a dump that
+            # it did not hold at this scan, which would have found it)
             return Scan(pid=me, ns_init=os.getpid() == 1, resources=[], fork_processes=fork_procs, tree=[me])
     _seen_logs.clear()
     logs = set(log_files) if log_files is not None else _stdio_files()
@@ -456,7 +462,8 @@ def fork_blockers(own_fds: set[int] | frozenset[int] = frozenset(), own_children
     _last_clean = quick if not found else None
     log_buffers.note(_seen_logs)
     log_buffers.flush()  # the copy about to be made must not hold lines the original will write
-    return Scan(pid=me, ns_init=os.getpid() == 1, resources=found, fork_processes=fork_procs, tree=tree)
+    return Scan(pid=me, ns_init=os.getpid() == 1, resources=found, fork_processes=fork_procs, tree=tree,
+                workspace=_workspace_paths())
 
 
 #: the fingerprint (:func:`_quick_state`) taken by the last scan of this process that found nothing
@@ -768,6 +775,14 @@ def _file_resource(proc: str, name: str, pid: int, fd: int, target: str,
                             "and open it only during a step (for SQLite: connect per step); if it is a log the "
                             f"env only appends to, say so: ForkableEnv(..., untracked_paths=[{path!r}])")
     return Resource("file", pid, f"{path} (open for reading)", "criu", fd, detail={"path": path})
+
+
+def _workspace_paths() -> list[str]:
+    """The env's declared workspace (:func:`gym_fork.worker.files.set_workspace`) and its real
+    path, as this process names them; none without one."""
+    rec = files._active or files._worker
+    ws = getattr(rec, "workspace", None)
+    return list(dict.fromkeys((ws, os.path.realpath(ws)))) if ws else []
 
 
 def _in_workspace(path: str) -> bool:
