@@ -333,6 +333,14 @@ _WATCH = ("import os, sys, time\n"
           "        sys.stdout.flush()\n")
 
 
+def write_state(workspace: str, content: str) -> None:
+    """Replace ``state.txt`` in ``workspace`` atomically (a reader sees the old or the new content)."""
+    tmp = os.path.join(workspace, "state.tmp")
+    with open(tmp, "w") as f:
+        f.write(content)
+    os.replace(tmp, os.path.join(workspace, "state.txt"))
+
+
 class WatcherEnv(_OneHelper):
     """An agent env with a tool that watches its workspace on its own, between steps too (a dev
     server's file watcher): started in the workspace (at the first reset or step), it polls ``state.txt``
@@ -366,10 +374,7 @@ class WatcherEnv(_OneHelper):
             self.proc.stdout.readline()
 
     def _write(self, content: str) -> None:
-        tmp = os.path.join(self.workspace, "state.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, os.path.join(self.workspace, "state.txt"))
+        write_state(self.workspace, content)
 
     def step(self, a):
         self.t += 1
@@ -414,10 +419,7 @@ class HolderEnv(_OneHelper):
         return r
 
     def _write(self, content: str) -> None:
-        tmp = os.path.join(self.workspace, "state.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, os.path.join(self.workspace, "state.txt"))
+        write_state(self.workspace, content)
 
     def step(self, a):
         self.t += 1
