@@ -356,7 +356,13 @@ def _holder_pid(env: gym_fork.ForkableEnv) -> int:
 
 def _holds_state_file(pid: int) -> bool:
     fd_dir = f"/proc/{pid}/fd"
-    return any(os.readlink(os.path.join(fd_dir, fd)).endswith("/state.txt") for fd in os.listdir(fd_dir))
+    for fd in os.listdir(fd_dir):
+        try:
+            if os.readlink(os.path.join(fd_dir, fd)).endswith("/state.txt"):
+                return True
+        except FileNotFoundError:  # (closed since the listing: the tool letting go, as told)
+            continue
+    return False
 
 
 def _tell(pid: int, sig: int, holding: bool) -> None:
