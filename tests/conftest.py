@@ -148,6 +148,25 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def fd_links(pid: int) -> set[str]:
+    """What the open descriptors of ``pid`` name (``readlink`` of each ``/proc/PID/fd/N``). A
+    descriptor closed between the listing and its ``readlink`` (a tool letting go of a file, a
+    ready copy's passing ``/proc`` read) is left out, never an error of the test; a process gone
+    has none."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except (FileNotFoundError, ProcessLookupError):
+        return set()
+    out = set()
+    for name in names:
+        try:
+            out.add(os.readlink(os.path.join(fd_dir, name)))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def process_states(pid: int, *, tree: bool = False) -> dict[int, str]:
     """``{pid: state letter}`` of ``pid``'s children (``tree``: of all its descendants), host
     pids as /proc names them. A child reaped while this reads is skipped."""

@@ -14,7 +14,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import assert_same_traj, eventually, process_alive, process_states, run_actions, started_elsewhere
+from conftest import assert_same_traj, eventually, fd_links, process_alive, process_states, run_actions, started_elsewhere
 
 import gym_fork
 from gym_fork.errors import BackendUnavailableError
@@ -455,11 +455,7 @@ def test_a_restored_copy_steps_at_its_predecessors_pace_from_its_first_step(monk
 
 
 def _has_fanotify_group(pid: int) -> bool:
-    try:
-        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[fanotify]"
-                   for fd in os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return False
+    return "anon_inode:[fanotify]" in fd_links(pid)
 
 
 def test_in_a_burst_a_copy_left_ready_delays_the_next_fork_past_the_taken_copys_first_step(monkeypatch):

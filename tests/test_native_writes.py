@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
-import tempfile
 import time
 
 import gymnasium as gym
@@ -21,6 +20,8 @@ import pytest
 
 import gym_fork
 from gym_fork.errors import UncapturedFilesError
+
+from conftest import fd_links
 
 pytestmark = [pytest.mark.criu,
               pytest.mark.skipif(os.geteuid() != 0, reason="fanotify filesystem marks need root")]
@@ -264,8 +265,7 @@ def test_what_a_sibling_writes_while_a_ready_copy_waits_is_not_that_copys(tmp):
             payload.collect()
         ready = payload.ready_pids[-1]
         time.sleep(0.05)  # it has answered hello and opened its group
-        fds = os.listdir(f"/proc/{ready}/fd")
-        assert "anon_inode:[fanotify]" in {os.readlink(f"/proc/{ready}/fd/{fd}") for fd in fds}
+        assert "anon_inode:[fanotify]" in fd_links(ready)
         kids[0].unwrapped.start_at = 1  # in the sibling's worker only
         kids[0].step(0)  # writes natively, while the ready copy's group is open
         assert os.path.exists(path)

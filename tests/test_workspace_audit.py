@@ -29,6 +29,8 @@ import gym_fork
 import workspace_audit_envs as envs
 from gym_fork.errors import RestoreError, UncapturableStateError
 
+from conftest import fd_links
+
 pytestmark = pytest.mark.criu
 
 ACTS = (1, 2, 3, 0, 2)
@@ -355,14 +357,7 @@ def _holder_pid(env: gym_fork.ForkableEnv) -> int:
 
 
 def _holds_state_file(pid: int) -> bool:
-    fd_dir = f"/proc/{pid}/fd"
-    for fd in os.listdir(fd_dir):
-        try:
-            if os.readlink(os.path.join(fd_dir, fd)).endswith("/state.txt"):
-                return True
-        except FileNotFoundError:  # (closed since the listing: the tool letting go, as told)
-            continue
-    return False
+    return any(link.endswith("/state.txt") for link in fd_links(pid))
 
 
 def _tell(pid: int, sig: int, holding: bool) -> None:
