@@ -67,6 +67,10 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto") -> tuple[
                             snaps[s.id] = (s, int(out[0]), int(out[2]))
             except KeyboardInterrupt:
                 interrupted += 1
+                if kind == "sendrecv" and env._handle._send_holds:
+                    # Ctrl-C between step_send() and step_receive(): the step was sent and its reply
+                    # waits, as documented (a step() now would raise ConcurrentUseError): read it
+                    env.step_receive()
                 continue
             except gym_fork.errors.IncompleteStepError:
                 # (backend="pickle": an interrupt cut the env's own code; it refuses until a restore)
