@@ -40,6 +40,7 @@ import cloudpickle
 import numpy as np
 
 from gym_fork.errors import ForeignWorkspaceError, UnsupportedEnvError
+from gym_fork.interrupts import held
 from gym_fork.worker import files
 
 
@@ -148,6 +149,24 @@ def _in_private_workspace(env: Any, actions: list) -> list:
             shutil.rmtree(private, ignore_errors=True)
 
 
+def _answer_and_exit(env: Any, actions: list, rng_state: dict[str, Any], r: int, w: int) -> None:
+    """In :func:`original_answers`'s fork() child: write the original's answers to ``w`` and
+    leave without running the parent's exit handlers (status 1 where it could not)."""
+    code = 1
+    try:
+        os.close(r)
+        set_global_rng_state(rng_state)  # (random reseeds itself in a fork child)
+        data = cloudpickle.dumps(_in_private_workspace(env, actions))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view):]
+        code = 0
+    except BaseException:  # noqa: BLE001 - the parent sees no answer
+        pass
+    finally:
+        os._exit(code)
+
+
 def original_answers(env: Any, actions: list, rng_state: dict[str, Any], timeout: float) -> list | None:
     """What the original ``env`` answers to ``actions`` (as :func:`_run`), asked in a ``fork()``
     child so that the original itself is not touched; None when no child could answer (it failed
@@ -156,46 +175,47 @@ def original_answers(env: Any, actions: list, rng_state: dict[str, Any], timeout
     Two pickled copies compared with each other can be alike and both wrong: an env holding a
     module's sentinel, or a dict keyed by ``id()``, loses the same thing in every copy. Only the
     original shows what a copy should have answered."""
-    r, w = os.pipe()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()  # (a buffer not yet written would be the child's too)
         except Exception:  # noqa: BLE001
             pass
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # (3.12+: "multi-threaded, fork() may deadlock")
-        pid = os.fork()
-    if pid == 0:  # the child: answer, then leave without running the parent's exit handlers
-        code = 1
-        try:
-            os.close(r)
-            set_global_rng_state(rng_state)  # (random reseeds itself in a fork child)
-            data = cloudpickle.dumps(_in_private_workspace(env, actions))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(w, view):]
-            code = 0
-        except BaseException:  # noqa: BLE001 - the parent sees no answer
-            pass
-        finally:
-            os._exit(code)
-    os.close(w)
+    r, w = os.pipe()
+    pid, status, answered = -1, -1, False
     chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    status = -1
     try:
+        # Ctrl-C held back through fork(): one that comes inside the fork's hooks (logging's
+        # lock, in the parent) would be lost, as CPython ignores what they raise, and one between
+        # fork() and the wait below would leave the child behind. It is raised here, inside the
+        # try: the child is reaped below.
+        with held():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # (3.12+: "multi-threaded, fork() may deadlock")
+                pid = os.fork()
+            if pid == 0:  # the child: answer, then leave without running the parent's exit handlers
+                _answer_and_exit(env, actions, rng_state, r, w)
+            os.close(w)
+            w = -1
+        deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([r], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                return None
+                return None  # (killed below)
             chunk = os.read(r, 1 << 20)
             if not chunk:
                 break
             chunks.append(chunk)
+        answered = True
     finally:
-        os.close(r)
-        while True:
+        os.close(r)  # (a child still writing gets EPIPE and leaves)
+        if w >= 0:
+            os.close(w)
+        if pid > 0 and not answered:  # Ctrl-C (or a timeout): the child is not waited for
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while pid > 0:
             try:
                 status = os.waitpid(pid, 0)[1]
                 break
