@@ -118,6 +118,44 @@ def test_live_migration_with_obs_normalised_in_place_switches_exact(agent):
     _clean(agent.agents["B"])
 
 
+@pytest.mark.parametrize("closed_loop", [False, True], ids=["actions", "policy"])
+def test_live_migration_with_rollouts_meanwhile_switches_exact(agent, closed_loop):
+    """Rollouts in the worker (``env.rollout``: open loop, or a policy in the worker) while the
+    snapshot travels. Each rollout's answer carries the worker's name for it, drawn afresh
+    (``os.urandom``) for settling after Ctrl-C: the target's replay drew another, its digest
+    differed, and every such move was refused as "depends on something outside its process"
+    (found by the random-operations harness, seed 55). The replay now takes the source's names,
+    and the env's record of its last rollout names the target worker's."""
+    env, ref = _pair(_actions(30))
+    policy = (lambda obs: int(obs[0] > 0) * 2 + int(obs[4] > 0))  # noqa: E731 (LunarLander, 4 actions)
+    acts = _actions(20000, seed=4)
+    try:
+        mig = env.migrate(agent.target["B"], token=agent.token, live=True)
+
+        def roll(i: int) -> None:
+            if closed_loop:
+                got, want = (e.rollout(policy=policy, steps=3) for e in (env, ref))
+            else:
+                got, want = (e.rollout(acts[3 * i:3 * i + 3]) for e in (env, ref))
+            assert got["rewards"] == want["rewards"] and np.array_equal(got["final_obs"], want["final_obs"])
+            if got["terminated"] or got["truncated"]:
+                env.reset(seed=i)
+                ref.reset(seed=i)
+
+        n = _until_switched(mig, roll, limit=3000)
+        rep = mig.result(timeout=60)  # raised DivergedError (the replay of request 0, 'rollout')
+        assert rep["node"] == "B" and rep["replayed_ops"] >= 1 and n < 3000
+        assert isinstance(env._handle, NetworkHandle)
+        assert env._handle.request("rollout_progress")["id"] == env._rollout_id is not None
+        assert env.steps == ref.steps
+        after = _actions(60, seed=5)
+        assert_same_traj(run_actions(env, after)[0], run_actions(ref, after)[0])
+    finally:
+        env.close()
+        ref.close()
+    _clean(agent.agents["B"])
+
+
 def test_result_with_a_step_in_flight_is_refused_and_loses_nothing(agent):
     """result() between step_send() and step_receive() switched and lost that step (the reply
     stayed with the stopped local worker: step_receive() raised, env.steps counted it)."""

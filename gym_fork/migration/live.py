@@ -146,6 +146,21 @@ class _RecordingHandle:
         self.inner.close()
 
 
+
+def _rollout_name(cmd: str, answer: Any) -> str | None:
+    """The worker's name of the rollout ``answer`` answers (``rollout``, ``policy_rollout``)."""
+    if cmd in ("rollout", "policy_rollout") and isinstance(answer, dict):
+        rid = answer.get("id")
+        return rid if isinstance(rid, str) else None
+    return None
+
+
+def _ids_arg(ids: dict[int, str]) -> tuple:
+    """``cmd_replay``'s trailing arguments: ``(generators, rollout_ids)`` where rollouts were
+    replayed, else none (a target of older gym_fork code takes no ``rollout_ids``; its replay of a
+    rollout answers with a name of its own and is refused as diverged, as before)."""
+    return (False, ids) if ids else ()
+
 class LiveMigration:
     """A pre-copy migration in progress; returned by ``env.migrate(target, live=True)``.
 
@@ -176,6 +191,10 @@ class LiveMigration:
         self._ops: list[tuple[str, tuple]] = []  # what the learner sent since the snapshot (copies)
         self._digests: list[bytes | None] = []  # their answers' digests (None: not computed yet)
         self._answers: list[Any] = []  # copies of the answers whose digest is still to compute
+        # the source worker's name of each rollout among the ops, by index: a name is drawn afresh
+        # (os.urandom) in each rollout, so the target's replay takes the source's (the digests
+        # then match, and the env's record of its last rollout names the target's too)
+        self._rollout_ids: dict[int, str] = {}
         self._replayed = 0  # ops the target has replayed and matched
         self._state = "shipping"  # -> ready -> done | failed | cancelled
         self._error: BaseException | None = None
@@ -246,6 +265,7 @@ class LiveMigration:
             # taken now: once this returns, the learner may change the action it sent (one buffer
             # for every step) or the answer it got (obs normalised in place, a vector env's info)
             op = (cmd, _own_args(args))
+            rid = _rollout_name(cmd, answer)
             try:
                 answer, digest = _frozen(answer), None  # digested later, off the learner's path
             except _Unknown:
@@ -253,6 +273,8 @@ class LiveMigration:
             with self._lock:
                 state = self._state
                 if state in ("shipping", "ready"):
+                    if rid is not None:
+                        self._rollout_ids[len(self._ops)] = rid
                     self._ops.append(op)
                     self._answers.append(answer)
                     self._digests.append(digest)
@@ -370,11 +392,13 @@ class LiveMigration:
             return
         with self._lock:
             ops = self._ops[lo:upto]
+            ids = {i - lo: rid for i, rid in self._rollout_ids.items() if lo <= i < upto}
             todo = [(i, self._answers[i]) for i in range(lo, upto) if self._digests[i] is None]
         for i, ans in todo:  # digest outside the lock: the learner keeps appending meanwhile
             self._digests[i] = canonical_digest(ans)
             self._answers[i] = None
-        theirs, generators = self._replay_final(remote, ops) if final else (remote.request("replay", ops), None)
+        theirs, generators = (self._replay_final(remote, ops, ids) if final else
+                              (remote.request("replay", ops, *_ids_arg(ids)), None))
         for j, d in enumerate(theirs):
             if d != self._digests[lo + j]:
                 cmd = ops[j][0]
@@ -395,12 +419,12 @@ class LiveMigration:
                     "differently. Seed the env (reset(seed=...)) before migrating it live, or use live=False; "
                     "the env runs here, unchanged")
 
-    def _replay_final(self, remote: Any, ops: list) -> tuple[list, tuple[dict, dict] | None]:
+    def _replay_final(self, remote: Any, ops: list, ids: dict[int, str]) -> tuple[list, tuple[dict, dict] | None]:
         """The switch's replay: the target replays ``ops`` and then reports its random generators
         (their digests, by name) while the local worker reports its own (learner's thread: this
         is the switch's pause). Returns the replay's digests and (ours, theirs), or None where the
         worker runs older code that cannot report them."""
-        remote.send("replay", ops, True)
+        remote.send("replay", ops, True, *_ids_arg(ids)[1:])
         try:
             ours = self._local.request("rng_digests")
         except WorkerError as e:
@@ -416,7 +440,7 @@ class LiveMigration:
         if ours is None:
             log.warning("live migration to %s: this env's worker runs older gym_fork code, which cannot "
                         "report its random generators; switching without comparing them", self.target)
-            return (theirs[0] if theirs is not None else remote.request("replay", ops)), None
+            return (theirs[0] if theirs is not None else remote.request("replay", ops, *_ids_arg(ids))), None
         return theirs[0], (ours, theirs[1])
 
     def _release_snapshot(self) -> None:

@@ -640,22 +640,32 @@ class EnvServer:
             layer, depth = layer.env, depth + 1
         return {k: canonical_digest(v) for k, v in states.items()}
 
-    def cmd_replay(self, ops: list, generators: bool = False) -> list | tuple[list, dict]:
+    def cmd_replay(self, ops: list, generators: bool = False,
+                   rollout_ids: dict[int, str] | None = None) -> list | tuple[list, dict]:
         """Run recorded ``(cmd, args)`` requests again, in order; returns the canonical digest of
         each result (or of its error). Live migration's catch-up: the target replays what the
         source answered while the snapshot travelled (:mod:`gym_fork.migration.live`).
         ``generators`` (the last replay, before the switch): returns ``(digests,``
-        :meth:`cmd_rng_digests` ``)``, the generators as the replay left them."""
+        :meth:`cmd_rng_digests` ``)``, the generators as the replay left them. ``rollout_ids``:
+        the source worker's name of the rollout at each index of ``ops``; a rollout replayed
+        takes it (a name is drawn afresh in each rollout, so this one's would differ), so its
+        answer is the source's and the controller's record of its last rollout names this
+        worker's too (:meth:`ForkableEnv._settle_rollout` compares names)."""
         from gym_fork.worker.channel import canonical_digest
 
         out = []
-        for cmd, args in ops:
+        for k, (cmd, args) in enumerate(ops):
             if cmd == "replay":
                 raise ValueError("replay cannot be replayed")
             try:
-                out.append(canonical_digest(self.dispatch(cmd, args)))
+                result = self.dispatch(cmd, args)
             except Exception as e:  # noqa: BLE001 - the source saw this error too (or it diverged)
                 out.append(canonical_digest(("error", type(e).__name__, str(e))))
+                continue
+            rid = (rollout_ids or {}).get(k)
+            if rid is not None and isinstance(result, dict) and "id" in result:
+                self.rollout_id = result["id"] = rid
+            out.append(canonical_digest(result))
         return (out, self.cmd_rng_digests()) if generators else out
 
 
