@@ -999,6 +999,7 @@ class ForkableEnv(gym.Wrapper):
                     raise
                 ws_binds = [self._workspace_binds(snap, b.path) for b in branches] if branches else []
                 per = [[*(binds[i] if binds else ()), *(ws_binds[i] if ws_binds else ())] for i in range(n)]
+                handles: list[Handle] = []
                 try:
                     reseed = rng == "reseed"
                     if any(per):
@@ -1010,6 +1011,8 @@ class ForkableEnv(gym.Wrapper):
                         handles = self._backend.restore_many(payload, n, restoring=False, reseed=reseed)
                     _refuse_unbound_tree(self._backend, handles, snap, [b.path for b in branches])
                 except BaseException:
+                    for h in handles:  # (Ctrl-C right after they were made; a refusal killed them)
+                        h.kill()
                     private_dirs_mod.remove(roots)
                     for b in branches:
                         b.discard(force=True)
@@ -1017,35 +1020,46 @@ class ForkableEnv(gym.Wrapper):
         finally:
             if own:
                 snap.release()
-        children = []
-        for i, h in enumerate(handles):
-            h.worker_polls = snap._worker_polls  # (a copy polls as the snapshot's worker did)
-            child = ForkableEnv._from_handle(self._backend, h, snap._mirror, steps=snap.steps,
-                                             parent_id=None if own else snap.id, lineage=self._lineage,
-                                             record_actions=self._record_actions, store=self._store)
-            child._origin = self._origin
-            child._untracked = self._untracked
-            if self._private is not None:
-                child._set_private(private_dirs_mod.PrivateDirs(self._private.dirs))
-                child._private.switch(roots[i])
-            children.append(child)
-            if branches:
-                child._workspace = branches[i]
-                child._ws_known = tuple(alias for _own, alias in ws_binds[i])
-                child._ws_finalizer = weakref.finalize(child, child._workspace.discard)
-                child._request("setattr", "workspace", child._workspace.path, "unwrapped")
-            if rng == "reseed":  # sent to all, then answered: the copies reseed side by side
-                seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
-                child._handle.send("reseed", seed)
-                child._policy_reseed = True
-        if rng == "reseed":
-            try:
+        children: list[ForkableEnv] = []
+        try:
+            for i, h in enumerate(handles):
+                h.worker_polls = snap._worker_polls  # (a copy polls as the snapshot's worker did)
+                child = ForkableEnv._from_handle(self._backend, h, snap._mirror, steps=snap.steps,
+                                                 parent_id=None if own else snap.id, lineage=self._lineage,
+                                                 record_actions=self._record_actions, store=self._store)
+                children.append(child)
+                child._origin = self._origin
+                child._untracked = self._untracked
+                if self._private is not None:
+                    child._set_private(private_dirs_mod.PrivateDirs(self._private.dirs))
+                    child._private.switch(roots[i])
+                if branches:
+                    child._workspace = branches[i]
+                    child._ws_known = tuple(alias for _own, alias in ws_binds[i])
+                    child._ws_finalizer = weakref.finalize(child, child._workspace.discard)
+                    child._request("setattr", "workspace", child._workspace.path, "unwrapped")
+                if rng == "reseed":  # sent to all, then answered: the copies reseed side by side
+                    seed = int(seeds[i]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
+                    child._handle.send("reseed", seed)
+                    child._policy_reseed = True
+            if rng == "reseed":
                 for child in children:
                     child._handle.receive()
-            except BaseException:
+        except BaseException:
+            # a failure or Ctrl-C while the children are set up: none is returned, so none may
+            # live on (a copy waiting for requests nobody will send, until this process exits)
+            with held():
                 for child in children:
                     child.close()
-                raise
+                for h in handles[len(children):]:
+                    h.kill()
+                if roots:
+                    private_dirs_mod.remove(roots[i] for i in range(len(handles)) if i >= len(children)
+                                            or children[i]._private is None)
+                for i, b in enumerate(branches):
+                    if i >= len(children) or children[i]._workspace is not b:
+                        b.discard(force=True)
+            raise
         return children
 
     def migrate(self, target: Any, *, token: str | bytes | None = None, token_file: str | None = None,

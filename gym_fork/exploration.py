@@ -19,6 +19,7 @@ import numpy as np
 from gym_fork.backends import capacity
 from gym_fork.env import ForkableEnv, share_cpus, take_autoreset
 from gym_fork.errors import UncapturedFilesError
+from gym_fork.interrupts import held
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.worker.channel import canonical_digest
 from gym_fork.worker.commands import is_sb3_model, own_action, own_copy, pickle_policy
@@ -227,12 +228,15 @@ def explore(env: ForkableEnv, snapshot: Snapshot | None, policy: Any, n_branches
             k._abort()
         raise
     finally:
-        for k in kids:  # every worker closes its env at once ...
-            k._begin_close()
-        for k in kids:  # ... then each is stopped
-            k.close()
-        if own_root:
-            root.release()
+        # Ctrl-C held back until every branch is stopped: cut in this loop, the branches not yet
+        # reached lived on, each waiting for requests nobody would send (a second one goes through)
+        with held():
+            for k in kids:  # every worker closes its env at once ...
+                k._begin_close()
+            for k in kids:  # ... then each is stopped
+                k.close()
+            if own_root:
+                root.release()
     return ExploreResult(root, branches, time.perf_counter() - t0)
 
 

@@ -822,3 +822,74 @@ def _children_of_me() -> list[int]:
     me = os.getpid()
     with open(f"/proc/{me}/task/{me}/children") as f:
         return [int(p) for p in f.read().split()]
+
+
+def _copies_besides(env) -> set[int]:
+    """Worker processes below this test process, other than ``env``'s own worker."""
+    from gym_fork.worker.resources import descendants_of
+
+    out = set()
+    for p in descendants_of(os.getpid()):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{p}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"-m\0gym_fork.worker\0" in cmd and state not in "ZX" and p != env.worker_pid:
+            out.add(p)
+    return out
+
+
+def _ctrl_c_at(cls, name: str, monkeypatch, nth: int = 1) -> list:
+    """Make the ``nth`` call of ``cls.name`` start with a real Ctrl-C (SIGINT to this process,
+    as a terminal sends it); returns the list its calls are counted in."""
+    real, calls = getattr(cls, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapped)
+    return calls
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("where", ["fork: a child made", "explore: branches closed"])
+def test_ctrl_c_while_branches_are_made_or_closed_leaves_no_copy_behind(where, monkeypatch):
+    """Ctrl-C in fork() after some children were made (here: the second), or in explore()'s
+    closing of its branches (here: the first's): the copies not yet returned, or not yet closed,
+    lived on -- each waiting for requests nobody would send, also after the env and its snapshot
+    were closed (found by a campaign of Ctrl-C at random moments of explore()). Now none is left,
+    and the env steps on untouched."""
+    from gym_fork.env import ForkableEnv
+
+    env = gym_fork.make("CartPole-v1")
+    ref = gym.make("CartPole-v1")
+    try:
+        for e in (env, ref):
+            e.reset(seed=4)
+            for a in (0, 1, 1):
+                e.step(a)
+        before = _copies_besides(env)  # (before the snapshot: its frozen process and ready copies go with it)
+        snap = env.snapshot()
+        if where.startswith("fork"):
+            calls = _ctrl_c_at(ForkableEnv, "_from_handle", monkeypatch, nth=2)
+            with pytest.raises(KeyboardInterrupt):
+                env.fork(snap, 3)
+        else:
+            calls = _ctrl_c_at(ForkableEnv, "_begin_close", monkeypatch)
+            with pytest.raises(KeyboardInterrupt):
+                gym_fork.explore(env, snap, lambda o: int(o[2] > 0), n_branches=3, horizon=5, rng="same")
+        assert len(calls) >= 2  # (the interrupt came where meant: after one child, inside the loop)
+        monkeypatch.undo()
+        snap.release()
+        assert eventually(lambda: _copies_besides(env) <= before, timeout=5), _copies_besides(env) - before
+        assert env.steps == 3
+        assert same(env.step(0)[0], ref.step(0)[0])
+    finally:
+        env.close()
+        ref.close()

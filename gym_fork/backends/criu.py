@@ -631,6 +631,7 @@ class CriuBackend(Backend):
         there; where it fails, saves little, or leaves the copy unforkable (a thread the import
         started), the rest are cloned from ``payload`` as without this."""
         first = self._clone_many(payload, 1, [None], restoring=False)[0]
+        rest: list[Handle] = []
         try:
             try:
                 if len(policies) == 1:
@@ -653,9 +654,11 @@ class CriuBackend(Backend):
                 # a policy that does not unpickle there (each branch then says why, as without
                 # preloading), an older worker without these commands, a failed fork
                 log.debug("gym_fork: policies not preloaded: %s", e)
-            return [first, *self._clone_many(payload, n - 1, [None] * (n - 1), False, reseed)]
-        except BaseException:
-            first.kill()
+            rest = self._clone_many(payload, n - 1, [None] * (n - 1), False, reseed)
+            return [first, *rest]
+        except BaseException:  # (Ctrl-C too: no copy made here may live on unreturned)
+            for h in [first, *rest]:
+                h.kill()
             raise
 
     @staticmethod
