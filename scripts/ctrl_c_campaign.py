@@ -18,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 import gym_fork
+from gym_fork.testing.campaigns import parse_seeds
 from gym_fork.testing.interrupts import interrupt_after
 
 
@@ -102,11 +103,7 @@ def main() -> int:
     ap.add_argument("--criu-dumps", action="store_true", help="every snapshot a CRIU dump (default: the fork tier)")
     ap.add_argument("--pickle", action="store_true", help="backend='pickle': the env runs in this process")
     args = ap.parse_args()
-    if "-" in args.seeds:
-        lo, hi = map(int, args.seeds.split("-"))
-        seeds = list(range(lo, hi + 1))
-    else:
-        seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = parse_seeds(args.seeds)
     broken = 0
     for seed in seeds:
         try:

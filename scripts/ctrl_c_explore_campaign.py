@@ -13,7 +13,6 @@ may be left but the env's own (the branches', the snapshot's). Prints what broke
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings
@@ -22,24 +21,8 @@ import gymnasium as gym
 import numpy as np
 
 import gym_fork
+from gym_fork.testing.campaigns import parse_seeds, worker_processes
 from gym_fork.testing.interrupts import interrupt_after
-from gym_fork.worker.resources import descendants_of
-
-
-def worker_processes() -> set[int]:
-    """Live gym_fork worker processes below this one (workers, frozen snapshots, copies)."""
-    out = set()
-    for p in descendants_of(os.getpid()):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{p}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"-m\0gym_fork.worker\0" in cmd and state not in "ZX":
-            out.add(p)
-    return out
 
 
 def run(seed: int, calls: int) -> tuple[int, int]:
@@ -91,11 +74,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="1-5", help="seeds, as 'A-B' or 'A,B,C' (default: 1-5)")
     ap.add_argument("--calls", type=int, default=40, help="explore() calls per seed (default: 40)")
     args = ap.parse_args()
-    if "-" in args.seeds:
-        lo, hi = map(int, args.seeds.split("-"))
-        seeds = list(range(lo, hi + 1))
-    else:
-        seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = parse_seeds(args.seeds)
     warnings.simplefilter("ignore", RuntimeWarning)  # (explore(): "all branches went on identically")
     broken = 0
     for seed in seeds:

@@ -44,6 +44,7 @@ MODULES = [
     "gym_fork.interrupts",
     "gym_fork.atfork",
     "gym_fork.testing.interrupts",
+    "gym_fork.testing.campaigns",
 ]
 # Modules whose examples are all marked +SKIP, and why.
 ONLY_SKIPPED = {

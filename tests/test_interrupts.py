@@ -826,20 +826,9 @@ def _children_of_me() -> list[int]:
 
 def _copies_besides(env) -> set[int]:
     """Worker processes below this test process, other than ``env``'s own worker."""
-    from gym_fork.worker.resources import descendants_of
+    from gym_fork.testing.campaigns import worker_processes
 
-    out = set()
-    for p in descendants_of(os.getpid()):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{p}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"-m\0gym_fork.worker\0" in cmd and state not in "ZX" and p != env.worker_pid:
-            out.add(p)
-    return out
+    return worker_processes() - {env.worker_pid}
 
 
 def _ctrl_c_at(cls, name: str, monkeypatch, nth: int = 1) -> list:
