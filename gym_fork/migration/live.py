@@ -146,7 +146,6 @@ class _RecordingHandle:
         self.inner.close()
 
 
-
 def _rollout_name(cmd: str, answer: Any) -> str | None:
     """The worker's name of the rollout ``answer`` answers (``rollout``, ``policy_rollout``)."""
     if cmd in ("rollout", "policy_rollout") and isinstance(answer, dict):
@@ -155,11 +154,15 @@ def _rollout_name(cmd: str, answer: Any) -> str | None:
     return None
 
 
-def _ids_arg(ids: dict[int, str]) -> tuple:
-    """``cmd_replay``'s trailing arguments: ``(generators, rollout_ids)`` where rollouts were
-    replayed, else none (a target of older gym_fork code takes no ``rollout_ids``; its replay of a
-    rollout answers with a name of its own and is refused as diverged, as before)."""
-    return (False, ids) if ids else ()
+def _replay_args(ids: dict[int, str], generators: bool) -> tuple:
+    """``cmd_replay``'s arguments after ``ops``: ``rollout_ids`` only where rollouts are replayed
+    (a target of older gym_fork code takes none; its replay of a rollout answers with a name of
+    its own and is refused as diverged, as before), ``generators`` only where asked for (older
+    still: none)."""
+    if ids:
+        return generators, ids
+    return (True,) if generators else ()
+
 
 class LiveMigration:
     """A pre-copy migration in progress; returned by ``env.migrate(target, live=True)``.
@@ -398,7 +401,7 @@ class LiveMigration:
             self._digests[i] = canonical_digest(ans)
             self._answers[i] = None
         theirs, generators = (self._replay_final(remote, ops, ids) if final else
-                              (remote.request("replay", ops, *_ids_arg(ids)), None))
+                              (remote.request("replay", ops, *_replay_args(ids, False)), None))
         for j, d in enumerate(theirs):
             if d != self._digests[lo + j]:
                 cmd = ops[j][0]
@@ -424,7 +427,7 @@ class LiveMigration:
         (their digests, by name) while the local worker reports its own (learner's thread: this
         is the switch's pause). Returns the replay's digests and (ours, theirs), or None where the
         worker runs older code that cannot report them."""
-        remote.send("replay", ops, True, *_ids_arg(ids)[1:])
+        remote.send("replay", ops, *_replay_args(ids, True))
         try:
             ours = self._local.request("rng_digests")
         except WorkerError as e:
@@ -440,7 +443,7 @@ class LiveMigration:
         if ours is None:
             log.warning("live migration to %s: this env's worker runs older gym_fork code, which cannot "
                         "report its random generators; switching without comparing them", self.target)
-            return (theirs[0] if theirs is not None else remote.request("replay", ops, *_ids_arg(ids))), None
+            return (theirs[0] if theirs is not None else remote.request("replay", ops, *_replay_args(ids, False))), None
         return theirs[0], (ours, theirs[1])
 
     def _release_snapshot(self) -> None:
