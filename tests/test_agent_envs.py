@@ -826,7 +826,11 @@ old = env.worker_pid
 def killed(images_dir):  # inside the restore, criu done: the tree it restored is ours, held
     kids = set()
     for path in glob.glob("/proc/self/task/*/children"):
-        kids.update(int(p) for p in open(path).read().split())
+        try:  # (a thread of the restore may end between the glob and the open)
+            with open(path) as f:
+                kids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            continue
     print(" ".join(str(k) for k in kids - {old}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 

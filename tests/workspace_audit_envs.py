@@ -463,11 +463,17 @@ class StoppedHelperEnv(_Base):
         # /proc is the host's (the worker is PID 1 of a PID namespace of its own): find the
         # helper among this process's children by its number in this namespace
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as f:
-                kids = f.read().split()
+            try:  # (a thread, or another child, may end between the listing and the open)
+                with open(f"/proc/self/task/{tid}/children") as f:
+                    kids = f.read().split()
+            except FileNotFoundError:
+                continue
             for kid in kids:
-                with open(f"/proc/{kid}/status") as f:
-                    status = dict(line.split(":", 1) for line in f if ":" in line)
+                try:
+                    with open(f"/proc/{kid}/status") as f:
+                        status = dict(line.split(":", 1) for line in f if ":" in line)
+                except FileNotFoundError:
+                    continue
                 if int(status["NSpid"].split()[-1]) == proc.pid:
                     return status["State"].split()[0]
         raise RuntimeError(f"no child {proc.pid}")

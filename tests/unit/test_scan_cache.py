@@ -92,8 +92,11 @@ RELEASED = textwrap.dedent(r'''
     left = [p for p in forked]
     zombies = []
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/children") as f:
-            zombies += f.read().split()
+        try:  # (a thread may end between the listing and the open)
+            with open(f"/proc/self/task/{tid}/children") as f:
+                zombies += f.read().split()
+        except FileNotFoundError:
+            continue
     with open(sys.argv[1], "w") as f:
         json.dump({"status_reads": len(reads), "forked_left": left, "children_left": zombies,
                    "fork_processes": scan.fork_processes}, f)
