@@ -26,6 +26,7 @@ from gym_fork.backends.base import Backend
 from gym_fork.env import (FAILED, ForkableEnv, WorkerCall, _refuse_unbound_tree, check_rng, close_envs, collect_calls,
                           ran_unanswered, share_cpus, start_envs, take_autoreset)
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
+from gym_fork.interrupts import held
 from gym_fork.snapshots import private_dirs
 from gym_fork.snapshots.snapshot import Snapshot
 from gym_fork.snapshots.workspace import remove_dirs
@@ -467,9 +468,12 @@ class ForkableVecEnv(VecEnv):
         """Put ``snapshot`` (taken in any slot) into slot ``index``; returns the slot's new
         observation, the one the snapshot's env had returned last. Other slots are untouched."""
         (env,) = self._idle_envs(index, "restore")
-        obs, info = env.restore(snapshot)
-        self._obs[index] = obs
-        self.reset_infos[index] = _reset_info(snapshot, info)
+        # a Ctrl-C raises once the slot's observation is its restored worker's: raised as the
+        # worker switched, it left current_obs the old state's, for the learner's next action
+        with held():
+            obs, info = env.restore(snapshot)
+            self._obs[index] = obs
+            self.reset_infos[index] = _reset_info(snapshot, info)
         return obs
 
     def fork_into(self, snapshot: Snapshot, indices: Sequence[int], *,
@@ -515,13 +519,27 @@ class ForkableVecEnv(VecEnv):
             raise
         # Each slot takes its new worker exactly as ForkableEnv.restore does: the old one is
         # stopped, and the slot's workspace files and private directories are put back too.
-        for k, (i, env, handle) in enumerate(zip(idx, targets, handles)):
-            self._obs[i], info = env._adopt_restored(handle, snapshot, roots[k] if roots else None, ws_binds[k])
-            self.reset_infos[i] = _reset_info(snapshot, info)
-        if rng == "reseed":  # the simulated state, and so the observation, stays as it is
-            seed_list = [int(s) for s in seeds] if seeds is not None else [
-                int(np.random.SeedSequence().entropy % (2**63)) for _ in targets]
-            _run(targets, "reseed", [(s,) for s in seed_list])
+        # A Ctrl-C raises once every slot has (a Ctrl-C between two slots left the later slots'
+        # restored workers running unowned, and current_obs the old states')
+        with held():
+            adopted = 0
+            try:
+                for k, (i, env, handle) in enumerate(zip(idx, targets, handles)):
+                    self._obs[i], info = env._adopt_restored(handle, snapshot, roots[k] if roots else None,
+                                                             ws_binds[k])
+                    adopted += 1
+                    self.reset_infos[i] = _reset_info(snapshot, info)
+            except BaseException:
+                # the slots after the failing one keep their workers: the copies made for them go
+                for k in range(adopted, len(handles)):
+                    if targets[k]._handle is not handles[k]:
+                        handles[k].kill()
+                private_dirs.remove(roots[adopted + 1:] if roots else [])
+                raise
+            if rng == "reseed":  # the simulated state, and so the observation, stays as it is
+                seed_list = [int(s) for s in seeds] if seeds is not None else [
+                    int(np.random.SeedSequence().entropy % (2**63)) for _ in targets]
+                _run(targets, "reseed", [(s,) for s in seed_list])
         return _stack_obs([self._obs[i] for i in idx], self.observation_space)
 
     # --- internals -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 
 from gym_fork.backends.base import Backend
 from gym_fork.errors import IncompleteStepError, RestoreError
+from gym_fork.interrupts import held
 from gym_fork.env import (ForkableEnv, WorkerCall, check_rng, close_envs, ran_unanswered, share_cpus, start_envs,
                           take_autoreset)
 from gym_fork.snapshots.snapshot import Snapshot
@@ -526,8 +527,9 @@ class ForkableVectorEnv(VectorEnv):
                 another env); the slot is unchanged.
         """
         i = self._slot(index)
-        info = self._restore_slot(i, snapshot)
-        self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
+        with held():  # a Ctrl-C raises after the slot's record follows its worker (_restore_slot)
+            info = self._restore_slot(i, snapshot)
+            self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
         obs = self._env_obs[i]
         return (copy_module.deepcopy(obs) if self.copy else obs), info
 
@@ -557,6 +559,8 @@ class ForkableVectorEnv(VectorEnv):
             gym_fork.errors.RestoreError: the snapshot cannot be restored here; no slot changed
                 when it is refused up front (released, of another env), and when a restore fails
                 part way, the slots listed before the failing one already hold the snapshot.
+            KeyboardInterrupt: a Ctrl-C lands once the slot being restored holds the snapshot
+                (reseeded as asked); the slots after it are untouched.
         """
         idx = [int(i) for i in indices]
         if not idx:
@@ -569,10 +573,13 @@ class ForkableVectorEnv(VectorEnv):
         snapshot.payload()  # a released snapshot is refused before any slot changes
         slot_infos = {}
         for k, i in enumerate(idx):
-            slot_infos[i] = self._restore_slot(i, snapshot)
-            if rng == "reseed":
-                seed = int(seeds[k]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
-                self.envs[i].set_wrapper_attr(_REQUEST, ("reseed", seed))
+            # a Ctrl-C raises between two slots: each holds its old state or the snapshot,
+            # reseeded as asked, with its record (_restore_slot)
+            with held():
+                slot_infos[i] = self._restore_slot(i, snapshot)
+                if rng == "reseed":
+                    seed = int(seeds[k]) if seeds is not None else int(np.random.SeedSequence().entropy % (2**63))
+                    self.envs[i].set_wrapper_attr(_REQUEST, ("reseed", seed))
         infos: dict[str, Any] = {}
         for i in sorted(slot_infos):
             infos = self._add_info(infos, slot_infos[i], i)
@@ -586,7 +593,11 @@ class ForkableVectorEnv(VectorEnv):
         return i
 
     def _restore_slot(self, i: int, snapshot: Snapshot) -> dict[str, Any]:
-        """Restore slot ``i`` and its autoreset bookkeeping; returns the slot's info."""
+        """Restore slot ``i`` and its autoreset bookkeeping; returns the slot's info. Call it
+        inside :func:`~gym_fork.interrupts.held`: a Ctrl-C between the slot's switch to the
+        restored worker and its record here left the record of the old state (whether its episode
+        had ended: the next step then reset a restored mid-episode slot, or stepped on past an
+        ended one)."""
         env = self.envs[i]
         unknown: list[bool] = []
         obs, info = env._restore(snapshot, lambda new, snap: self._accept(i, new, snap, unknown))

@@ -9,6 +9,7 @@ a snapshot's ``actions`` replayed elsewhere gave another state, silently.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -882,3 +883,101 @@ def test_ctrl_c_while_branches_are_made_or_closed_leaves_no_copy_behind(where, m
     finally:
         env.close()
         ref.close()
+
+
+def _cartpole(steps: int = 3):
+    return gym.make("CartPole-v1", max_episode_steps=steps)
+
+
+def test_ctrl_c_as_a_gymnasium_vector_slot_switches_leaves_the_slot_whole(monkeypatch):
+    """Ctrl-C while a ForkableVectorEnv slot switched to its restored worker was raised as the
+    switch ended, before the vector env recorded the slot's new state (found by
+    ``scripts/ctrl_c_vector_campaign.py``): a slot whose episode had ended, restored to a
+    mid-episode snapshot, kept its pending autoreset, and its next step reset the snapshot away.
+    Now the interrupt comes after the record, and the slot goes on from the snapshot."""
+    from gymnasium.vector import AutoresetMode
+
+    from gym_fork.env import ForkableEnv
+    from gym_fork.vector import ForkableVectorEnv
+
+    envs = ForkableVectorEnv([_cartpole] * 2, autoreset_mode=AutoresetMode.NEXT_STEP)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.array([1, 1]))
+        snap = envs.snapshot(1)  # mid-episode
+        envs.step(np.array([1, 1]))
+        envs.step(np.array([1, 1]))  # the episodes end (3 steps): both slots owe a reset
+        assert envs.pending_reset.all()
+        calls = _ctrl_c_at(ForkableEnv, "_switch_to", monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            envs.restore(0, snap)
+        assert calls
+        monkeypatch.undo()
+        assert not envs.pending_reset[0], "slot 0 holds a mid-episode snapshot but would be reset"
+        envs.restore(1, snap)  # (uninterrupted: the reference)
+        obs = envs.step(np.array([0, 0]))[0]
+        assert same(obs[0], obs[1]), "slot 0 did not go on from the snapshot"
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("call", ["restore", "fork_into"])
+def test_ctrl_c_as_an_sb3_vector_slot_switches_leaves_the_slots_whole(call, monkeypatch):
+    """Ctrl-C while ForkableVecEnv slots switched to restored workers (found by
+    ``scripts/ctrl_c_vector_campaign.py``): raised as the first slot's switch ended, it left
+    ``current_obs`` -- what SB3 acts on next -- the old state's, and a fork_into's later slots
+    never took their restored workers, which ran on with no owner. Now the interrupt comes once
+    every slot has switched and recorded its observation."""
+    from gym_fork.env import ForkableEnv
+    from gym_fork.testing.campaigns import worker_processes
+    from gym_fork.vec_env import ForkableVecEnv
+
+    venv = ForkableVecEnv(functools.partial(_cartpole, 50), n_envs=3)
+    try:
+        venv.seed(0)
+        venv.reset()
+        venv.step(np.array([1, 1, 1]))
+        snap = venv.snapshot(2)
+        want = venv.current_obs[2].copy()
+        venv.step(np.array([0, 0, 0]))
+        before = worker_processes()
+        calls = _ctrl_c_at(ForkableEnv, "_switch_to", monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            venv.restore(0, snap) if call == "restore" else venv.fork_into(snap, [0, 1])
+        assert calls
+        monkeypatch.undo()
+        slots = [0] if call == "restore" else [0, 1]
+        for i in slots:
+            assert same(venv.current_obs[i], want), f"slot {i}'s observation is not the snapshot's"
+        for e in venv.envs:  # (a replaced worker is told to end with its slot's next request)
+            e.get_wrapper_attr("_elapsed_steps")
+        snap.release()
+        owned = set(venv.worker_pids)
+        assert eventually(lambda: worker_processes() - owned <= before - owned, timeout=5), \
+            worker_processes() - owned - before
+        obs = venv.step(np.array([1, 1, 1]))[0]
+        assert same(obs[0], obs[slots[-1]])
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize("api", ["gymnasium", "sb3"])
+def test_the_vector_ctrl_c_campaign_finds_nothing_on_a_seed(api):
+    """``scripts/ctrl_c_vector_campaign.py`` on one seed (its own checks: every slot whole after
+    each interrupted restore or fork_into, every step bit for bit the model's, no worker left):
+    the campaign stays runnable, and what it found stays mended."""
+    import importlib.util
+
+    from gymnasium.vector import AutoresetMode
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "ctrl_c_vector_campaign.py")
+    spec = importlib.util.spec_from_file_location("ctrl_c_vector_campaign", path)
+    campaign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(campaign)
+    with testing_interrupts.interrupt_after(0):  # (SIGALRM's handler put back after)
+        if api == "gymnasium":
+            bad, interrupted = campaign.run(campaign.Gymnasium, 4, 60, AutoresetMode.NEXT_STEP)
+        else:
+            bad, interrupted = campaign.run(campaign.SB3, 4, 60, None)
+    assert bad == 0
+    assert interrupted > 0  # (the SIGINTs came inside the calls)
