@@ -981,3 +981,32 @@ def test_the_vector_ctrl_c_campaign_finds_nothing_on_a_seed(api):
             bad, interrupted = campaign.run(campaign.SB3, 4, 60, None)
     assert bad == 0
     assert interrupted > 0  # (the SIGINTs came inside the calls)
+
+
+@pytest.mark.criu
+def test_ctrl_c_while_a_stored_snapshot_is_removed_leaves_no_files_and_releases_it(tmp_path, monkeypatch):
+    """Ctrl-C in ``SnapshotStore.remove()`` after the entry was renamed aside (found by
+    ``scripts/ctrl_c_campaign.py --store``): its files stayed in the store as an uncounted
+    ``.tmp-rm-*`` directory until a ``gc()``, and its snapshot looked restorable. Now the removal
+    ends whole before the interrupt is raised."""
+    import shutil
+
+    store = gym_fork.SnapshotStore(str(tmp_path / "store"))
+    env = gym_fork.ForkableEnv("CartPole-v1", store=store)
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        snap = env.snapshot()
+        store.put(snap)
+        calls = _ctrl_c_at(shutil, "rmtree", monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            store.remove(snap.id)
+        assert calls
+        monkeypatch.undo()
+        assert not [n for n in os.listdir(store.path) if n.startswith(".tmp")], os.listdir(store.path)
+        assert snap.id not in store.list()
+        with pytest.raises(gym_fork.errors.RestoreError, match="removed from the store"):
+            env.restore(snap)
+        assert store.gc()["tmp_removed"] == 0
+    finally:
+        env.close()

@@ -44,6 +44,7 @@ import warnings
 from typing import Any, Collection, Iterator
 
 from gym_fork.errors import BundleDamagedError, BundleError, NoSpaceError, SnapshotCorruptedError, StoreError
+from gym_fork.interrupts import held
 from gym_fork.snapshots import private_dirs, quarantine, sessiondir
 from gym_fork.snapshots.budgets import MemoryBudget, disk_evictions
 from gym_fork.snapshots.bundle import bundle_meta, check_images, read_bundle_meta, sign_meta
@@ -444,14 +445,15 @@ class SnapshotStore:
             refs = self._refs(idx)
             sizes = {c: self._chunks.disk_bytes(c) for c in refs}
             evicted = freed = 0
-            for sid in disk_evictions(idx["snapshots"], self._recipe, refs, sizes, self.max_bytes, keep):
-                freed += idx["snapshots"][sid].get("own_bytes", 0)
-                self._remove_locked(idx, sid, why=f"evicted from the store {self.path} by its disk budget "
-                                                  f"(max_bytes={self.max_bytes}; pin() keeps one)")
-                self.stats["evicted"] += 1
-                evicted += 1
-            self._index.write(idx)
-            self._chunks.drop_unreferenced(refs)
+            with held():  # (the evicted entries' chunks go with them: cut before, they stayed until a gc())
+                for sid in disk_evictions(idx["snapshots"], self._recipe, refs, sizes, self.max_bytes, keep):
+                    freed += idx["snapshots"][sid].get("own_bytes", 0)
+                    self._remove_locked(idx, sid, why=f"evicted from the store {self.path} by its disk budget "
+                                                      f"(max_bytes={self.max_bytes}; pin() keeps one)")
+                    self.stats["evicted"] += 1
+                    evicted += 1
+                self._index.write(idx)
+                self._chunks.drop_unreferenced(refs)
             freed += sum(sizes[c] for c, n in refs.items() if n <= 0)
             left = (sum(e.get("own_bytes", 0) for e in idx["snapshots"].values())
                     + sum(sizes[c] for c, n in refs.items() if n > 0))
@@ -478,15 +480,18 @@ class SnapshotStore:
     def _remove_locked(self, idx: dict, sid: str, why: str | None = None) -> None:
         d = self._snap_dir(sid)
         trash = os.path.join(self.path, f"{_TMP_PREFIX}rm-{sid}-{os.urandom(3).hex()}")
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(d, trash)  # invisible in one step, then deleted
-            shutil.rmtree(trash, ignore_errors=True)
-        idx["snapshots"].pop(sid, None)
-        self._recipes.pop(sid, None)
-        s = self._handles.get(sid)
-        if s is not None:
-            s._released_why = why or f"removed from the store {self.path}"
-            s.release()
+        # (Ctrl-C waits until the entry is gone whole: cut after the rename, its files stayed
+        # as an uncounted .tmp-rm directory until a gc(), and its snapshot unreleased)
+        with held():
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(d, trash)  # invisible in one step, then deleted
+                shutil.rmtree(trash, ignore_errors=True)
+            idx["snapshots"].pop(sid, None)
+            self._recipes.pop(sid, None)
+            s = self._handles.get(sid)
+            if s is not None:
+                s._released_why = why or f"removed from the store {self.path}"
+                s.release()
 
     def remove(self, snap_id: str) -> None:
         """Delete one stored snapshot (and the chunks only it used).
@@ -502,10 +507,11 @@ class SnapshotStore:
                 mine = count_refs([self._recipe(snap_id)])
             except BundleDamagedError:  # its chunks cannot be told: gc sweeps what nothing uses
                 mine = {}
-            self._remove_locked(idx, snap_id)
-            others = self._refs(idx)
-            self._index.write(idx)
-            self._chunks.drop_unreferenced({c: others.get(c, 0) for c in mine})
+            with held():  # (its chunks go with it: cut before, they stayed on disk until a gc())
+                self._remove_locked(idx, snap_id)
+                others = self._refs(idx)
+                self._index.write(idx)
+                self._chunks.drop_unreferenced({c: others.get(c, 0) for c in mine})
 
     def gc(self, *, drop_quarantined: bool = False) -> dict:
         """Remove what crashed writers left (temp dirs, orphan chunks), check every entry (the
