@@ -82,6 +82,7 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto", store_dir
         if store is not None:
             first.pin()  # (never evicted: the run's way back)
         snaps = {first.id: (first, 0, 0)}  # id -> (snapshot, t, h) at the snapshot
+        taken = dict(snaps)  # every snapshot taken, also those removed since (the env's parent may be one)
         for i in range(calls):
             kind = rng.choice(kinds)
             a = int(rng.integers(1000))
@@ -126,7 +127,7 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto", store_dir
                         out = env.step(a)[0]
                         if kind == "snapshot":
                             s = env.snapshot()
-                            snaps[s.id] = (s, int(out[0]), int(out[2]))
+                            snaps[s.id] = taken[s.id] = (s, int(out[0]), int(out[2]))
             except KeyboardInterrupt:
                 interrupted += 1
                 fault = store_faults(store) if store is not None else None
@@ -142,7 +143,7 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto", store_dir
                 # (backend="pickle": an interrupt cut the env's own code; it refuses until a restore)
                 env.restore(first)
                 continue
-            parent = snaps.get(env._parent_id)
+            parent = taken.get(env._parent_id)
             if parent is None:
                 bad += 1
                 print(f"  call {i} {kind}: the env's parent snapshot is not one taken here")
