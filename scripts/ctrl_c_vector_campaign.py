@@ -28,11 +28,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from stable_baselines3.common.vec_env import DummyVecEnv
 
 from gym_fork.testing.campaigns import parse_seeds, worker_processes
 from gym_fork.testing.interrupts import interrupt_after
-from gym_fork.vec_env import ForkableVecEnv
 from gym_fork.vector import ForkableVectorEnv
 
 N = 3
@@ -106,6 +104,10 @@ class SB3(Gymnasium):
     """ForkableVecEnv and its model, DummyVecEnv with deep-copied sub-envs."""
 
     def __init__(self, seed: int, mode: AutoresetMode | None = None):
+        from stable_baselines3.common.vec_env import DummyVecEnv  # (here: the Gymnasium runs need no SB3)
+
+        from gym_fork.vec_env import ForkableVecEnv
+
         self.name = "ForkableVecEnv"
         self.ref = DummyVecEnv([make] * N)
         self.fv = ForkableVecEnv(make, n_envs=N)

@@ -928,6 +928,7 @@ def test_ctrl_c_as_an_sb3_vector_slot_switches_leaves_the_slots_whole(call, monk
     ``current_obs`` -- what SB3 acts on next -- the old state's, and a fork_into's later slots
     never took their restored workers, which ran on with no owner. Now the interrupt comes once
     every slot has switched and recorded its observation."""
+    pytest.importorskip("stable_baselines3")  # (the full suite's Python has it)
     from gym_fork.env import ForkableEnv
     from gym_fork.testing.campaigns import worker_processes
     from gym_fork.vec_env import ForkableVecEnv
@@ -978,6 +979,7 @@ def test_the_vector_ctrl_c_campaign_finds_nothing_on_a_seed(api):
         if api == "gymnasium":
             bad, interrupted = campaign.run(campaign.Gymnasium, 4, 60, AutoresetMode.NEXT_STEP)
         else:
+            pytest.importorskip("stable_baselines3")  # (the full suite's Python has it)
             bad, interrupted = campaign.run(campaign.SB3, 4, 60, None)
     assert bad == 0
     assert interrupted > 0  # (the SIGINTs came inside the calls)
