@@ -1012,3 +1012,30 @@ def test_ctrl_c_while_a_stored_snapshot_is_removed_leaves_no_files_and_releases_
         assert store.gc()["tmp_removed"] == 0
     finally:
         env.close()
+
+
+@pytest.mark.criu
+def test_the_migration_ctrl_c_campaign_finds_nothing_on_a_seed(agent):
+    """``scripts/ctrl_c_migration_campaign.py`` on one seed against a real local agent: moves
+    (stop and copy, live) cut by SIGINT at random moments leave the env answering what its history
+    says wherever it runs, and no worker behind on either side once it is closed."""
+    import importlib.util
+    import sys
+
+    here = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    sys.path.insert(0, here)  # (the campaign imports its env from ctrl_c_campaign.py beside it)
+    try:
+        spec = importlib.util.spec_from_file_location("ctrl_c_migration_campaign",
+                                                      os.path.join(here, "ctrl_c_migration_campaign.py"))
+        campaign = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(campaign)
+    finally:
+        sys.path.remove(here)
+    rng = np.random.default_rng(3)
+    totals = np.zeros(3, int)
+    with testing_interrupts.interrupt_after(0):  # (SIGALRM's handler put back after)
+        for k in range(6):
+            totals += campaign.round_(agent, rng, 3, k)
+    bad, interrupted, moved = totals
+    assert bad == 0
+    assert interrupted > 0 and moved > 0, totals
