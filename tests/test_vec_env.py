@@ -1185,3 +1185,35 @@ def test_restore_reached_through_an_sb3_wrapper_says_what_it_does_not_restore():
             inner.restore(0, snap)
     finally:
         venv.close()
+
+
+def test_a_fork_into_whose_slot_fails_to_switch_leaves_no_copy_running(monkeypatch):
+    """A fork_into() whose first slot fails to take its restored worker (here: the switch raises):
+    the copies made for the slots are killed, not left to the garbage collector (a traceback that
+    a notebook or debugger keeps holds them, running); the slots keep their workers and
+    observations, and step on."""
+    from gym_fork.env import ForkableEnv
+    from gym_fork.testing.campaigns import worker_processes
+
+    venv = ForkableVecEnv(lambda: gym.make("CartPole-v1"), n_envs=3)
+    try:
+        venv.seed(0)
+        venv.reset()
+        venv.step(np.array([1, 1, 1]))
+        snap = venv.snapshot(2)
+        venv.step(np.array([0, 0, 0]))
+        before, pids, obs = worker_processes(), venv.worker_pids, venv.current_obs.copy()
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("the switch failed")
+
+        monkeypatch.setattr(ForkableEnv, "_adopt_restored", fails)
+        with pytest.raises(RuntimeError, match="the switch failed"):
+            venv.fork_into(snap, [0, 1])
+        monkeypatch.undo()
+        assert venv.worker_pids == pids and same(venv.current_obs, obs)
+        snap.release()  # (its frozen process, and the ready copy it made anew, go with it)
+        assert eventually(lambda: worker_processes() <= before, timeout=5), worker_processes() - before
+        venv.step(np.array([1, 1, 1]))
+    finally:
+        venv.close()
