@@ -165,7 +165,7 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto", store_dir
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1-5", help="seeds, as 'A-B' or 'A,B,C' (default: 1-5)")
     ap.add_argument("--calls", type=int, default=150, help="calls per seed (default: 150)")
     ap.add_argument("--criu-dumps", action="store_true", help="every snapshot a CRIU dump (default: the fork tier)")

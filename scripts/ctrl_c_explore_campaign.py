@@ -70,7 +70,7 @@ def run(seed: int, calls: int) -> tuple[int, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1-5", help="seeds, as 'A-B' or 'A,B,C' (default: 1-5)")
     ap.add_argument("--calls", type=int, default=40, help="explore() calls per seed (default: 40)")
     args = ap.parse_args()

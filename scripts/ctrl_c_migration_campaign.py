@@ -109,7 +109,7 @@ def round_(nodes: Nodes, rng: np.random.Generator, seed: int, k: int) -> tuple[i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1-3", help="seeds, as 'A-B' or 'A,B,C' (default: 1-3)")
     ap.add_argument("--rounds", type=int, default=20, help="moves per seed, each of a new env (default: 20)")
     args = ap.parse_args()

@@ -246,7 +246,7 @@ def run(api: type, seed: int, calls: int, mode: AutoresetMode | None, interrupts
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1-3", help="seeds, as 'A-B' or 'A,B,C' (default: 1-3)")
     ap.add_argument("--calls", type=int, default=100, help="calls per seed and API (default: 100)")
     ap.add_argument("--no-interrupts", action="store_true",
