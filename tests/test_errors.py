@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import signal
@@ -15,7 +16,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import eventually, process_alive, started_elsewhere
+from conftest import eventually, process_alive, same, started_elsewhere
 
 import gym_fork
 from gym_fork.snapshots import sessiondir
@@ -23,6 +24,7 @@ from gym_fork.errors import (
     EnvClosedError,
     EnvNotShippableError,
     ForeignSnapshotError,
+    RestoreError,
     GymForkError,
     SnapshotCorruptedError,
     SnapshotError,
@@ -611,3 +613,39 @@ def test_a_call_between_step_send_and_step_receive_is_refused_and_the_reply_kept
         assert snap.steps == 3
     finally:
         env.close()
+
+
+@pytest.mark.criu
+def test_a_crashed_worker_takes_its_copy_on_write_snapshots_and_persisted_ones_restore_from_disk():
+    """A fork-tier snapshot is a frozen process in its worker's PID namespace, which ends with
+    the env's first worker: a crash of the env (here: SIGKILL) takes it. A snapshot persisted
+    before the crash has CRIU images on disk, but its restore still asked the dead frozen process
+    and failed (RestoreError), leaving nothing to recover from. Now it restores from its images,
+    exactly, and again after; one never persisted says why it is gone and how to keep one."""
+    env = gym_fork.ForkableEnv("CartPole-v1")
+    ref = gym.make("CartPole-v1")
+    try:
+        for e in (env, ref):
+            e.reset(seed=3)
+            e.step(1)
+        kept = env.snapshot()
+        kept.persist()
+        env.step(0)
+        lost = env.snapshot()
+        os.kill(env.worker_pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            env.step(1)
+        with pytest.raises(RestoreError, match="never persisted.*snap.persist"):
+            env.restore(lost)
+        for _ in range(2):  # (the second from the images straight away)
+            obs, _ = env.restore(kept)
+            assert env.steps == 1
+            ref_copy = copy.deepcopy(ref)
+            for a in (0, 1, 1, 0):
+                assert same(env.step(a)[0], ref_copy.step(a)[0])
+        [child] = env.fork(kept, 1)
+        assert same(child.step(1)[0], copy.deepcopy(ref).step(1)[0])
+        child.close()
+    finally:
+        env.close()
+        ref.close()

@@ -92,6 +92,14 @@ class CriuPayload:
         self.netns = netns  # the tree had a network namespace of its own: each restore gets a fresh one
 
 
+# why a copy-on-write snapshot can be lost, and how to keep one that is not
+_FROZEN_GONE = ("A copy-on-write snapshot is a frozen process in its env worker's PID namespace: it ends when "
+                "that namespace's first process does -- the env's original worker, until its first restore -- "
+                "e.g. when the env crashed or was killed. This snapshot was never persisted, so nothing of it is "
+                "left; the env is unchanged. A snapshot that must outlive a crash of its env: snap.persist() (CRIU "
+                "images on disk, restored from there once the frozen process is gone) or a SnapshotStore")
+
+
 class ForkPayload:
     """A copy-on-write snapshot: a frozen process holding the state, and optionally its image.
 
@@ -133,7 +141,7 @@ class ForkPayload:
                     send_fds(self.chan.sock, b"F", [fd])
                 reply = self._reply()
         except (ChannelClosed, OSError) as e:
-            raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
+            raise WorkerDiedError(f"the snapshot's frozen process{f' ({self._pid})' if self._pid else ''} died "
                                   f"during {cmd!r}") from e
         if reply[0] == OK:
             return reply[1]
@@ -160,7 +168,7 @@ class ForkPayload:
                         reply = self._reply()
                         out.append(reply[1] if reply[0] == OK else remote_exception(*reply[1:]))
             except (ChannelClosed, OSError) as e:
-                raise WorkerDiedError(f"the snapshot's frozen process ({self._pid or 'pid unknown'}) died "
+                raise WorkerDiedError(f"the snapshot's frozen process{f' ({self._pid})' if self._pid else ''} died "
                                       "during 'clone'") from e
             return out
 
@@ -523,12 +531,22 @@ class CriuBackend(Backend):
             # such a copy could never be persisted, bundled or migrated. A restored tree is born
             # in its namespace (see _restore_wrapper). The images are kept with the snapshot.
             if self._clones(payload, per):
-                if policies and n > 1 and not any(per) and not payload.spawned:
-                    return self._clone_preloaded(payload, n, list(policies), reseed)
-                return self._clone_many(payload, n, per, restoring, reseed)
+                try:
+                    if policies and n > 1 and not any(per) and not payload.spawned:
+                        return self._clone_preloaded(payload, n, list(policies), reseed)
+                    return self._clone_many(payload, n, per, restoring, reseed)
+                except RestoreError as e:
+                    if not isinstance(e.__cause__, WorkerDiedError):
+                        raise
+                    # The frozen process is gone -- it lives in its env worker's PID namespace,
+                    # which ends with the env's first worker (a crash, a kill) -- so restores come
+                    # from the snapshot's images from now on, where it has them
+                    payload.close()  # (its ready copies went with it)
+                    if payload.image is None:
+                        raise RestoreError(f"{e}. {_FROZEN_GONE}") from e
             if payload.image is None:
                 if payload.chan is None:
-                    raise SnapshotCorruptedError("the snapshot's frozen process is gone and it was never persisted")
+                    raise SnapshotCorruptedError(f"the snapshot's frozen process is gone. {_FROZEN_GONE}")
                 self.persist(payload)
             payload = payload.image
         self._require_criu("restoring a persisted snapshot")
