@@ -137,6 +137,7 @@ class SB3(Gymnasium):
 
 def run(api: type, seed: int, calls: int, mode: AutoresetMode | None, interrupts: bool = True) -> tuple[int, int]:
     rng = random.Random(seed)
+    others = worker_processes()  # (others', e.g. a test's: not this run's to end)
     v = api(seed, mode)
     saved: list = []  # (snapshot, the model's slot when it was taken)
     bad = interrupted = 0
@@ -232,7 +233,7 @@ def run(api: type, seed: int, calls: int, mode: AutoresetMode | None, interrupts
                 saved.clear()
                 for e in v.fv.envs:  # (a replaced worker is told to end with its slot's next request)
                     e.get_wrapper_attr("_elapsed_steps")
-                own = {e.worker_pid for e in v.fv.envs}
+                own = {e.worker_pid for e in v.fv.envs} | others
                 deadline = time.monotonic() + 5
                 while (left := worker_processes() - own) and time.monotonic() < deadline:
                     time.sleep(0.05)

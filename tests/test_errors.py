@@ -649,3 +649,48 @@ def test_a_crashed_worker_takes_its_copy_on_write_snapshots_and_persisted_ones_r
     finally:
         env.close()
         ref.close()
+
+
+def test_a_worker_killed_during_its_dump_is_said_to_have_died(monkeypatch):
+    """A worker killed while CRIU dumps it (its snapshot is a CRIU dump): the SnapshotError said
+    "the env keeps running", which was false. It now says the process died during the dump, and
+    the env's next call says the worker is gone."""
+    from gym_fork.criu import client
+
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=False)
+    real = client.dump
+
+    def killed_first(pid, *args, **kwargs):
+        os.kill(pid, signal.SIGKILL)
+        return real(pid, *args, **kwargs)
+
+    try:
+        env.reset(seed=0)
+        monkeypatch.setattr(client, "dump", killed_first)
+        with pytest.raises(SnapshotError, match="died during the dump") as info:
+            env.snapshot()
+        assert "keeps running" not in str(info.value)
+        monkeypatch.undo()
+        with pytest.raises(WorkerDiedError, match="SIGKILL"):
+            env.step(0)
+    finally:
+        env.close()
+
+
+def test_the_crash_campaign_finds_nothing_on_a_seed():
+    """``scripts/crash_campaign.py`` on one seed: workers and frozen snapshots killed at random
+    moments; every answer matches the env's history, persisted snapshots bring the env back after
+    each crash, an unpersisted one lost with its worker says so, and no worker is left."""
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    sys.path.insert(0, here)  # (the campaign imports its env from ctrl_c_campaign.py beside it)
+    try:
+        spec = importlib.util.spec_from_file_location("crash_campaign", os.path.join(here, "crash_campaign.py"))
+        campaign = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(campaign)
+    finally:
+        sys.path.remove(here)
+    bad, crashes = campaign.run(5, 120, True)
+    assert bad == 0
+    assert crashes > 0

@@ -92,6 +92,15 @@ class CriuPayload:
         self.netns = netns  # the tree had a network namespace of its own: each restore gets a fresh one
 
 
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` is a running process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 # why a copy-on-write snapshot can be lost, and how to keep one that is not
 _FROZEN_GONE = ("A copy-on-write snapshot is a frozen process in its env worker's PID namespace: it ends when "
                 "that namespace's first process does -- the env's original worker, until its first restore -- "
@@ -482,6 +491,9 @@ class CriuBackend(Backend):
             if "No space left on device" in tail:
                 raise no_space(OSError(errno.ENOSPC, "No space left on device"), root,
                                f"the CRIU images of worker {handle.pid}") from e
+            if not _runs(handle.pid):  # killed or crashed meanwhile: "keeps running" would be false
+                raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}): the process died during the "
+                                    f"dump (killed, or crashed), so nothing of it was dumped.\n{tail}") from e
             raise SnapshotError(f"CRIU dump of worker {handle.pid} failed ({e}); the env keeps running.\n{tail}") from e
         except BaseException:  # Ctrl-C: criu finished or was stopped (the client waits); no images kept
             shutil.rmtree(tmp, ignore_errors=True)
