@@ -14,6 +14,7 @@ It needs only Gymnasium and NumPy (no torch, no Stable-Baselines3); the SB3 coun
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import warnings
 from collections.abc import Callable, Sequence
@@ -356,7 +357,12 @@ class ForkableVectorEnv(VectorEnv):
                 sub-env's reply is read. Each sub-env's step count and action log say what its
                 worker did: a step that ran counts even where the reset right after it raised
                 (``SAME_STEP``) or its answer could not come back
-                (:class:`~gym_fork.errors.NotSendableError`). ``reset()`` brings all back in line.
+                (:class:`~gym_fork.errors.NotSendableError`). The other sub-envs' steps stand:
+                their record (observation, episode end, pending autoreset) follows their workers,
+                and the error's ``partial_step`` holds this step's results, ``(observations,
+                rewards, terminations, truncations, infos, failed)`` (``failed``: the slots whose
+                rows are their old ones). ``restore()`` or ``reset()`` the failed slots to go on;
+                ``reset()`` brings all back in line.
         """
         actions = list(iterate(self.action_space, actions))
         if len(actions) != self.num_envs:
@@ -432,12 +438,13 @@ class ForkableVectorEnv(VectorEnv):
                     results[i] = out[:4] + (reset,)
                 except Exception as e:  # noqa: BLE001
                     error = error or e
-        if error is not None:
-            # Some sub-envs did step: reset() brings them all back to a known state.
-            raise error
-
+        failed = [i for i in range(self.num_envs) if results[i] is None
+                  or (i in finals and not isinstance(results[i][4], tuple))]  # (its reset after the step raised)
         infos: dict[str, Any] = {}
         for i in range(self.num_envs):
+            if i in failed:
+                # (its record stays; the slot is where its worker is: restore() or reset() it)
+                continue
             if resetting[i]:
                 self._env_obs[i], env_info = results[i]
                 self._rewards[i] = 0.0
@@ -452,8 +459,16 @@ class ForkableVectorEnv(VectorEnv):
                  env_info) = results[i]
             infos = self._add_info(infos, env_info, i)
         self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
-        return (self._batch_obs(), np.copy(self._rewards), np.copy(self._terminations),
-                np.copy(self._truncations), infos)
+        out = (self._batch_obs(), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations), infos)
+        if error is not None:
+            # The other sub-envs did step (and reset at an episode's end). Their record above
+            # follows their workers -- before, it stayed where it was, so a learner that
+            # restored the failed slot and stepped on fed them stale observations and stepped
+            # past their episodes' ends -- and their results travel with the error.
+            with contextlib.suppress(AttributeError, TypeError):  # (an exception that takes no attribute)
+                error.partial_step = (*out, failed)
+            raise error
+        return out
 
     def render(self) -> tuple[Any, ...]:
         """Every sub-env's ``render()``, in slot order."""

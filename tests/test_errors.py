@@ -694,3 +694,38 @@ def test_the_crash_campaign_finds_nothing_on_a_seed():
     bad, crashes = campaign.run(5, 120, True)
     assert bad == 0
     assert crashes > 0
+
+
+def test_a_vector_step_whose_worker_died_keeps_the_other_slots_record_and_results():
+    """A Gymnasium vector step in which one slot's worker died: the other slots stepped, but their
+    record (observation, whether the episode ended) stayed as before, and their results were
+    dropped. A learner that restored the dead slot and stepped on stepped a slot past its
+    episode's end (no autoreset) from an observation it never had. Now their record follows
+    their workers, the error carries the step's results (``partial_step``), and after the dead
+    slot's restore the next step resets the ended episode, as a Gymnasium vector env does."""
+    from gymnasium.vector import AutoresetMode
+
+    from gym_fork.vector import ForkableVectorEnv
+
+    make = lambda: gym.make("CartPole-v1", max_episode_steps=2)  # noqa: E731
+    envs = ForkableVectorEnv([make] * 2, autoreset_mode=AutoresetMode.NEXT_STEP)
+    ref = make()
+    try:
+        envs.reset(seed=0)
+        ref.reset(seed=1)  # (slot 1's seed)
+        envs.step(np.array([1, 1]))
+        ref.step(1)
+        snap = envs.snapshot(0).persist()  # (a copy-on-write snapshot would die with the worker)
+        os.kill(envs.envs[0].worker_pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            envs.step(np.array([0, 0]))
+        obs, rewards, terminations, truncations, _infos, failed = info.value.partial_step
+        want = ref.step(0)
+        assert failed == [0] and same(obs[1], want[0]) and rewards[1] == want[1] and truncations[1]
+        assert envs.pending_reset[1], "slot 1's episode ended in that step: its next step must reset it"
+        envs.restore(0, snap)
+        obs = envs.step(np.array([1, 1]))[0]
+        assert same(obs[1], ref.reset()[0]), "slot 1 was stepped past its episode's end"
+    finally:
+        envs.close()
+        ref.close()
