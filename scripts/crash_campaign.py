@@ -15,19 +15,18 @@ the env is closed no worker may be left. Prints what broke that and, per seed,
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 
 import numpy as np
 
 import gym_fork
 from gym_fork.errors import RestoreError, WorkerDiedError
-from gym_fork.testing.campaigns import parse_seeds, worker_processes
+from gym_fork.testing.campaigns import parse_seeds, parser, report, worker_processes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ctrl_c_campaign import EchoEnv  # noqa: E402 - (the scripts directory, put on the path above)
@@ -167,24 +166,15 @@ def run(seed: int, calls: int, fork_tier: bool) -> tuple[int, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="1-3", help="seeds, as 'A-B' or 'A,B,C' (default: 1-3)")
-    ap.add_argument("--calls", type=int, default=150, help="calls per seed (default: 150)")
+    ap = parser(__doc__, seeds="1-3", count="calls", per_seed=150)
     ap.add_argument("--criu-dumps", action="store_true", help="every snapshot a CRIU dump (default: the fork tier)")
     args = ap.parse_args()
-    broken = 0
-    for seed in parse_seeds(args.seeds):
-        try:
-            bad, n = run(seed, args.calls, not args.criu_dumps)
-            print(f"seed {seed}: {bad} calls broken, {n} crashes", flush=True)
-            broken += bad > 0
-        except Exception as e:  # noqa: BLE001 - reported: the run ended there
-            where = traceback.extract_tb(e.__traceback__)[-4:]
-            print(f"seed {seed}: ended by {type(e).__name__}: {e}\n  at "
-                  + " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(where)), flush=True)
-            broken += 1
-    print(f"{broken} seeds broken")
-    return 1 if broken else 0
+
+    def one(seed: int) -> tuple[bool, str]:
+        bad, n = run(seed, args.calls, not args.criu_dumps)
+        return bad > 0, f"{bad} calls broken, {n} crashes"
+
+    return report((f"seed {seed}", functools.partial(one, seed)) for seed in parse_seeds(args.seeds))
 
 
 if __name__ == "__main__":

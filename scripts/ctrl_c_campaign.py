@@ -13,7 +13,7 @@ store must hold no damaged entry, an index that is its directory's, and no lefto
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
 import signal
 import sys
@@ -24,7 +24,7 @@ import gymnasium as gym
 import numpy as np
 
 import gym_fork
-from gym_fork.testing.campaigns import parse_seeds
+from gym_fork.testing.campaigns import parse_seeds, parser, report
 from gym_fork.testing.interrupts import interrupt_after
 
 
@@ -165,32 +165,24 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto", store_dir
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="1-5", help="seeds, as 'A-B' or 'A,B,C' (default: 1-5)")
-    ap.add_argument("--calls", type=int, default=150, help="calls per seed (default: 150)")
+    ap = parser(__doc__, seeds="1-5", count="calls", per_seed=150)
     ap.add_argument("--criu-dumps", action="store_true", help="every snapshot a CRIU dump (default: the fork tier)")
     ap.add_argument("--pickle", action="store_true", help="backend='pickle': the env runs in this process")
     ap.add_argument("--store", action="store_true",
                     help="a SnapshotStore (2 snapshots in memory, the rest spilled to disk) and calls that write, "
                          "load, remove and collect its entries, each checked for damage and leftovers")
     args = ap.parse_args()
-    seeds = parse_seeds(args.seeds)
     warnings.filterwarnings("ignore", message=".*over its disk budget")  # (the pinned first snapshot's)
-    broken = 0
-    for seed in seeds:
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                stats: dict = {}
-                bad, n = run(args.calls, seed, not args.criu_dumps, "pickle" if args.pickle else "auto",
-                             os.path.join(tmp, "store") if args.store else None, stats)
-            print(f"seed {seed}: {bad} calls answered with the accounting off, {n} interrupted"
-                  + (f"; store: {stats}" if args.store else ""))
-            broken += bad > 0
-        except Exception as e:  # noqa: BLE001 - reported: the run ended there
-            print(f"seed {seed}: ended by {type(e).__name__}: {e}")
-            broken += 1
-    print(f"{broken} of {len(seeds)} seeds broken")
-    return 1 if broken else 0
+
+    def one(seed: int) -> tuple[bool, str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            stats: dict = {}
+            bad, n = run(args.calls, seed, not args.criu_dumps, "pickle" if args.pickle else "auto",
+                         os.path.join(tmp, "store") if args.store else None, stats)
+        return bad > 0, (f"{bad} calls answered with the accounting off, {n} interrupted"
+                         + (f"; store: {stats}" if args.store else ""))
+
+    return report((f"seed {seed}", functools.partial(one, seed)) for seed in parse_seeds(args.seeds))
 
 
 if __name__ == "__main__":

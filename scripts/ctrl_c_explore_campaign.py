@@ -12,7 +12,7 @@ may be left but the env's own (the branches', the snapshot's). Prints what broke
 
 from __future__ import annotations
 
-import argparse
+import functools
 import sys
 import time
 import warnings
@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 import gym_fork
-from gym_fork.testing.campaigns import parse_seeds, worker_processes
+from gym_fork.testing.campaigns import parse_seeds, parser, report, worker_processes
 from gym_fork.testing.interrupts import interrupt_after
 
 
@@ -71,23 +71,14 @@ def run(seed: int, calls: int) -> tuple[int, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="1-5", help="seeds, as 'A-B' or 'A,B,C' (default: 1-5)")
-    ap.add_argument("--calls", type=int, default=40, help="explore() calls per seed (default: 40)")
-    args = ap.parse_args()
-    seeds = parse_seeds(args.seeds)
+    args = parser(__doc__, seeds="1-5", count="calls", per_seed=40).parse_args()
     warnings.simplefilter("ignore", RuntimeWarning)  # (explore(): "all branches went on identically")
-    broken = 0
-    for seed in seeds:
-        try:
-            bad, n = run(seed, args.calls)
-            print(f"seed {seed}: {bad} calls broken, {n} interrupted", flush=True)
-            broken += bad > 0
-        except Exception as e:  # noqa: BLE001 - reported: the run ended there
-            print(f"seed {seed}: ended by {type(e).__name__}: {e}", flush=True)
-            broken += 1
-    print(f"{broken} of {len(seeds)} seeds broken")
-    return 1 if broken else 0
+
+    def one(seed: int) -> tuple[bool, str]:
+        bad, n = run(seed, args.calls)
+        return bad > 0, f"{bad} calls broken, {n} interrupted"
+
+    return report((f"seed {seed}", functools.partial(one, seed)) for seed in parse_seeds(args.seeds))
 
 
 if __name__ == "__main__":

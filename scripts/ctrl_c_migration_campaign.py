@@ -14,7 +14,7 @@ within 5 s no worker may be left here nor under the agent. Prints what broke tha
 
 from __future__ import annotations
 
-import argparse
+import functools
 import sys
 import time
 
@@ -22,7 +22,7 @@ import numpy as np
 
 import gym_fork
 from gym_fork.migration.client import NetworkHandle
-from gym_fork.testing.campaigns import parse_seeds, worker_processes
+from gym_fork.testing.campaigns import parse_seeds, parser, report, worker_processes
 from gym_fork.testing.interrupts import interrupt_after
 from gym_fork.testing.nodes import Nodes
 
@@ -110,28 +110,20 @@ def round_(nodes: Nodes, rng: np.random.Generator, seed: int, k: int) -> tuple[i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="1-3", help="seeds, as 'A-B' or 'A,B,C' (default: 1-3)")
-    ap.add_argument("--rounds", type=int, default=20, help="moves per seed, each of a new env (default: 20)")
-    args = ap.parse_args()
-    broken = 0
+    args = parser(__doc__, seeds="1-3", count="rounds", per_seed=20).parse_args()
+
+    def one(nodes: Nodes, seed: int) -> tuple[bool, str]:
+        rng = np.random.default_rng(seed)
+        bad = interrupted = moved = 0
+        for k in range(args.rounds):
+            b, i, m = round_(nodes, rng, seed, k)
+            bad, interrupted, moved = bad + b, interrupted + i, moved + m
+            if b:
+                break
+        return bad > 0, f"{bad} rounds broken, {interrupted} interrupted, {moved} moved"
+
     with Nodes(["B"], use_netns=False) as nodes:
-        for seed in parse_seeds(args.seeds):
-            rng = np.random.default_rng(seed)
-            bad = interrupted = moved = 0
-            try:
-                for k in range(args.rounds):
-                    b, i, m = round_(nodes, rng, seed, k)
-                    bad, interrupted, moved = bad + b, interrupted + i, moved + m
-                    if b:
-                        break
-            except Exception as e:  # noqa: BLE001 - reported: the seed ended there
-                print(f"  seed {seed}: ended by {type(e).__name__}: {e}")
-                bad += 1
-            print(f"seed {seed}: {bad} rounds broken, {interrupted} interrupted, {moved} moved", flush=True)
-            broken += bad > 0
-    print(f"{broken} seeds broken")
-    return 1 if broken else 0
+        return report((f"seed {seed}", functools.partial(one, nodes, seed)) for seed in parse_seeds(args.seeds))
 
 
 if __name__ == "__main__":

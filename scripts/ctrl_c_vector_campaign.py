@@ -17,8 +17,8 @@ process may be left but the slots' own. Prints what broke that and
 
 from __future__ import annotations
 
-import argparse
 import copy
+import functools
 import random
 import sys
 import time
@@ -29,7 +29,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from gym_fork.testing.campaigns import parse_seeds, worker_processes
+from gym_fork.testing.campaigns import parse_seeds, parser, report, worker_processes
 from gym_fork.testing.interrupts import interrupt_after
 from gym_fork.vector import ForkableVectorEnv
 
@@ -247,30 +247,22 @@ def run(api: type, seed: int, calls: int, mode: AutoresetMode | None, interrupts
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="1-3", help="seeds, as 'A-B' or 'A,B,C' (default: 1-3)")
-    ap.add_argument("--calls", type=int, default=100, help="calls per seed and API (default: 100)")
+    ap = parser(__doc__, seeds="1-3", count="calls", per_seed=100)
     ap.add_argument("--no-interrupts", action="store_true",
                     help="the same calls, no SIGINT: a control run, for what the interrupts alone break")
     ap.add_argument("--api", choices=["gymnasium", "sb3", "both"], default="both", help="which vector API (default: both)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # (gymnasium's "step() after terminated": the model steps the same)
-    broken = runs = 0
     apis = ([(Gymnasium, m) for m in AutoresetMode] if args.api != "sb3" else []) + (
         [(SB3, None)] if args.api != "gymnasium" else [])
-    for seed in parse_seeds(args.seeds):
-        for api, mode in apis:
-            runs += 1
-            name = api.__name__ + (f" {mode.name}" if mode else "")
-            try:
-                bad, n = run(api, seed, args.calls, mode, not args.no_interrupts)
-                print(f"seed {seed} {name}: {bad} calls broken, {n} interrupted", flush=True)
-                broken += bad > 0
-            except Exception as e:  # noqa: BLE001 - reported: the run ended there
-                print(f"seed {seed} {name}: ended by {type(e).__name__}: {e}", flush=True)
-                broken += 1
-    print(f"{broken} of {runs} runs broken")
-    return 1 if broken else 0
+
+    def one(api: type, seed: int, mode: AutoresetMode | None) -> tuple[bool, str]:
+        bad, n = run(api, seed, args.calls, mode, not args.no_interrupts)
+        return bad > 0, f"{bad} calls broken, {n} interrupted"
+
+    return report((f"seed {seed} {api.__name__}" + (f" {mode.name}" if mode else ""),
+                   functools.partial(one, api, seed, mode))
+                  for seed in parse_seeds(args.seeds) for api, mode in apis)
 
 
 if __name__ == "__main__":
