@@ -29,7 +29,7 @@ from gym_fork.errors import RestoreError, WorkerDiedError
 from gym_fork.testing.campaigns import parse_seeds, parser, report, worker_processes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ctrl_c_campaign import EchoEnv  # noqa: E402 - (the scripts directory, put on the path above)
+from ctrl_c_campaign import EchoEnv, history_fault  # noqa: E402 - (the scripts directory, put on the path above)
 
 
 def kill(pid: int | None) -> None:
@@ -144,14 +144,10 @@ def run(seed: int, calls: int, fork_tier: bool) -> tuple[int, int]:
                 bad += 1
                 print(f"  seed {seed} call {i}: the env's parent snapshot {env._parent_id} is not one taken here")
                 continue
-            t, h = parent
-            for x in env._actions:
-                h = (h * 31 + int(x)) % 1_000_003
-            if not (env.steps == int(out[0]) == t + len(env._actions) and h == int(out[2])):
-                bad += 1
-                print(f"  seed {seed} call {i}: the env counts {env.steps} steps ({t} + {len(env._actions)} "
-                      f"actions), the worker answered {out}")
-                return bad, crashes
+            fault = history_fault(env, *parent, out)
+            if fault:
+                print(f"  seed {seed} call {i}: {fault}")
+                return bad + 1, crashes
     finally:
         env.close()
         for s, *_ in snaps.values():

@@ -45,6 +45,18 @@ class EchoEnv(gym.Env):
         return np.array([self.t, action, self.h], dtype=np.float64), 0.0, False, False, {}
 
 
+def history_fault(env: gym_fork.ForkableEnv, t: int, h: int, out: np.ndarray) -> str | None:
+    """What is wrong with the env's accounting, given ``out``, its worker's last EchoEnv
+    observation, and ``(t, h)`` at its parent snapshot: its step count and its recorded actions
+    since that snapshot, hashed on from there, must give the worker's."""
+    for x in env._actions:
+        h = (h * 31 + int(x)) % 1_000_003
+    if env.steps == int(out[0]) == t + len(env._actions) and h == int(out[2]):
+        return None
+    return (f"the env counts {env.steps} steps ({t} + {len(env._actions)} actions), the worker is at step "
+            f"{int(out[0])} with hash {int(out[2])} (the history's: {h})")
+
+
 #: the store's disk budget: a few of EchoEnv's spilled workers, so that writes evict older ones
 STORE_BYTES = 36 << 20
 
@@ -148,13 +160,10 @@ def run(calls: int, seed: int, fork_tier: bool, backend: str = "auto", store_dir
                 bad += 1
                 print(f"  call {i} {kind}: the env's parent snapshot is not one taken here")
                 continue
-            _, t, h = parent
-            for x in env._actions:
-                h = (h * 31 + int(x)) % 1_000_003
-            if not (env.steps == int(out[0]) == t + len(env._actions) and h == int(out[2])):
+            fault = history_fault(env, parent[1], parent[2], out)
+            if fault:
                 bad += 1
-                print(f"  call {i} {kind}: the env counts {env.steps} steps ({t} + {len(env._actions)} actions), "
-                      f"the worker is at step {int(out[0])} (parent {env._parent_id}, call on {sid})")
+                print(f"  call {i} {kind}: {fault} (parent {env._parent_id}, call on {sid})")
                 env.restore(first)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
