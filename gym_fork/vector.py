@@ -425,6 +425,7 @@ class ForkableVectorEnv(VectorEnv):
                 if i in calls and ran_unanswered(e):  # (it reset: only its answer did not come back)
                     self.envs[i]._record_reset()
         finals: dict[int, tuple] = {}
+        unreset: set[int] = set()
         if same_step:  # (also where another sub-env failed: a worker that reset is accounted for)
             for i in sent:
                 out = results[i]
@@ -435,11 +436,14 @@ class ForkableVectorEnv(VectorEnv):
                     reset = take_autoreset(self.envs[i], out[4])
                     if reset is None and error is None:  # an older gym_fork's worker: a request of its own
                         reset = self.envs[i].reset()
-                    results[i] = out[:4] + (reset,)
                 except Exception as e:  # noqa: BLE001
-                    error = error or e
-        failed = [i for i in range(self.num_envs) if results[i] is None
-                  or (i in finals and not isinstance(results[i][4], tuple))]  # (its reset after the step raised)
+                    error, reset = error or e, None
+                if reset is None:
+                    unreset.add(i)
+                else:
+                    results[i] = out[:4] + (reset,)
+        # (a slot whose step or reset failed, or whose episode ended with no reset after it)
+        failed = [i for i in range(self.num_envs) if results[i] is None or i in unreset]
         infos: dict[str, Any] = {}
         for i in range(self.num_envs):
             if i in failed:
