@@ -442,8 +442,9 @@ class ForkableVectorEnv(VectorEnv):
                     unreset.add(i)
                 else:
                     results[i] = out[:4] + (reset,)
-        # (a slot whose step or reset failed, or whose episode ended with no reset after it)
-        failed = [i for i in range(self.num_envs) if results[i] is None or i in unreset]
+        # (a slot whose step or reset failed, or whose episode ended with no reset after it: only
+        # ever with an error, so a step that went well builds no list)
+        failed = [i for i in range(self.num_envs) if results[i] is None or i in unreset] if error is not None else ()
         infos: dict[str, Any] = {}
         for i in range(self.num_envs):
             if i in failed:
@@ -470,7 +471,7 @@ class ForkableVectorEnv(VectorEnv):
             # restored the failed slot and stepped on fed them stale observations and stepped
             # past their episodes' ends -- and their results travel with the error.
             with contextlib.suppress(AttributeError, TypeError):  # (an exception that takes no attribute)
-                error.partial_step = (*out, failed)
+                error.partial_step = (*out, list(failed))
             raise error
         return out
 
