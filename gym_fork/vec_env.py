@@ -530,11 +530,12 @@ class ForkableVecEnv(VecEnv):
                     adopted += 1
                     self.reset_infos[i] = _reset_info(snapshot, info)
             except BaseException:
-                # the slots after the failing one keep their workers: the copies made for them go
-                for k in range(adopted, len(handles)):
-                    if targets[k]._handle is not handles[k]:
-                        handles[k].kill()
-                private_dirs.remove(roots[adopted + 1:] if roots else [])
+                # the slots from the failing one on keep their workers: the copies made for them,
+                # and their private directories' copies, go
+                gone = [k for k in range(adopted, len(handles)) if targets[k]._handle is not handles[k]]
+                for k in gone:
+                    handles[k].kill()
+                private_dirs.remove([roots[k] for k in gone] if roots else [])
                 raise
             if rng == "reseed":  # the simulated state, and so the observation, stays as it is
                 seed_list = [int(s) for s in seeds] if seeds is not None else [
