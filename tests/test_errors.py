@@ -216,6 +216,39 @@ def test_worker_restored_then_killed(env):
         env.step(0)
 
 
+def test_a_copy_on_write_copy_that_died_is_not_said_to_be_running():
+    """A restored or forked fork-tier copy is its frozen snapshot's child, not this process's: its
+    death (here a segfault) was reported as "it is still running but closed its channel". Now it
+    is said to have exited, and a fork killed with its PID namespace, which ended with its parent
+    env's first worker, is told that this may be why."""
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        snap = env.snapshot()
+        kids = env.fork(snap, 1)
+        env.restore(snap)
+        os.kill(env.worker_pid, signal.SIGSEGV)
+        with pytest.raises(WorkerDiedError, match="has exited") as info:
+            env.step(0)
+        assert "still running" not in str(info.value)
+        env.restore(snap)  # the env goes on from its snapshot
+        env.step(0)
+        other = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+        try:
+            other.reset(seed=1)
+            [kid] = other.fork(other.snapshot(), 1)  # a copy in `other`'s first worker's namespace
+            os.kill(other.worker_pid, signal.SIGKILL)
+            assert eventually(lambda: not process_alive(kid.worker_pid))  # (its namespace ends after the kill)
+            with pytest.raises(WorkerDiedError, match="has exited.*ended with its PID namespace"):
+                kid.step(0)
+        finally:
+            other.close()
+        for kid in kids:
+            kid.close()
+    finally:
+        env.close()
+
+
 class _SlowOnOne(gym.Env):
     """Steps in microseconds, except action 1, which takes 0.5 s."""
 

@@ -792,8 +792,6 @@ class RemoteHandle(Handle):
                 rc = self._popen.wait(timeout=2)
                 status = _describe_returncode(rc)
             elif self._child:
-                import time
-
                 deadline = time.monotonic() + 2
                 while True:
                     wpid, st = os.waitpid(self.pid, os.WNOHANG)
@@ -803,6 +801,17 @@ class RemoteHandle(Handle):
                     if time.monotonic() > deadline:
                         break
                     time.sleep(0.01)
+            elif self.pid:
+                # another process's child (a copy-on-write copy: its frozen snapshot's, or its
+                # namespace's reaper's): not ours to wait for, but /proc tells a zombie's status
+                deadline = time.monotonic() + 2
+                while (found := _ended_as(self.pid)) is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if found is not None:
+                    status = found
+                    if self.fork_tier and not self.ns_root and ("SIGKILL" in found or found == _REAPED):
+                        status += ("; a copy-on-write copy may also have ended with its PID namespace: with the "
+                                   "first worker of the env it was forked from, if that env had not restored yet")
         except (subprocess.TimeoutExpired, ChildProcessError):
             pass
         self._status = status
@@ -990,6 +999,29 @@ def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -
             threading.Thread(target=wait, daemon=True, name="gym_fork-reap").start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python >= 3.12):
             pass  # an env left open until exit; it is ending, and this process too, which nobody waits for
+
+
+_REAPED = "it has exited (its parent process collected its exit status, so how is not known here)"
+
+
+def _ended_as(pid: int) -> str | None:
+    """How process ``pid``, not our child, ended, read from ``/proc`` while it is a zombie (its
+    ``exit_code`` field, as ``waitpid`` reports it); "it has exited" once its parent has reaped
+    it; None while it runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return _REAPED
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()  # from field 3, the state, on
+    if fields[0] not in (b"Z", b"X"):
+        return None
+    try:
+        return _describe_returncode(os.waitstatus_to_exitcode(int(fields[49])))  # field 52: exit_code
+    except (IndexError, ValueError):
+        return "it has exited"
 
 
 def _describe_returncode(rc: int) -> str:
