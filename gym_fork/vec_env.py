@@ -273,7 +273,12 @@ class ForkableVecEnv(VecEnv):
                 reply is read. Each slot's step count and action log say what its worker did: a
                 step that ran counts even where the reset right after it raised or its answer
                 could not come back (:class:`~gym_fork.errors.NotSendableError`);
-                :attr:`current_obs` holds where each slot is. ``reset()`` brings all back in line.
+                :attr:`current_obs` holds where each slot is. The other slots' steps stand: the
+                error's ``partial_step`` holds this step's results, ``(observations, rewards,
+                dones, infos, failed)``, as ``step_wait`` returns them, with a row of no step
+                (the slot's observation before it, reward 0, not done, an empty info) for each
+                slot in ``failed``. ``restore()`` or ``reset()`` those to go on; ``reset()``
+                brings all back in line.
         """
         if not self.waiting:
             raise RuntimeError("step_wait() without step_async()")
@@ -313,28 +318,20 @@ class ForkableVecEnv(VecEnv):
             _abandon(self.envs, self._step_actions)
             self._incomplete = "interrupted while the replies were read"
             raise
-        if error is not None or reset_error is not None:
-            # the other slots did step (and reset at an episode's end): their results cannot come
-            # with the error, but current_obs says where each worker now is, as after any step
-            # (before, it kept the observations from before this step: a learner that went on
-            # from it fed slot i's old observation with slot i's next action). reset() brings all
-            # back in line (or, for a dead worker, restore() of its slot: stepping on is the
-            # caller's choice, as after any error).
-            reset_out = {**reset_now, **dict(zip(resets, reset_results))}
-            for i, out in enumerate(results):
-                if out is FAILED:
-                    continue
-                if i in reset_out:
-                    if reset_out[i] is FAILED:
-                        continue
-                    self._obs[i], self.reset_infos[i] = reset_out[i]
-                else:
-                    self._obs[i] = out[0]
-            raise error or reset_error
-
         obs, rews, dones, infos = [], [], [], []
+        failed: list[int] = []
         reset_out = {**reset_now, **dict(zip(resets, reset_results))}
-        for i, (o, reward, terminated, truncated, info) in enumerate(results):
+        for i, out in enumerate(results):
+            if out is FAILED or ((out[2] or out[3]) and reset_out[i] is FAILED):
+                # (no row of this step: the slot's observation stays where it was; its step count
+                # says what its worker did. restore() or reset() it)
+                failed.append(i)
+                obs.append(self._obs[i])
+                rews.append(0.0)
+                dones.append(False)
+                infos.append({})
+                continue
+            o, reward, terminated, truncated, info = out
             done = terminated or truncated
             # See https://github.com/openai/gym/issues/3102 (as SB3)
             info["TimeLimit.truncated"] = truncated and not terminated
@@ -346,8 +343,19 @@ class ForkableVecEnv(VecEnv):
             rews.append(reward)
             dones.append(done)
             infos.append(info)
+        # where a slot failed, the others did step (and reset at an episode's end): current_obs
+        # follows every worker (before, it kept the observations from before this step: a learner
+        # that went on from it fed slot i's old observation with slot i's next action)
         self._obs = obs
-        return _stack_obs(obs, self.observation_space), np.stack(rews), np.stack(dones), infos
+        if error is None and reset_error is None:
+            return _stack_obs(obs, self.observation_space), np.stack(rews), np.stack(dones), infos
+        # ... and their rewards, episode ends and infos travel with the error (they were lost);
+        # a courtesy that never replaces the error (an exception that takes no attribute)
+        error = error or reset_error
+        with contextlib.suppress(Exception):
+            error.partial_step = (_stack_obs(obs, self.observation_space), np.stack(rews), np.stack(dones), infos,
+                                  failed)
+        raise error
 
     def close(self) -> None:
         if self.closed:

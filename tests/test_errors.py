@@ -762,3 +762,43 @@ def test_a_vector_step_whose_worker_died_keeps_the_other_slots_record_and_result
     finally:
         envs.close()
         ref.close()
+
+
+@pytest.mark.parametrize("max_steps", [2, 50], ids=["episode-ends", "mid-episode"])
+def test_an_sb3_vector_step_whose_worker_died_keeps_the_other_slots_results(max_steps):
+    """SB3's ``ForkableVecEnv``: a step in which one slot's worker died raised with the other
+    slots' rewards, episode ends and infos dropped (a learner lost a real transition of each).
+    Now the error's ``partial_step`` holds them, as ``step_wait`` returns them (the reset's
+    observation and ``terminal_observation`` where an episode ended), with an empty row for the
+    failed slot; ``current_obs`` follows the workers and the dead slot's restore goes on exactly."""
+    pytest.importorskip("stable_baselines3")
+    from gym_fork.vec_env import ForkableVecEnv
+
+    make = lambda: gym.make("CartPole-v1", max_episode_steps=max_steps)  # noqa: E731
+    venv = ForkableVecEnv([make] * 2)
+    ref = make()
+    try:
+        venv.seed(0)
+        before = venv.reset()
+        ref.reset(seed=1)  # (slot 1's seed)
+        venv.step(np.array([1, 1]))
+        ref.step(1)
+        snap = venv.snapshot(0).persist()  # (a copy-on-write snapshot would die with the worker)
+        os.kill(venv.worker_pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            venv.step(np.array([0, 0]))
+        obs, rewards, dones, infos, failed = info.value.partial_step
+        want = ref.step(0)
+        assert failed == [0] and rewards[0] == 0 and not dones[0] and infos[0] == {}
+        assert obs.shape == before.shape and rewards[1] == want[1] and dones[1] == (want[2] or want[3])
+        if dones[1]:
+            assert same(infos[1]["terminal_observation"], want[0]) and infos[1]["TimeLimit.truncated"]
+            assert not same(obs[1], want[0])  # the reset's observation
+        else:
+            assert same(obs[1], want[0])
+        assert same(venv.current_obs[1], obs[1])
+        venv.restore(0, snap)
+        assert venv.envs[0].steps == 1
+    finally:
+        venv.close()
+        ref.close()
