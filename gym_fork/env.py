@@ -299,6 +299,7 @@ class ForkableEnv(gym.Wrapper):
         per = [*(binds or ()), *ws_binds]
         made: list[str] = []
         try:
+            _spare_namespace(snapshot)
             snapshot._note_restored()
             with snapshot._open_payload() as payload:  # images kept in a SnapshotStore: reassembled
                 if ws is not None and getattr(snapshot, "workspace", None) and be.reopens_paths(payload, per):
@@ -816,6 +817,8 @@ class ForkableEnv(gym.Wrapper):
         if counted:
             self._restore_rate.taken(snap)
         snap._mirror = self._meta  # replaced, never changed in place (_refresh_meta): no copy needed
+        if self._backend.dies_with(payload, self._handle):
+            snap._namespace_of = (weakref.ref(self), weakref.ref(self._handle))
         snap._worker_polls = self._handle.worker_polls  # (its copies are told only where they differ)
         if self._workspace is not None:
             attach_workspace(snap, self._workspace, self._ws_known)
@@ -866,6 +869,7 @@ class ForkableEnv(gym.Wrapper):
         self._check_open()
         self._check_snapshot(snapshot)
         self._end_live("restore() replaces the worker")
+        _spare_namespace(snapshot, (self,))
         # (held: the blocks inside, which cannot be cut, run as one: one handler swap, ~30-60 µs
         # here, instead of one per block)
         with self._one_call("a restore was made"), held():  # the worker it replaces takes no other call
@@ -986,6 +990,7 @@ class ForkableEnv(gym.Wrapper):
         snap = self._side_snapshot() if own else snapshot
         try:
             self._check_snapshot(snap)
+            _spare_namespace(snap)
             with snap._open_payload() as payload:
                 capacity.check_copies(payload, n, max_copies=max_copies)
                 # each child's workspace first: its processes may run before the worker answers
@@ -1354,6 +1359,29 @@ class ForkableEnv(gym.Wrapper):
         old, self._handle = self._handle, new
         self._box[0] = new
         return old
+
+    def _leave_namespace_init(self) -> None:
+        """Run on from a copy of the current state, the worker it replaces retired into a reaper
+        that holds its PID namespace open (as after any restore): see :func:`_spare_namespace`.
+        The env's timeline (parent, actions, steps) is left as it was. Where the switch fails,
+        the env runs on as before. Not with ``private_dirs``: the frozen snapshots its worker
+        took work in that worker's private copy, which a switch would let go (not built)."""
+        if self._private is not None:
+            return
+        parent, actions = self._parent_id, None if self._actions is None else list(self._actions)
+        try:
+            snap = self._side_snapshot()  # (a copy ahead would save nothing: the clone waits for this fork)
+        except Exception as e:  # noqa: BLE001 - the env runs on as it was
+            log.debug("gym_fork: the env stays on its namespace's init (%s: %s)", type(e).__name__, e)
+            return
+        try:
+            snap._namespace_of = None  # (this very switch)
+            self._restore(snap)
+        except Exception as e:  # noqa: BLE001 - the env runs on as it was
+            log.debug("gym_fork: the env stays on its namespace's init (%s: %s)", type(e).__name__, e)
+        finally:
+            self._parent_id, self._actions = parent, actions
+            snap.release()
 
     def _side_snapshot(self) -> Snapshot:
         """A snapshot of the current state that leaves the env's timeline alone: the next user
@@ -1738,6 +1766,34 @@ def _own_attr(env: ForkableEnv, name: str) -> bool:
     Gymnasium's ``hasattr(self, name)`` check, which a Wrapper without ``__getattr__`` passes
     only for its own attributes."""
     return hasattr(type(env), name) or name in env.__dict__
+
+
+def _spare_namespace(snap: Snapshot, into: Sequence["ForkableEnv"] = ()) -> None:
+    """Before ``snap`` is copied into the envs ``into`` (whose workers the copies replace) or into
+    new ones: where ``snap`` is a frozen process
+    in the PID namespace of the worker the env that took it still runs on -- that namespace's
+    init, the env's first worker or one CRIU restored --, that env first moves to a copy of its
+    current state (:meth:`ForkableEnv._leave_namespace_init`).
+
+    Why: a namespace, and every process in it, ends with its init. A copy of ``snap`` made for
+    another env (a fork, another slot of a vector env, a branch) would die with the taking env's
+    worker -- a crash of one env (a segfault, the OOM killer) would take envs that are
+    independent of it. The taking env's own restores need none of this: the worker a restore
+    replaces retires into a reaper that holds the namespace open. The taking env's own
+    copy-on-write snapshots still end with it: keep those with ``persist()``. The price, once
+    per such worker: two forks in a row (~10 ms for LunarLander here), and that env now runs
+    as a copy, which (as after any restore) cannot be dumped with child processes it starts
+    later."""
+    mark = snap._namespace_of
+    if mark is None:
+        return
+    owner, handle = mark[0](), mark[1]()
+    if any(owner is env for env in into):
+        return  # (a copy replaces its worker too, which retires into a reaper)
+    snap._namespace_of = None
+    if owner is None or owner.closed or handle is None or owner._handle is not handle or handle.closed:
+        return  # (closed, or moved on: the namespace's init is a reaper already)
+    owner._leave_namespace_init()
 
 
 def _refuse_unbound_tree(backend: Backend, handles: Sequence[Handle], snapshot: Snapshot, owns: Sequence[str]) -> None:

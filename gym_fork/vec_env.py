@@ -23,8 +23,8 @@ from stable_baselines3.common.vec_env.base_vec_env import (VecEnv, VecEnvIndices
 from stable_baselines3.common.vec_env.subproc_vec_env import _stack_obs
 
 from gym_fork.backends.base import Backend
-from gym_fork.env import (FAILED, ForkableEnv, WorkerCall, _refuse_unbound_tree, check_rng, close_envs, collect_calls,
-                          ran_unanswered, share_cpus, start_envs, take_autoreset)
+from gym_fork.env import (FAILED, ForkableEnv, WorkerCall, _refuse_unbound_tree, _spare_namespace, check_rng, close_envs,
+                          collect_calls, ran_unanswered, share_cpus, start_envs, take_autoreset)
 from gym_fork.errors import EnvClosedError, IncompleteStepError, WorkerError
 from gym_fork.interrupts import held
 from gym_fork.snapshots import private_dirs
@@ -504,6 +504,7 @@ class ForkableVecEnv(VecEnv):
             env._check_snapshot(snapshot)
         for env in targets:
             env._end_live("fork_into() replaces the worker")
+        _spare_namespace(snapshot, targets)
         roots, binds = targets[0]._private_copies(snapshot, len(targets))  # private_dirs: a copy each
         # each slot's workspace shown at the paths the snapshot's processes know (ForkableEnv._workspace_binds)
         ws_binds = [env._workspace_binds(snapshot, env._workspace.path if env._workspace else None) for env in targets]

@@ -923,11 +923,15 @@ def test_envs_left_open_until_the_interpreter_exits_end_quietly(tmp_path, fork_t
         "env.reset(seed=0)\n"
         "snap = env.snapshot()\n"
         "env.step(0)\n"
-        "kids = env.fork(snap, 2)\n"  # (the first worker runs on: its namespace's init)
+        "kids = env.fork(snap, 2)\n"  # (the env moved to a copy first: its first worker a reaper)
         "other = gym_fork.make('CartPole-v1')\n"
         "other.reset(seed=1)\n"
         "other.restore(other.snapshot())\n"  # (a copy in that one)
-        "print('pids', env._handle.pid, other._handle.pid, *[k._handle.pid for k in kids], flush=True)\n")
+        "third = gym_fork.make('CartPole-v1')\n"
+        "third.reset(seed=2)\n"
+        "held = third.snapshot()\n"  # (the first worker runs on: its namespace's init, with a frozen child)
+        "print('pids', env._handle.pid, other._handle.pid, third._handle.pid, *[k._handle.pid for k in kids], "
+        "flush=True)\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr

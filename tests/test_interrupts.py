@@ -940,6 +940,7 @@ def test_ctrl_c_as_an_sb3_vector_slot_switches_leaves_the_slots_whole(call, monk
         venv.step(np.array([1, 1, 1]))
         snap = venv.snapshot(2)
         want = venv.current_obs[2].copy()
+        venv.restore(2, snap)  # (slot 2 on a copy now: no switch of its own before the copies below)
         venv.step(np.array([0, 0, 0]))
         before = worker_processes()
         calls = _ctrl_c_at(ForkableEnv, "_switch_to", monkeypatch)

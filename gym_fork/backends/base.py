@@ -809,9 +809,6 @@ class RemoteHandle(Handle):
                     time.sleep(0.01)
                 if found is not None:
                     status = found
-                    if self.fork_tier and not self.ns_root and ("SIGKILL" in found or found == _REAPED):
-                        status += ("; a copy-on-write copy may also have ended with its PID namespace: with the "
-                                   "first worker of the env it was forked from, if that env had not restored yet")
         except (subprocess.TimeoutExpired, ChildProcessError):
             pass
         self._status = status
@@ -1108,6 +1105,12 @@ class Backend(abc.ABC):
 
     def is_persisted(self, payload: Any) -> bool:
         """Whether the snapshot is on disk (restorable without the memory it may hold)."""
+        return False
+
+    def dies_with(self, payload: Any, handle: Handle) -> bool:
+        """Whether ``payload`` and every copy made from it live in ``handle``'s worker's PID
+        namespace while that worker is its init: a copy-on-write snapshot it just froze (the
+        namespace, and all in it, ends with that worker). Nowhere else, as a rule."""
         return False
 
     def describe(self) -> str:

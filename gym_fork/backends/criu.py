@@ -103,8 +103,8 @@ def _runs(pid: int) -> bool:
 
 # why a copy-on-write snapshot can be lost, and how to keep one that is not
 _FROZEN_GONE = ("A copy-on-write snapshot is a frozen process in its env worker's PID namespace: it ends when "
-                "that namespace's first process does -- the env's original worker, until its first restore -- "
-                "e.g. when the env crashed or was killed. This snapshot was never persisted, so nothing of it is "
+                "that namespace's first process does -- the env's original worker, until its first restore or "
+                "fork -- e.g. when the env crashed or was killed, and when it is killed itself (the OOM killer). This snapshot was never persisted, so nothing of it is "
                 "left; the env is unchanged. A snapshot that must outlive a crash of its env: snap.persist() (CRIU "
                 "images on disk, restored from there once the frozen process is gone) or a SnapshotStore")
 
@@ -879,6 +879,11 @@ class CriuBackend(Backend):
             return
         if payload.owned:
             shutil.rmtree(payload.path, ignore_errors=True)
+
+    def dies_with(self, payload: CriuPayload | ForkPayload, handle: Handle) -> bool:
+        # a frozen process is a child in its worker's PID namespace, its copies too
+        return (isinstance(payload, ForkPayload) and payload.chan is not None and isinstance(handle, RemoteHandle)
+                and handle.ns_root and handle.fork_tier and not handle.closed)
 
     def is_persisted(self, payload: CriuPayload | ForkPayload) -> bool:
         return isinstance(payload, CriuPayload) or payload.image is not None

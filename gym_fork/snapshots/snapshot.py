@@ -99,6 +99,9 @@ class Snapshot:
     #: not stored with it: a snapshot loaded from disk counts as polling
     _worker_polls = True
     _restored: list | None = None  # [restored yet?], shared with the taking env's RestoreRate
+    #: (the taking env, its worker) as weak references, while that worker is the init of the PID
+    #: namespace this snapshot's frozen process lives in: see ForkableEnv._spare_namespace
+    _namespace_of: tuple | None = None
 
     def __init__(self, *, backend: PayloadBackend, payload: Any, size_bytes: int, steps: int,
                  parent_id: str | None, lineage: str | None, actions: list | None,
