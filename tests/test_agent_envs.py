@@ -750,6 +750,29 @@ def test_children_after_fork_tier_snapshots_move_them_out():
         env.close()
 
 
+def test_an_env_forked_before_it_starts_children_says_why_it_cannot_be_dumped_with_them():
+    """The price of forks that outlive their parent's crash (env._spare_namespace): the parent
+    moved to a copy when its snapshot was first copied into another env, and a copy cannot be
+    CRIU-dumped with child processes it starts later. That is refused, plainly, with the fix;
+    the fork and the parent's earlier snapshot stay usable."""
+    env = gym_fork.ForkableEnv(agent_envs.pipe_child)
+    try:
+        s0 = env.snapshot()  # before reset(): no child yet, a fork-tier snapshot
+        [kid] = env.fork(s0, 1)
+        env.reset(seed=4)  # the child starts
+        env.step(1)
+        with pytest.raises(UncapturableStateError, match=r"moved to one when a snapshot of it was first copied.*"
+                                                         r"fork_tier=False"):
+            env.snapshot()
+        env.step(0)  # the env runs on
+        kid.reset(seed=4)
+        kid.step(1)
+        kid.close()
+        env.restore(s0)
+    finally:
+        env.close()
+
+
 def test_restore_away_from_a_clone_with_children_leaves_none(monkeypatch):
     """A copy-on-write clone that started a child is replaced by a restore (killed, not asked to
     close, nor retired to stop its children itself later): its env's child goes with it."""

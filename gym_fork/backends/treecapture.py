@@ -90,8 +90,9 @@ def check_tree(scan: Scan, *, criu_ok: bool, private_network: bool, unavailable:
             "unprivileged user namespaces so that CRIU runs (`gym-fork doctor` says how); or keep the env's "
             "state in its own memory (no threads, child processes or open files between steps).", need)
     if not scan.ns_init or scan.fork_processes:
-        why = ("it runs as a copy-on-write clone (restored or forked from an in-memory snapshot), which "
-               "CRIU cannot dump together with its child processes" if not scan.ns_init else
+        why = ("it runs as a copy-on-write clone (restored or forked from an in-memory snapshot, or moved "
+               "to one when a snapshot of it was first copied into another env: fork(), explore(), another "
+               "vector slot), which CRIU cannot dump together with its child processes" if not scan.ns_init else
                f"its process tree also holds gym_fork's in-memory snapshots or branches (pids "
                f"{scan.fork_processes}), which a dump of the whole tree would include")
         raise UncapturableStateError(
