@@ -1770,10 +1770,10 @@ def _own_attr(env: ForkableEnv, name: str) -> bool:
 
 def _spare_namespace(snap: Snapshot, into: Sequence["ForkableEnv"] = ()) -> None:
     """Before ``snap`` is copied into the envs ``into`` (whose workers the copies replace) or into
-    new ones: where ``snap`` is a frozen process
-    in the PID namespace of the worker the env that took it still runs on -- that namespace's
-    init, the env's first worker or one CRIU restored --, that env first moves to a copy of its
-    current state (:meth:`ForkableEnv._leave_namespace_init`).
+    new ones: where ``snap`` is a frozen process in the PID namespace of the worker that the env
+    which took it still runs on -- that namespace's init: the env's first worker, or one CRIU
+    restored --, that env first moves to a copy of its current state
+    (:meth:`ForkableEnv._leave_namespace_init`).
 
     Why: a namespace, and every process in it, ends with its init. A copy of ``snap`` made for
     another env (a fork, another slot of a vector env, a branch) would die with the taking env's

@@ -17,31 +17,21 @@ the model. After the env is closed no worker may be left. Prints what broke that
 
 from __future__ import annotations
 
-import functools
 import os
 import random
-import signal
 import sys
 import threading
 import time
-import warnings
 
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from gym_fork.errors import WorkerDiedError
-from gym_fork.testing.campaigns import parse_seeds, parser, report, worker_processes
+from gym_fork.testing.campaigns import parser, report, worker_processes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ctrl_c_vector_campaign import N, SB3, Gymnasium  # noqa: E402 - (the scripts directory, put on the path above)
-
-
-def kill(pid: int | None) -> None:
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+from crash_campaign import kill  # noqa: E402 - (the scripts directory, put on the path above)
+from ctrl_c_vector_campaign import N, SB3, Gymnasium, add_api_option, runs_of  # noqa: E402
 
 
 def row_fault(v: Gymnasium, want: tuple, got: tuple, slots: list[int]) -> str | None:
@@ -157,19 +147,14 @@ def run(api: type, seed: int, calls: int, mode: AutoresetMode | None) -> tuple[i
 
 def main() -> int:
     ap = parser(__doc__, seeds="1-3", count="calls", per_seed=150)
-    ap.add_argument("--api", choices=["gymnasium", "sb3", "both"], default="both", help="which vector API (default: both)")
+    add_api_option(ap)
     args = ap.parse_args()
-    warnings.simplefilter("ignore")  # (gymnasium's "step() after terminated": the model steps the same)
-    apis = ([(Gymnasium, m) for m in AutoresetMode] if args.api != "sb3" else []) + (
-        [(SB3, None)] if args.api != "gymnasium" else [])
 
     def one(api: type, seed: int, mode: AutoresetMode | None) -> tuple[bool, str]:
         bad, n = run(api, seed, args.calls, mode)
         return bad > 0, f"{bad} calls broken, {n} crashes"
 
-    return report((f"seed {seed} {api.__name__}" + (f" {mode.name}" if mode else ""),
-                   functools.partial(one, api, seed, mode))
-                  for seed in parse_seeds(args.seeds) for api, mode in apis)
+    return report(runs_of(args, one))
 
 
 if __name__ == "__main__":

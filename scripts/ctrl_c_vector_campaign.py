@@ -246,23 +246,33 @@ def run(api: type, seed: int, calls: int, mode: AutoresetMode | None, interrupts
     return bad, interrupted
 
 
+def add_api_option(ap: Any) -> None:
+    ap.add_argument("--api", choices=["gymnasium", "sb3", "both"], default="both", help="which vector API (default: both)")
+
+
+def runs_of(args: Any, one: Any) -> Any:
+    """``(name, run)`` per seed of ``args.seeds`` and per vector API of ``args.api`` (Gymnasium's in
+    each autoreset mode): ``one(api, seed, mode)`` runs it. Silences Gymnasium's "step() after
+    terminated" warnings: the model steps the same."""
+    warnings.simplefilter("ignore")
+    apis = ([(Gymnasium, m) for m in AutoresetMode] if args.api != "sb3" else []) + (
+        [(SB3, None)] if args.api != "gymnasium" else [])
+    return ((f"seed {seed} {api.__name__}" + (f" {mode.name}" if mode else ""), functools.partial(one, api, seed, mode))
+            for seed in parse_seeds(args.seeds) for api, mode in apis)
+
+
 def main() -> int:
     ap = parser(__doc__, seeds="1-3", count="calls", per_seed=100)
     ap.add_argument("--no-interrupts", action="store_true",
                     help="the same calls, no SIGINT: a control run, for what the interrupts alone break")
-    ap.add_argument("--api", choices=["gymnasium", "sb3", "both"], default="both", help="which vector API (default: both)")
+    add_api_option(ap)
     args = ap.parse_args()
-    warnings.simplefilter("ignore")  # (gymnasium's "step() after terminated": the model steps the same)
-    apis = ([(Gymnasium, m) for m in AutoresetMode] if args.api != "sb3" else []) + (
-        [(SB3, None)] if args.api != "gymnasium" else [])
 
     def one(api: type, seed: int, mode: AutoresetMode | None) -> tuple[bool, str]:
         bad, n = run(api, seed, args.calls, mode, not args.no_interrupts)
         return bad > 0, f"{bad} calls broken, {n} interrupted"
 
-    return report((f"seed {seed} {api.__name__}" + (f" {mode.name}" if mode else ""),
-                   functools.partial(one, api, seed, mode))
-                  for seed in parse_seeds(args.seeds) for api, mode in apis)
+    return report(runs_of(args, one))
 
 
 if __name__ == "__main__":

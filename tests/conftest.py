@@ -197,6 +197,23 @@ def eventually(cond, timeout: float = 5.0, every: float = 0.01) -> bool:
     return bool(cond())
 
 
+def campaign(name: str):
+    """The module of ``scripts/<name>.py`` (a campaign), loaded with ``scripts/`` on the path
+    while it loads: campaigns import their envs from one another."""
+    import importlib.util
+    import sys
+
+    here = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    sys.path.insert(0, here)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(here)
+    return module
+
+
 def run_actions(env: gym.Env, actions: list) -> tuple[list, int]:
     """Step through ``actions``, resetting (unseeded: the env's own RNG) at episode ends.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import eventually, process_alive, same, started_elsewhere
+from conftest import campaign as load_campaign, eventually, process_alive, same, started_elsewhere
 
 import gym_fork
 from gym_fork.snapshots import sessiondir
@@ -700,17 +701,7 @@ def test_the_crash_campaign_finds_nothing_on_a_seed():
     """``scripts/crash_campaign.py`` on one seed: workers and frozen snapshots killed at random
     moments; every answer matches the env's history, persisted snapshots bring the env back after
     each crash, an unpersisted one lost with its worker says so, and no worker is left."""
-    import importlib.util
-
-    here = os.path.join(os.path.dirname(__file__), "..", "scripts")
-    sys.path.insert(0, here)  # (the campaign imports its env from ctrl_c_campaign.py beside it)
-    try:
-        spec = importlib.util.spec_from_file_location("crash_campaign", os.path.join(here, "crash_campaign.py"))
-        campaign = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(campaign)
-    finally:
-        sys.path.remove(here)
-    bad, crashes = campaign.run(5, 120, True)
+    bad, crashes = load_campaign("crash_campaign").run(5, 120, True)
     assert bad == 0
     assert crashes > 0
 
@@ -813,25 +804,12 @@ def test_the_vector_crash_campaign_finds_nothing_on_a_seed():
     """``scripts/crash_vector_campaign.py`` on one seed, both vector APIs: slot workers killed in
     steps; the other slots' rows of each failed step match the model, the dead slot restores from
     a persisted snapshot, and no worker is left."""
-    import importlib.util
-
     from gymnasium.vector import AutoresetMode
 
-    here = os.path.join(os.path.dirname(__file__), "..", "scripts")
-    sys.path.insert(0, here)  # (the campaign imports its vector envs from ctrl_c_vector_campaign.py beside it)
-    try:
-        spec = importlib.util.spec_from_file_location("crash_vector_campaign",
-                                                      os.path.join(here, "crash_vector_campaign.py"))
-        campaign = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(campaign)
-    finally:
-        sys.path.remove(here)
+    campaign = load_campaign("crash_vector_campaign")
     runs = [(campaign.Gymnasium, AutoresetMode.NEXT_STEP)]
-    try:
-        import stable_baselines3  # noqa: F401
+    if importlib.util.find_spec("stable_baselines3") is not None:  # (not in the Python tier without SB3)
         runs.append((campaign.SB3, None))
-    except ImportError:  # (the Python tier without SB3)
-        pass
     for api, mode in runs:
         bad, crashes = campaign.run(api, 4, 80, mode)
         assert bad == 0

@@ -21,7 +21,7 @@ import pytest
 import gym_fork
 from gym_fork.testing import interrupts as testing_interrupts
 
-from conftest import eventually, same
+from conftest import campaign as load_campaign, eventually, same
 
 SLOW = 99  # the action that takes a while: the alarm interrupts it
 
@@ -968,14 +968,9 @@ def test_the_vector_ctrl_c_campaign_finds_nothing_on_a_seed(api):
     """``scripts/ctrl_c_vector_campaign.py`` on one seed (its own checks: every slot whole after
     each interrupted restore or fork_into, every step bit for bit the model's, no worker left):
     the campaign stays runnable, and what it found stays mended."""
-    import importlib.util
-
     from gymnasium.vector import AutoresetMode
 
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "ctrl_c_vector_campaign.py")
-    spec = importlib.util.spec_from_file_location("ctrl_c_vector_campaign", path)
-    campaign = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(campaign)
+    campaign = load_campaign("ctrl_c_vector_campaign")
     with testing_interrupts.interrupt_after(0):  # (SIGALRM's handler put back after)
         if api == "gymnasium":
             bad, interrupted = campaign.run(campaign.Gymnasium, 4, 60, AutoresetMode.NEXT_STEP)
@@ -1020,18 +1015,7 @@ def test_the_migration_ctrl_c_campaign_finds_nothing_on_a_seed(agent):
     """``scripts/ctrl_c_migration_campaign.py`` on one seed against a real local agent: moves
     (stop and copy, live) cut by SIGINT at random moments leave the env answering what its history
     says wherever it runs, and no worker behind on either side once it is closed."""
-    import importlib.util
-    import sys
-
-    here = os.path.join(os.path.dirname(__file__), "..", "scripts")
-    sys.path.insert(0, here)  # (the campaign imports its env from ctrl_c_campaign.py beside it)
-    try:
-        spec = importlib.util.spec_from_file_location("ctrl_c_migration_campaign",
-                                                      os.path.join(here, "ctrl_c_migration_campaign.py"))
-        campaign = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(campaign)
-    finally:
-        sys.path.remove(here)
+    campaign = load_campaign("ctrl_c_migration_campaign")
     rng = np.random.default_rng(3)
     totals = np.zeros(3, int)
     with testing_interrupts.interrupt_after(0):  # (SIGALRM's handler put back after)

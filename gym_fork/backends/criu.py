@@ -104,8 +104,8 @@ def _runs(pid: int) -> bool:
 # why a copy-on-write snapshot can be lost, and how to keep one that is not
 _FROZEN_GONE = ("A copy-on-write snapshot is a frozen process in its env worker's PID namespace: it ends when "
                 "that namespace's first process does -- the env's original worker, until its first restore or "
-                "fork -- e.g. when the env crashed or was killed, and when it is killed itself (the OOM killer). This snapshot was never persisted, so nothing of it is "
-                "left; the env is unchanged. A snapshot that must outlive a crash of its env: snap.persist() (CRIU "
+                "fork -- e.g. when the env crashed or was killed, and when it is killed itself (the OOM killer). "
+                "This snapshot was never persisted, so nothing of it is left; the env is unchanged. A snapshot that must outlive a crash of its env: snap.persist() (CRIU "
                 "images on disk, restored from there once the frozen process is gone) or a SnapshotStore")
 
 
