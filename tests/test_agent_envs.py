@@ -1011,10 +1011,11 @@ def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only
 @pytest.mark.parametrize("handler", ["ignore", "count"], ids=["SIG_IGN", "python-handler"])
 @pytest.mark.parametrize("fork_tier", [True, False], ids=["fork-tier", "criu-dumps"])
 def test_the_envs_own_sigchld_handling_continues_in_every_copy(tmp_path, fork_tier, handler):
-    """A frozen snapshot ignores SIGCHLD (its copies are not its to wait for); the copies it forks
-    -- restores, ``fork()`` children, and the process a persisted snapshot dumps -- must handle it
-    as the env did. With SIG_IGN every tool's exit status reads 0; a copy left with SIG_DFL read
-    the real ones (3 instead of 0) and a Python handler never ran there."""
+    """A frozen snapshot handles SIGCHLD its own way (it collects its copies and writes down how
+    they ended: gym_fork.worker.exits); the copies it forks -- restores, ``fork()`` children,
+    and the process a persisted snapshot dumps -- must handle it as the env did. With SIG_IGN
+    every tool's exit status reads 0; a copy left with SIG_DFL read the real ones (3 instead of
+    0) and a Python handler never ran there."""
     env = gym_fork.ForkableEnv(functools.partial(agent_envs.tool_exit, handler), fork_tier=fork_tier)
     env.reset(seed=0)
     env.step(1)

@@ -217,20 +217,83 @@ def test_worker_restored_then_killed(env):
         env.step(0)
 
 
-def test_a_copy_on_write_copy_that_died_is_not_said_to_be_running():
-    """A restored or forked fork-tier copy is its frozen snapshot's child, not this process's: its
-    death (here a segfault) was reported as "it is still running but closed its channel". Now it
-    is said to have exited (how, its parent process knows: a copy's is its frozen snapshot)."""
-    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
-    try:
-        env.reset(seed=0)
-        snap = env.snapshot()
+class _ExitsOnOne(gym.Env):
+    """Steps as usual, except action 1, on which the process exits with code 3 (a native
+    library's ``exit(3)`` on an error it cannot recover from), and action 2: exit code 0."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if action:
+            os._exit(3 if action == 1 else 0)
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+def _copy_whose_parent_is(parent: str, env: gym_fork.ForkableEnv) -> gym_fork.Snapshot:
+    """Make ``env`` run on a fork-tier copy (not this process's child) whose parent is
+    ``parent``; returns a snapshot to go on from."""
+    env.reset(seed=0)
+    snap = env.snapshot()
+    if parent == "its frozen snapshot":
         env.restore(snap)
-        os.kill(env.worker_pid, signal.SIGSEGV)
-        with pytest.raises(WorkerDiedError, match="has exited") as info:
-            env.step(0)
-        assert "still running" not in str(info.value)
+    elif parent == "the namespace's reaper":  # its snapshot released: the copy was handed over
+        env.restore(snap)
+        env.step(0)
+        back = env.snapshot()
+        env.restore(back)
+        back.release()  # (the copy restored from `back` goes to the namespace's reaper)
+    else:  # "moved off the namespace's init" by a fork of its snapshot (test_a_crash_of_an_env_spares_its_forks)
+        for child in env.fork(snap, 1):
+            child.close()
+    return snap
+
+
+@pytest.mark.parametrize("parent", ["its frozen snapshot", "the namespace's reaper", "moved off the namespace's init"])
+@pytest.mark.parametrize("ending, said", [
+    pytest.param(signal.SIGSEGV, "killed by SIGSEGV", id="segfault"),
+    pytest.param(signal.SIGKILL, "killed by SIGKILL", id="sigkill"),
+    pytest.param(1, "exited with code 3", id="exit-3")])
+def test_a_copy_on_write_copy_that_died_says_how(parent, ending, said):
+    """A restored or forked fork-tier copy is its frozen snapshot's child (or, once that is
+    released, its namespace's reaper's), not this process's, and only a parent learns how its
+    child ended: the frozen snapshots ignored SIGCHLD, and a copy's death (a segfault in a
+    native env, the OOM killer's SIGKILL, an exit(3)) was reported as "it has exited (... how
+    is not known here)" -- most of an env's workers after its first restore or fork are such
+    copies. Now its parent writes down how (gym_fork.worker.exits), and the error says it."""
+    env = gym_fork.ForkableEnv(_ExitsOnOne, fork_tier=True)
+    try:
+        snap = _copy_whose_parent_is(parent, env)
+        assert not env._handle._child and env._handle._popen is None  # (not ours to wait for)
+        if isinstance(ending, signal.Signals):
+            os.kill(env.worker_pid, ending)
+            action = 0
+        else:
+            action = ending
+        with pytest.raises(WorkerDiedError) as info:
+            env.step(action)
+        assert said in str(info.value)
+        assert "not known" not in str(info.value) and "still running" not in str(info.value)
         env.restore(snap)  # the env goes on from its snapshot
+        env.step(0)
+    finally:
+        env.close()
+
+
+def test_a_copy_on_write_copy_that_exited_with_0_is_not_said_to_be_running():
+    """A copy that exits with status 0 is not written down (one retires at every restore): it
+    is said to have exited (with code 0, where the parent had not collected it yet), never to be
+    "still running but closed its channel"."""
+    env = gym_fork.ForkableEnv(_ExitsOnOne, fork_tier=True)
+    try:
+        snap = _copy_whose_parent_is("its frozen snapshot", env)
+        with pytest.raises(WorkerDiedError, match="has exited|exited with code 0") as info:
+            env.step(2)
+        assert "still running" not in str(info.value)
+        env.restore(snap)
         env.step(0)
     finally:
         env.close()

@@ -21,9 +21,10 @@ import weakref
 from typing import Any, Callable
 
 from gym_fork.interrupts import held
+from gym_fork.snapshots import sessiondir
 from gym_fork.errors import (ConcurrentUseError, BundleError, IncompleteStepError, NotSendableError, StoreError,
                              WorkerDiedError, WorkerError, remote_exception)
-from gym_fork.worker import files
+from gym_fork.worker import exits, files
 from gym_fork.worker import ring as rings
 from gym_fork.worker import ring_slots
 from gym_fork.worker.channel import OK, PACKED_OLDEST, PACKED_VERSION, Channel, ChannelClosed, SpinWait, send_fds, spin_cap, step_parts
@@ -807,6 +808,8 @@ class RemoteHandle(Handle):
                 deadline = time.monotonic() + 2
                 while (found := _ended_as(self.pid)) is None and time.monotonic() < deadline:
                     time.sleep(0.01)
+                if found == _REAPED:  # its parent wrote down how, unless it exited with 0
+                    found = _logged_end(self.ino) or found
                 if found is not None:
                     status = found
         except (subprocess.TimeoutExpired, ChildProcessError):
@@ -998,7 +1001,22 @@ def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -
             pass  # an env left open until exit; it is ending, and this process too, which nobody waits for
 
 
-_REAPED = "it has exited (its parent process collected its exit status, so how is not known here)"
+_REAPED = ("it has exited (its parent process collected it, and recorded no signal or non-zero exit code for it: "
+           "see gym_fork.worker.exits)")
+
+
+def _logged_end(ino: int) -> str | None:
+    """How the copy whose channel's worker end is socket ``ino`` ended, as its parent wrote it
+    down (:mod:`gym_fork.worker.exits`): waits up to half a second for the line, which follows
+    the parent's collecting it closely. None where there is none (it exited with status 0, or
+    its parent could not write)."""
+    path = sessiondir.exit_log(create=False)
+    if path is None:
+        return None
+    deadline = time.monotonic() + 0.5
+    while (status := exits.ended(path, ino)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return None if status is None else _describe_returncode(os.waitstatus_to_exitcode(status))
 
 
 def _ended_as(pid: int) -> str | None:

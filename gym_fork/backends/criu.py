@@ -50,7 +50,7 @@ from gym_fork.errors import (
 from gym_fork.snapshots import sessiondir
 from gym_fork.snapshots.bundle import check_field, check_images
 from gym_fork.snapshots.files import is_no_space, no_space
-from gym_fork.worker import cpus
+from gym_fork.worker import cpus, exits
 from gym_fork.worker.channel import OK, READY, Channel, ChannelClosed, recv_fds, send_fds, socket_inode
 from gym_fork.worker.commands import EnvSource, pickled_modules
 from gym_fork.worker.resources import Scan
@@ -1176,6 +1176,7 @@ def _worker_environ() -> dict[str, str]:
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [pkg_root] + [p for p in sys.path if p and os.path.isdir(p)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env[exits.PATH_ENV] = sessiondir.exit_log()  # how its copies end, for exit_status()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
     return env

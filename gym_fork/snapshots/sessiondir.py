@@ -84,6 +84,14 @@ def session_dir() -> str:
         return _session
 
 
+def exit_log(create: bool = True) -> str | None:
+    """The file in this process's session directory where the parents of its workers' copies
+    write down how those copies ended (:mod:`gym_fork.worker.exits`); with ``create`` false,
+    None where this process has no session directory (no worker of its can have written one)."""
+    base = session_dir() if create else _session
+    return None if base is None else os.path.join(base, "exits")
+
+
 def current_session() -> str | None:
     """This process's session directory if it has one (none is created)."""
     return _session

@@ -56,6 +56,7 @@ import threading
 from typing import Any, Callable, Iterable, Iterator
 
 from gym_fork.errors import ForeignWorkspaceError
+from gym_fork.worker import exits
 
 CREATED = "created"  # the path did not exist before the env's first change to it
 MODIFIED = "modified"  # it existed: written, truncated, renamed, removed, chmod-ed, ...
@@ -68,6 +69,9 @@ _SYSTEM = ("/dev/", "/proc/", "/sys/")
 # ... except POSIX shared memory: /dev/shm is a tmpfs of files like any other (an env's tool keeps
 # state there, and a copy would share it), not device nodes; gym_fork's ring slots are its own
 _SHARED_MEMORY, _OWN_SHARED = "/dev/shm/", "/dev/shm/gym_fork-"
+# gym_fork's record of how copies ended (gym_fork.worker.exits): written by a copy's parent (a
+# frozen snapshot, this worker as a namespace init), never by the env
+_EXIT_LOG = os.path.normpath(os.environ[exits.PATH_ENV]) if os.environ.get(exits.PATH_ENV) else None
 
 
 class Record:
@@ -379,7 +383,7 @@ def _path(raw: Any, dir_fd: Any, rec: Record) -> str | None:
         p = os.path.join(os.getcwd(), p)
     p = os.path.normpath(p)
     if p.startswith(_SYSTEM) and (not p.startswith(_SHARED_MEMORY) or p.startswith(_OWN_SHARED)) \
-            or "/__pycache__" in p or p in ("/dev", "/proc", "/sys"):
+            or "/__pycache__" in p or p in ("/dev", "/proc", "/sys") or p == _EXIT_LOG:
         return None
     if rec.workspace and is_under(p, rec.workspace):
         return None

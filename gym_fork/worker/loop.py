@@ -59,7 +59,7 @@ from gym_fork.worker.channel import (  # noqa: E402
 from gym_fork import atfork  # noqa: E402
 from gym_fork.errors import NotSendableError  # noqa: E402
 from gym_fork.worker.commands import EnvServer, build_env, host_pid  # noqa: E402
-from gym_fork.worker import cpus, lean, output, prefault, resources  # noqa: E402
+from gym_fork.worker import cpus, exits, lean, output, prefault, resources  # noqa: E402
 from gym_fork.worker import files, fswatch, reseed  # noqa: E402
 from gym_fork.worker.ring import Ring  # noqa: E402
 
@@ -74,8 +74,12 @@ REAPER = (
     f"# {resources.REAPER_MARK.decode()}\n"
     "import ctypes, os\n"
     "ctypes.CDLL(None).prctl(15, b'gym_fork-fork', 0, 0, 0)\n"
+    "try:\n"
+    "    from gym_fork.worker.exits import reaped\n"  # (how the copies it adopted end: gym_fork.worker.exits)
+    "except Exception:\n"
+    "    reaped = lambda pid, status: None\n"
     "while True:\n"
-    "    try: os.wait()\n"
+    "    try: reaped(*os.wait())\n"
     "    except ChildProcessError: break\n"
     "    except InterruptedError: pass\n"
 )
@@ -278,6 +282,8 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
     if pid == 0:
         _FROZEN = False  # (a copy steps)
         try:
+            if from_frozen:
+                exits.in_copy()  # (before the env's SIGCHLD handling is back)
             global _subreaper
             _subreaper = False  # (the kernel does not pass it on either)
             if not from_frozen:  # (a copy of a frozen snapshot has its name)
@@ -293,6 +299,8 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
             # (a frozen snapshot forked from the worker keeps the env's until its loop saves it)
         except BaseException:  # noqa: BLE001 - never back into the parent's frames (see _child_life)
             _child_failed()
+    elif from_frozen:
+        exits.track(pid, keep_fd)  # (how it ends is written down for the learner: gym_fork.worker.exits)
     return pid
 
 
@@ -495,6 +503,13 @@ class _Replies:
         self.chan.send(msg)
 
 
+def _frozen_exit() -> NoReturn:
+    """A frozen snapshot ends (released, or its controller went away): the copies it still has
+    go to another process, told which they are first (:func:`exits.hand_over`)."""
+    exits.hand_over()
+    os._exit(0)
+
+
 def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> None:
     """A frozen snapshot: holds the state and makes copies of it on request, never steps.
 
@@ -523,7 +538,10 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
     _ENV_SIGCHLD = signal.getsignal(signal.SIGCHLD)
     if _ENV_SIGCHLD is None:
         _ENV_SIGCHLD = signal.SIG_DFL
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    # Collected here, so that how each copy ended reaches the learner (gym_fork.worker.exits);
+    # where that cannot be written down, ignored: the kernel collects them
+    if not exits.collect_in_this_process():
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     offered = 0  # ready copies whose channels were handed out and not taken yet
     failed = 0
     # Restores in a burst (tree search: restore, a few steps, restore again) would each find the
@@ -554,16 +572,16 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
                 _offer_ready_copy(chan, server, plan)
                 offered += 1
             except ChannelClosed:
-                os._exit(0)
+                _frozen_exit()
             except Exception:  # noqa: BLE001 - e.g. ENOMEM: clone requests fork on demand
                 failed += 1
             continue  # up to `wanted` of them, each after its quiet time
         try:
             cmd, args = chan.recv()
         except ChannelClosed:
-            os._exit(0)
+            _frozen_exit()
         if cmd == "exit":
-            os._exit(0)
+            _frozen_exit()
         if cmd == "taken" or (cmd == "clone" and (not args or args[0])):  # restored: in a burst?
             now = time.monotonic()
             burst = now - last_use < BURST_S
@@ -596,7 +614,7 @@ def frozen_loop(chan: Channel, server: EnvServer, ready_ahead: bool = True) -> N
         try:
             chan.send(reply)
         except ChannelClosed:
-            os._exit(0)
+            _frozen_exit()
 
 
 #: how long a frozen snapshot's channel must be quiet before it forks its next ready copy
@@ -669,8 +687,8 @@ def _fork_copy_process(fd: int, frozen_chan: Channel, want_host: bool = True) ->
     if not _subreaper:
         # Nor what they leave: a copy's processes orphaned when it ends (a frozen snapshot of it
         # that explore() cloned its branches from, released while they ran) come to this frozen
-        # process, which ignores SIGCHLD (the kernel collects them), not to the worker, which
-        # would keep them as zombies until its next scan. Set before the first copy, not when
+        # process, which collects them at once (its SIGCHLD handler: gym_fork.worker.exits), not
+        # to the worker, which would keep them as zombies until its next scan. Set before the first copy, not when
         # the frozen process starts: then it costs the snapshot's next step nothing.
         if resources.prctl is not None:  # (looked up once: a dlopen here cost ~0.3 ms at the first copy)
             resources.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -712,7 +730,7 @@ def _fork_ns_init(fd: int, *drop: Channel | None) -> tuple[int, int | None]:
     try:
         os.waitpid(mid, 0)
     except ChildProcessError:
-        pass  # already reaped: frozen snapshots ignore SIGCHLD
+        pass  # already collected: by a frozen snapshot's SIGCHLD handler (gym_fork.worker.exits)
     data = os.read(r, 64)
     os.close(r)
     if not data or data.startswith(b"E"):

@@ -55,7 +55,7 @@ import struct
 import sys
 from dataclasses import asdict, dataclass, field
 
-from gym_fork.worker import files, log_buffers, mounts
+from gym_fork.worker import exits, files, log_buffers, mounts
 
 #: unlinked files up to this size are copied into CRIU images (``--ghost-limit``); larger ones are refused
 GHOST_LIMIT = 64 << 20
@@ -337,7 +337,9 @@ def _reap_zombies_among(fork_kids: list[tuple[int, int, bool]], forked: set[int]
             alive.append(kid)
             continue
         try:
-            os.waitpid(local, os.WNOHANG)
+            pid, status = os.waitpid(local, os.WNOHANG)
+            if pid and local not in forked:  # an orphan copy adopted by this namespace init
+                exits.reaped(pid, status)
         except ChildProcessError:
             pass
         if isinstance(forked, set):
