@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -20,6 +21,7 @@ import pytest
 from conftest import campaign as load_campaign, eventually, process_alive, same, started_elsewhere
 
 import gym_fork
+from gym_fork import keys
 from gym_fork.snapshots import sessiondir
 from gym_fork.errors import (
     EnvClosedError,
@@ -98,8 +100,6 @@ def test_released_fork_snapshot_frees_its_process():
         for _ in range(100):
             if not _alive(pid):
                 break
-            import time
-
             time.sleep(0.02)
         assert not _alive(pid)
         with pytest.raises(SnapshotReleasedError):
@@ -268,8 +268,10 @@ def test_a_copy_on_write_copy_that_died_says_how(parent, ending, said):
     try:
         snap = _copy_whose_parent_is(parent, env)
         assert not env._handle._child and env._handle._popen is None  # (not ours to wait for)
+        pid = env.worker_pid
         if isinstance(ending, signal.Signals):
-            os.kill(env.worker_pid, ending)
+            os.kill(pid, ending)
+            assert eventually(lambda: not os.path.exists(f"/proc/{pid}"))  # collected: no zombie to read it from
             action = 0
         else:
             action = ending
@@ -297,6 +299,45 @@ def test_a_copy_on_write_copy_that_exited_with_0_is_not_said_to_be_running():
         env.step(0)
     finally:
         env.close()
+
+
+_KILL_A_COPY_OF_A_LOADED_SNAPSHOT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import gym_fork
+    from gym_fork.errors import WorkerDiedError
+    env = gym_fork.ForkableEnv.from_snapshot(gym_fork.load_snapshot(sys.argv[1]))  # CRIU-restored
+    snap = env.snapshot()  # a frozen process forked from that worker
+    env.restore(snap)      # a copy of it, its child
+    pid = env.worker_pid
+    os.kill(pid, signal.SIGSEGV)
+    while os.path.exists(f"/proc/{pid}"):  # collected by its parent: no zombie to read the status from
+        time.sleep(0.01)
+    try:
+        env.step(0)
+    except WorkerDiedError as e:
+        print(e)
+    env.close()
+    """
+)
+
+
+def test_a_copy_in_a_process_that_loaded_the_snapshot_says_how_it_ended(tmp_path):
+    """A CRIU-restored worker's environment names the record of how copies ended of the process
+    that started it (here: this one, still running), so its copies' parents wrote there, and the
+    process that loaded the snapshot said only that its copy "has exited". A restore now tells
+    the worker its own controller's record."""
+    env = gym_fork.ForkableEnv("CartPole-v1", fork_tier=True)
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        path = env.snapshot().save(str(tmp_path / "bundle"))
+    finally:
+        env.close()
+    out = subprocess.run([sys.executable, "-c", _KILL_A_COPY_OF_A_LOADED_SNAPSHOT, path], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "GYM_FORK_KEY_FILE": keys.key_file()})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "killed by SIGSEGV" in out.stdout, out.stdout
 
 
 class _SlowOnOne(gym.Env):

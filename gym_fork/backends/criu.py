@@ -823,6 +823,7 @@ class CriuBackend(Backend):
             if hold_tree:
                 handle.held = _let_worker_go(pid, payload.path)
             _pid, *handle.initial = handle.request("hello")
+            _tell_exit_log(handle)
         except WorkerDiedError as e:
             handle.kill()
             raise RestoreError(f"the restored worker did not answer: {e}") from e
@@ -1167,6 +1168,16 @@ if os.WIFSIGNALED(st):
     os.kill(os.getpid(), sig)
 os._exit(os.waitstatus_to_exitcode(st))
 """
+
+
+def _tell_exit_log(handle: RemoteHandle) -> None:
+    """Tell a CRIU-restored worker this process's record of how copies end (gym_fork.worker.exits):
+    its environment still names the file of the process that started it (another one after a
+    ``load_snapshot``, a store or a migration, or gone). One round trip, on a restore of ~40 ms."""
+    try:
+        handle.request("exit_log", sessiondir.exit_log())
+    except WorkerError:
+        pass  # an older gym_fork's worker: its copies' ends are not written down here
 
 
 def _worker_environ() -> dict[str, str]:

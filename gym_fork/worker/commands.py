@@ -568,6 +568,12 @@ class EnvServer:
     def cmd_ping(self) -> int:
         return host_pid()
 
+    def cmd_exit_log(self, path: str) -> None:
+        """Where this worker's copies' parents write down how the copies ended: the controller's
+        (:mod:`gym_fork.worker.exits`). A CRIU-restored worker still named the file of the
+        controller that started it, perhaps in another process or on another machine."""
+        files.set_exit_log(path)
+
     def cmd_hello(self, packed: int = 0, state: bool = True) -> tuple:
         """First words with a new copy: (host pid, obs, info, steps) in one round trip; a
         controller that offers ``packed`` step frames also learns the version this worker reads

@@ -275,6 +275,15 @@ KNOWN_LOGS: tuple[str, ...] = ("*/MUJOCO_LOG.TXT", "*/.cache/mesa_shader_cache*"
 _untracked: tuple[str, ...] = ()
 
 
+def set_exit_log(path: str) -> None:
+    """Name the controller's record of how copies end (:mod:`gym_fork.worker.exits`): for this
+    worker's copies' parents, which inherit the environment, and for the filters here (its
+    parents' writes are never the env's)."""
+    global _EXIT_LOG
+    os.environ[exits.PATH_ENV] = path
+    _EXIT_LOG = os.path.normpath(path)
+
+
 def set_untracked(patterns: Iterable[str]) -> None:
     """Tell this worker its env's ``untracked_paths`` (normalised by :func:`untracked_patterns`)."""
     global _untracked

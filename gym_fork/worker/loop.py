@@ -312,7 +312,7 @@ def _poll_cap(server: EnvServer) -> float:
 
 #: requests after which a copy's inherited list of generators (EnvServer.generators) still holds:
 #: none of them runs the env's code
-_KEEP_GENERATORS = frozenset({"hello", "reseed", "private_dirs", "poll", "ring", "ping", "last", "steps", "meta"})
+_KEEP_GENERATORS = frozenset({"hello", "exit_log", "reseed", "private_dirs", "poll", "ring", "ping", "last", "steps", "meta"})
 
 
 def serve(chan: Channel, server: EnvServer) -> None:
