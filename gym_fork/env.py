@@ -1185,7 +1185,13 @@ class ForkableEnv(gym.Wrapper):
             if getattr(chan, "spawned", False) and not self._closed:
                 # the env's processes write at any time, not only inside a step: one more look
                 # (the worker reads the kernel's record of changes ahead of its answer)
-                handle.request("ping")
+                try:
+                    handle.request("ping")
+                except WorkerDiedError:
+                    # crashed: what it reported last is all there is (a restore is how the env
+                    # goes on: it must not fail on the dead worker), as for an env that never
+                    # started a process (see "When a worker crashes" in docs/guide/snapshots.md)
+                    pass
             record = getattr(chan, "files", None)
         else:  # in-process (pickle backend): the handle's own record
             written = getattr(handle, "written", None)

@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_same_traj, process_states
+from conftest import assert_same_traj, eventually, process_states
 
 import agent_envs
 import gym_fork
-from gym_fork.errors import UncapturableStateError
+from gym_fork.errors import UncapturableStateError, WorkerDiedError
 from gym_fork.snapshots import sessiondir
 
 pytestmark = pytest.mark.criu
@@ -1004,6 +1004,32 @@ def test_a_file_held_open_for_writing_is_a_log_only_when_declared_and_write_only
         env.snapshot()
     env.step(1)
     env.close()
+
+
+def test_a_copy_of_an_env_that_ran_tools_says_how_it_ended():
+    """A copy of an env that has run processes of its own is PID 1 of a namespace of its own,
+    made through a short-lived process that exits at once: the copy is then its frozen
+    snapshot's by adoption, and its end was written down as an unknown orphan's, which the
+    learner could not tie to its worker (gym_fork.worker.exits). The frozen snapshot now knows
+    it by its pid in its own namespace."""
+    env = gym_fork.ForkableEnv(functools.partial(agent_envs.tool_exit, "count"), fork_tier=True)
+    try:
+        env.reset(seed=0)
+        env.step(1)  # a tool ran: from now on, copies are namespace inits
+        snap = env.snapshot()
+        assert type(snap._payload).__name__ == "ForkPayload"
+        env.restore(snap)
+        assert env._handle.ns_root
+        pid = env.worker_pid
+        # (SIGKILL: a namespace init ignores signals it has no handler for, a kill's SIGSEGV too)
+        os.kill(pid, signal.SIGKILL)
+        assert eventually(lambda: not os.path.exists(f"/proc/{pid}"))  # collected: no zombie to read it from
+        with pytest.raises(WorkerDiedError, match="killed by SIGKILL"):
+            env.step(0)
+        env.restore(snap)
+        env.step(0)
+    finally:
+        env.close()
 
 
 # --- how the env handles SIGCHLD -----------------------------------------------------------------------

@@ -84,6 +84,11 @@ def collect_in_this_process() -> bool:
     return True
 
 
+def collecting() -> bool:
+    """Whether this process writes down how its children end (a frozen snapshot, with a file)."""
+    return _collector == os.getpid()
+
+
 def track(pid: int, fd: int) -> None:
     """In a frozen snapshot, after forking copy ``pid`` that serves on socket ``fd``."""
     if _collector:

@@ -702,6 +702,11 @@ def _fork_copy_process(fd: int, frozen_chan: Channel, want_host: bool = True) ->
         # look like one of the env's children there (a retiring worker kills those)
         global _CLONE_INIT
         _CLONE_INIT = True
+    elif host is not None and exits.collecting():
+        # the copy's parent, the intermediate, has exited: it is this subreaper's child now
+        local = resources.local_pid(host)
+        if local is not None:
+            exits.track(local, fd)
     return pid, host
 
 

@@ -200,6 +200,16 @@ def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int] | None:
     return name, state, local
 
 
+def local_pid(host: int) -> int | None:
+    """The pid in this process's PID namespace of the process whose host pid is ``host`` (None
+    when it is gone)."""
+    try:
+        found = _status(host, _own_level())
+    except OSError:
+        return None
+    return None if found is None else found[2]
+
+
 def _is_reaper(pid: int) -> bool:
     """Whether ``pid`` is a retired namespace init of gym_fork's (its command line says so)."""
     try:
