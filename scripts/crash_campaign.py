@@ -7,7 +7,9 @@ current worker is killed 0-5 ms into a call, or a snapshot's frozen process is k
 calls. A call must then answer exactly or raise ``WorkerDiedError`` / ``RestoreError``; after a
 crash, a restore of a persisted snapshot must bring the env back exactly (a snapshot never
 persisted may be gone, and must say so); every answer is checked against the history, and after
-the env is closed no worker may be left. Prints what broke that and, per seed,
+the env is closed no worker may be left. A ``WorkerDiedError`` must say the worker was killed by
+SIGKILL (a copy's end is seen only by its parent process, which writes it down) where that
+worker is the process the campaign killed. Prints what broke that and, per seed,
 ``(bad, crashes)``.
 
     .venv/bin/python scripts/crash_campaign.py --seeds 1-4 --calls 150
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,8 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ctrl_c_campaign import EchoEnv, history_fault  # noqa: E402 - (the scripts directory, put on the path above)
 
 
+KILLED: set[int] = set()  # every pid kill() was given
+
+
 def kill(pid: int | None) -> None:
     if pid:
+        KILLED.add(pid)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -118,9 +125,17 @@ def run(seed: int, calls: int, fork_tier: bool) -> tuple[int, int]:
                             except (OSError, gym_fork.errors.GymForkError):
                                 pass  # (gone already)
                         continue
-                except WorkerDiedError:
+                except WorkerDiedError as e:
                     crashes += 1
                     dead = True
+                    # a worker killed here must say so: its parent wrote it down (gym_fork.worker.exits).
+                    # Not one that went with its PID namespace, whose init was killed here (then
+                    # its parent went too), nor a snapshot's frozen process found gone (persist()
+                    # of a snapshot that went with its worker)
+                    named = re.search(r"\(pid (\d+)\)", str(e))
+                    if named and int(named.group(1)) in KILLED and "killed by SIGKILL" not in str(e):
+                        print(f"  seed {seed} call {i}: the error does not say how the worker ended: {e}")
+                        bad += 1
                     continue
                 except (RestoreError, gym_fork.errors.SnapshotError) as e:
                     if timer is None:

@@ -342,6 +342,7 @@ class RemoteHandle(Handle):
         self._cmd = ""  # the request in flight (its reply is read by receive())
         self._offered = False  # that request is a hello offering packed frames
         self._status: str | None = None
+        self._born = time.time_ns()  # how it ended is looked up among the ends written down since
         # the shared-memory step ring (gym_fork.worker.ring), opened after RING_AFTER steps made
         # one request at a time (short-lived copies never pay for one); None: the socket only
         self.ring: rings.Ring | None = None
@@ -787,7 +788,8 @@ class RemoteHandle(Handle):
         """How the worker ended, as words (waits up to 2 s for it to be reaped)."""
         if self._status is not None:
             return self._status
-        status = "it is still running but closed its channel"
+        # (pid 0: a clone that ended before its hello, which names it: nothing tells how)
+        status = "it is still running but closed its channel" if self.pid else "it ended before it said its pid"
         try:
             if self._popen is not None:
                 rc = self._popen.wait(timeout=2)
@@ -809,7 +811,7 @@ class RemoteHandle(Handle):
                 while (found := _ended_as(self.pid)) is None and time.monotonic() < deadline:
                     time.sleep(0.01)
                 if found == _REAPED:  # its parent wrote down how, unless it exited with 0
-                    found = _logged_end(self.ino) or found
+                    found = _logged_end(self.pid, self._born) or found
                 if found is not None:
                     status = found
         except (subprocess.TimeoutExpired, ChildProcessError):
@@ -1005,18 +1007,18 @@ _REAPED = ("it has exited (its parent process collected it, and recorded no sign
            "see gym_fork.worker.exits)")
 
 
-def _logged_end(ino: int) -> str | None:
-    """How the copy whose channel's worker end is socket ``ino`` ended, as its parent wrote it
-    down (:mod:`gym_fork.worker.exits`): waits up to half a second for the line, which follows
-    the parent's collecting it closely. None where there is none (it exited with status 0, or
+def _logged_end(pid: int, since_ns: int) -> str | None:
+    """How process ``pid``, a copy this handle has talked to since ``since_ns``, ended, as its
+    parent wrote it down (:mod:`gym_fork.worker.exits`): waits up to half a second for the
+    line, written as the parent collects it. None where there is none (it exited with 0, or
     its parent could not write)."""
     path = sessiondir.exit_log(create=False)
     if path is None:
         return None
     deadline = time.monotonic() + 0.5
-    while (status := exits.ended(path, ino)) is None and time.monotonic() < deadline:
+    while (rc := exits.ended(path, pid, since_ns)) is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    return None if status is None else _describe_returncode(os.waitstatus_to_exitcode(status))
+    return None if rc is None else _describe_returncode(rc)
 
 
 def _ended_as(pid: int) -> str | None:

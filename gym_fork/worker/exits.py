@@ -1,69 +1,50 @@
 """How copy-on-write copies ended, for a learner that cannot wait for them itself.
 
 A fork-tier copy is the child of the frozen snapshot it was forked from, not of the learner, and
-once that snapshot is released, of the nearest subreaper above it (another frozen snapshot, or
-its PID namespace's init: the env's first worker, or the reaper that worker retired into). Only
-a parent can collect a child's exit status, and until this module the parents threw it away
-(frozen snapshots ignored ``SIGCHLD``): a learner whose copy died of a segfault, the OOM killer
-or ``os._exit(3)`` could say only that it "has exited".
+once that snapshot is gone (released, or killed), of the nearest subreaper above it: another
+frozen snapshot, or its PID namespace's init (the env's first worker, or the reaper that worker
+retired into). Only a parent can collect a child's exit status, and until this module the
+parents threw it away (frozen snapshots ignored ``SIGCHLD``): a learner whose copy died of a
+segfault, the OOM killer or ``os._exit(3)`` could say only that it "has exited".
 
 So the parents write it down. The learner names a file in its private session directory
-(``$GYM_FORK_EXIT_LOG``, set for every worker it spawns; copies and reapers inherit it) and
-every gym_fork process that collects a child appends one line per child that did not end with
-status 0 (a retired copy exits 0, and there is one per restore: those are not worth a line):
+(``$GYM_FORK_EXIT_LOG``, set for every worker it spawns and told to every worker CRIU restores;
+copies and reapers inherit it), and every gym_fork process that collects a child -- the frozen
+snapshots (:func:`collect_in_this_process`), a namespace init while it is a worker
+(``resources.reap_fork_zombies``), the reaper (:func:`reap_until_none_left`) -- appends one line
+per child that did not end with 0 (a retired copy exits with 0, one per restore: not worth a
+line)::
 
-``D <ino> <status>``
-    a frozen snapshot collected its copy whose channel's worker end is socket ``<ino>`` (the
-    learner's handle knows that inode: ``RemoteHandle.ino``);
-``A <pidns> <pid> <ino>``
-    a frozen snapshot exits while its copy ``<pid>`` (in PID namespace ``<pidns>``) still runs:
-    whoever collects that pid next collects this copy;
-``R <pidns> <pid> <status>``
-    a process collected ``<pid>``, a child it did not fork (an orphan it adopted).
+    <host pid> <returncode> <CLOCK_REALTIME ns when it was collected>
 
-``<status>`` is the raw wait status. Lines are appended with ``O_APPEND`` (no interleaving) and
-written only when a child ends, never on the step or restore path. Where the file cannot be
-written, nothing is recorded and the learner says it does not know how the copy ended, as before.
+The host pid is read from a pidfd of the zombie *before* it is reaped (``/proc`` names a process
+by its host pid, ``waitid`` by its pid in the collector's namespace), so the line is on disk
+while that pid still belongs to the copy; the learner takes the first line for its worker's pid
+written after it started talking to that worker (:func:`ended`), so a line of an earlier
+process that had the same pid is never taken for it. (The real-time clock: a CRIU-restored
+process runs in a time namespace whose monotonic clock goes on from its dump's, behind the
+learner's; a real-time clock set back between the two would only lose the line.) Returncodes as
+``subprocess`` gives them: the exit code, or minus the signal. Lines are appended with
+``O_APPEND`` and written only when a child ends, never on the step or restore path. Where the
+file cannot be written (the session ended; a ``/proc`` that is not the learner's), nothing is
+recorded, and the learner says that no signal or exit code was recorded.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 #: the variable naming the file, set by the learner for the workers it spawns
 PATH_ENV = "GYM_FORK_EXIT_LOG"
 
-_copies: dict[int, int] = {}  # this frozen process's copies: pid -> inode of their channel's worker end
-_collector = 0  # the pid of the process that collects into _copies (a copy inherits the dict, not the role)
+_collector = 0  # the pid of the frozen snapshot collecting in its SIGCHLD handler (copies inherit the value)
 _check_signals = None  # CPython's PyErr_CheckSignals, looked up in the collector (not in every copy)
 
 
 def _path() -> str | None:
     return os.environ.get(PATH_ENV) or None
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _append(lines: list[str]) -> None:
-    path = _path()
-    if not lines or path is None:
-        return
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return  # (the learner's session ended, or this worker was restored elsewhere)
-    try:
-        os.write(fd, "".join(line + "\n" for line in lines).encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def collect_in_this_process() -> bool:
@@ -84,90 +65,110 @@ def collect_in_this_process() -> bool:
     return True
 
 
-def collecting() -> bool:
-    """Whether this process writes down how its children end (a frozen snapshot, with a file)."""
-    return _collector == os.getpid()
-
-
-def track(pid: int, fd: int) -> None:
-    """In a frozen snapshot, after forking copy ``pid`` that serves on socket ``fd``."""
-    if _collector:
-        try:
-            _copies[pid] = os.fstat(fd).st_ino
-        except OSError:
-            pass
-
-
 def in_copy() -> None:
     """In a copy just forked from a frozen snapshot, before it puts the env's ``SIGCHLD``
-    handling back: a ``SIGCHLD`` its parent had not handled yet when it forked is handled now,
-    by :func:`collect` (a no-op here), not by the env's handler (a call the original never
-    had); and the parent's list of copies is not this process's."""
+    handling back: a ``SIGCHLD`` its parent had not handled yet when it forked (the fork tier's
+    fork skips Python's after-fork work, which would clear it) is handled now, by
+    :func:`collect`, a no-op here -- not later by the env's handler, a call the original never
+    had."""
     global _collector
     if _collector and _check_signals is not None:
-        _check_signals()  # (runs a handler still pending from the parent; collect() returns at once)
+        _check_signals()
     _collector = 0
-    _copies.clear()
 
 
 def collect(signum: int | None = None, frame: object = None) -> None:
-    """Collect every child that has ended, writing down those whose status was not 0."""
+    """A frozen snapshot's ``SIGCHLD`` handler: collect every child that has ended."""
     if os.getpid() != _collector:
         return  # (a copy that inherited a pending signal: see in_copy)
-    lines = []
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
-            break
+            return
         except InterruptedError:
             continue
-        if pid == 0:
-            break
-        ino = _copies.pop(pid, None)
-        if status:
-            lines.append(f"D {ino} {status}" if ino is not None else f"R {_pid_namespace()} {pid} {status}")
-    _append(lines)
+        if ended is None:
+            return
+        _settle(ended)
 
 
-def hand_over() -> None:
-    """A frozen snapshot about to exit: its copies still running go to another process, which
-    knows nothing of them -- write down which they are (``A`` lines)."""
-    if os.getpid() != _collector:
+def reap_until_none_left() -> None:
+    """A retired namespace init's life: collect children, writing down how they ended, until
+    none is left (the namespace then ends)."""
+    while True:
+        try:
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+        _settle(ended)
+
+
+def _settle(ended: os.waitid_result) -> None:
+    """Write down how the zombie ``ended`` names ended (it still holds its pid), then reap it."""
+    rc = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+    if rc:
+        host = _host_pid(ended.si_pid)
+        if host is not None:
+            record(host, rc)
+    try:
+        os.waitpid(ended.si_pid, 0)  # (a zombie: at once)
+    except ChildProcessError:
+        pass
+
+
+def _host_pid(local: int) -> int | None:
+    """``local``'s pid as ``/proc`` names it: the first pid of its pidfd's ``NSpid`` line."""
+    try:
+        fd = os.pidfd_open(local)
+    except (AttributeError, OSError):
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    host = int(line.split()[1])
+                    return host if host > 0 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def record(host_pid: int, rc: int) -> None:
+    """Write down that process ``host_pid`` ended with returncode ``rc`` (nothing for 0)."""
+    path = _path()
+    if not rc or path is None:
         return
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (so that no handler runs from here on)
-    collect()
-    if _copies:
-        ns = _pid_namespace()
-        _append([f"A {ns} {pid} {ino}" for pid, ino in _copies.items()])
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return  # (the learner's session ended)
+    try:
+        os.write(fd, b"%d %d %d\n" % (host_pid, rc, time.time_ns()))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
-def reaped(pid: int, status: int) -> None:
-    """A process collected ``pid``, a child it did not fork itself (a reaper, a namespace init)."""
-    if status:
-        _append([f"R {_pid_namespace()} {pid} {status}"])
-
-
-def ended(path: str, ino: int) -> int | None:
-    """The wait status recorded in ``path`` for the copy whose channel's worker end is socket
-    ``ino``; None where none is recorded (it is still running, ended with status 0, or its
-    parent could not write)."""
+def ended(path: str, pid: int, since_ns: int) -> int | None:
+    """The returncode written down in ``path`` for process ``pid`` (a host pid) collected at or
+    after ``since_ns`` (``time.time_ns()``); None where there is none (it runs, ended
+    with 0, or its parent could not write)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return None
-    found: int | None = None
-    adopted: tuple[bytes, bytes] | None = None
     for line in data.splitlines():
-        fields = line.split()
         try:
-            if fields[0] == b"D" and int(fields[1]) == ino:
-                found, adopted = int(fields[2]), None
-            elif fields[0] == b"A" and int(fields[3]) == ino:
-                found, adopted = None, (fields[1], fields[2])
-            elif fields[0] == b"R" and adopted == (fields[1], fields[2]):
-                found, adopted = int(fields[3]), None
-        except (IndexError, ValueError):
+            host, rc, when = (int(x) for x in line.split())
+        except ValueError:
             continue  # (a line cut short: the disk filled up)
-    return found
+        if host == pid and when >= since_ns:
+            return rc
+    return None

@@ -75,13 +75,13 @@ REAPER = (
     "import ctypes, os\n"
     "ctypes.CDLL(None).prctl(15, b'gym_fork-fork', 0, 0, 0)\n"
     "try:\n"
-    "    from gym_fork.worker.exits import reaped\n"  # (how the copies it adopted end: gym_fork.worker.exits)
-    "except Exception:\n"
-    "    reaped = lambda pid, status: None\n"
-    "while True:\n"
-    "    try: reaped(*os.wait())\n"
-    "    except ChildProcessError: break\n"
-    "    except InterruptedError: pass\n"
+    "    from gym_fork.worker.exits import reap_until_none_left\n"  # (writes down how they end)
+    "    reap_until_none_left()\n"
+    "except ImportError:\n"
+    "    while True:\n"
+    "        try: os.wait()\n"
+    "        except ChildProcessError: break\n"
+    "        except InterruptedError: pass\n"
 )
 
 
@@ -299,8 +299,6 @@ def _fork_child(keep_fd: int, *drop: Channel | None) -> int:
             # (a frozen snapshot forked from the worker keeps the env's until its loop saves it)
         except BaseException:  # noqa: BLE001 - never back into the parent's frames (see _child_life)
             _child_failed()
-    elif from_frozen:
-        exits.track(pid, keep_fd)  # (how it ends is written down for the learner: gym_fork.worker.exits)
     return pid
 
 
@@ -504,9 +502,10 @@ class _Replies:
 
 
 def _frozen_exit() -> NoReturn:
-    """A frozen snapshot ends (released, or its controller went away): the copies it still has
-    go to another process, told which they are first (:func:`exits.hand_over`)."""
-    exits.hand_over()
+    """A frozen snapshot ends (released, or its controller went away): first it collects the
+    copies that have ended (their SIGCHLD may still wait for its handler, which would never run),
+    so that how they ended is written down (:mod:`gym_fork.worker.exits`)."""
+    exits.collect()
     os._exit(0)
 
 
@@ -702,11 +701,6 @@ def _fork_copy_process(fd: int, frozen_chan: Channel, want_host: bool = True) ->
         # look like one of the env's children there (a retiring worker kills those)
         global _CLONE_INIT
         _CLONE_INIT = True
-    elif host is not None and exits.collecting():
-        # the copy's parent, the intermediate, has exited: it is this subreaper's child now
-        local = resources.local_pid(host)
-        if local is not None:
-            exits.track(local, fd)
     return pid, host
 
 

@@ -200,16 +200,6 @@ def _status(pid: int, level: int = -1) -> tuple[bytes, bytes, int] | None:
     return name, state, local
 
 
-def local_pid(host: int) -> int | None:
-    """The pid in this process's PID namespace of the process whose host pid is ``host`` (None
-    when it is gone)."""
-    try:
-        found = _status(host, _own_level())
-    except OSError:
-        return None
-    return None if found is None else found[2]
-
-
 def _is_reaper(pid: int) -> bool:
     """Whether ``pid`` is a retired namespace init of gym_fork's (its command line says so)."""
     try:
@@ -342,14 +332,14 @@ def _reap_zombies_among(fork_kids: list[tuple[int, int, bool]], forked: set[int]
     the others."""
     alive = []
     for kid in fork_kids:
-        _host, local, zombie = kid
+        host, local, zombie = kid
         if not zombie or local <= 0:  # (never waitpid(-1) or (0): the env's children are the env's)
             alive.append(kid)
             continue
         try:
             pid, status = os.waitpid(local, os.WNOHANG)
             if pid and local not in forked:  # an orphan copy adopted by this namespace init
-                exits.reaped(pid, status)
+                exits.record(host, os.waitstatus_to_exitcode(status))
         except ChildProcessError:
             pass
         if isinstance(forked, set):
