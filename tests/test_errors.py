@@ -756,11 +756,16 @@ def test_a_crashed_worker_takes_its_copy_on_write_snapshots_and_persisted_ones_r
         kept.persist()
         env.step(0)
         lost = env.snapshot()
+        too_late = env.snapshot()
         os.kill(env.worker_pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError):
             env.step(1)
         with pytest.raises(RestoreError, match="never persisted.*snap.persist"):
             env.restore(lost)
+        # persist() after the crash: it said WorkerDiedError "the snapshot's frozen process died
+        # during 'ping'", as if the env's worker had died in that call, and nothing of what to do
+        with pytest.raises(SnapshotCorruptedError, match="frozen process.*never persisted.*snap.persist"):
+            too_late.persist()
         for _ in range(2):  # (the second from the images straight away)
             obs, _ = env.restore(kept)
             assert env.steps == 1

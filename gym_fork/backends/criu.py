@@ -744,12 +744,21 @@ class CriuBackend(Backend):
     def _dump_copy(self, payload: ForkPayload, into: str | None) -> CriuPayload:
         self._require_criu("persist()")
         if payload.chan is None:
-            raise SnapshotCorruptedError("the snapshot's frozen process is gone")
-        ours, theirs = netns.socketpair_in(payload.pid) if self._private_net(payload.pid) else socket.socketpair()
+            raise SnapshotCorruptedError(f"the snapshot's frozen process is gone. {_FROZEN_GONE}")
+        try:
+            frozen = payload.pid
+        except WorkerDiedError as e:  # (gone with its worker's namespace, or killed)
+            payload.close()
+            raise SnapshotCorruptedError(f"{e}. {_FROZEN_GONE}") from e
+        ours, theirs = netns.socketpair_in(frozen) if self._private_net(frozen) else socket.socketpair()
         ino = socket_inode(theirs.fileno())
         try:
             pid = payload.request_with_fd("promote", theirs.fileno())
-        except (WorkerError, WorkerDiedError) as e:
+        except WorkerDiedError as e:
+            ours.close()
+            payload.close()
+            raise SnapshotCorruptedError(f"{e}. {_FROZEN_GONE}") from e
+        except WorkerError as e:
             ours.close()
             raise SnapshotError(f"could not make a dumpable copy of the snapshot: {e}") from e
         finally:
