@@ -1003,8 +1003,8 @@ def _reap_in_background(popen: subprocess.Popen | None, child_pid: int | None) -
             pass  # an env left open until exit; it is ending, and this process too, which nobody waits for
 
 
-_REAPED = ("it has exited (its parent process collected it, and recorded no signal or non-zero exit code for it: "
-           "see gym_fork.worker.exits)")
+_REAPED = ("it has exited, and no signal or error exit was recorded for it (it exited with 0, or its parent "
+           "process ended with it, e.g. with its PID namespace: see gym_fork.worker.exits)")
 
 
 def _logged_end(pid: int, since_ns: int) -> str | None:
