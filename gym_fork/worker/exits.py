@@ -120,7 +120,17 @@ def _settle(ended: os.waitid_result) -> None:
 
 
 def _host_pid(local: int) -> int | None:
-    """``local``'s pid as ``/proc`` names it: the first pid of its pidfd's ``NSpid`` line."""
+    return pid_via_pidfd(local, nested_only=False)
+
+
+def pid_via_pidfd(local: int, nested_only: bool = True) -> int | None:
+    """``local``'s pid as ``/proc`` names it, from a pidfd's ``fdinfo``: its ``NSpid`` line lists
+    the pid in the namespace of the ``/proc`` mounted, then in each namespace below, down to the
+    process's own. A few system calls, also for a zombie not yet collected; reading every child's
+    ``status`` instead cost a frozen snapshot ~0.9 ms a copy with 16 copies about (LunarLander:
+    40 % of a clone). None where pidfds or their ``NSpid`` are missing (Linux < 5.3); with
+    ``nested_only``, also unless the line goes down more than one namespace and ends in ``local``
+    (no namespaces, or ``/proc`` is this namespace's own): then the caller scans."""
     try:
         fd = os.pidfd_open(local)
     except (AttributeError, OSError):
@@ -129,8 +139,10 @@ def _host_pid(local: int) -> int | None:
         with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
             for line in f:
                 if line.startswith(b"NSpid:"):
-                    host = int(line.split()[1])
-                    return host if host > 0 else None
+                    ids = line.split()[1:]
+                    if (not nested_only or (len(ids) >= 2 and int(ids[-1]) == local)) and int(ids[0]) > 0:
+                        return int(ids[0])
+                    return None
     except (OSError, ValueError, IndexError):
         return None
     finally:

@@ -221,31 +221,6 @@ def _ns_depth(pid: int) -> int:
     return 1
 
 
-def _pid_via_pidfd(local: int) -> int | None:
-    """``local``'s pid as ``/proc`` names it, from a pidfd's ``fdinfo`` (its ``NSpid`` line: the pid
-    in the namespace of the ``/proc`` mounted, then in each namespace below, down to ours, where it
-    must read ``local``): a few system calls. Reading every child's ``status`` instead cost a frozen
-    snapshot ~0.9 ms a copy with 16 copies about (LunarLander: 40 % of a clone). None where pidfds
-    or their ``NSpid`` are missing (Linux < 5.3 / without PID namespaces): the caller scans."""
-    try:
-        fd = os.pidfd_open(local)
-    except (AttributeError, OSError):
-        return None
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-            for line in f:
-                if line.startswith(b"NSpid:"):
-                    ids = line.split()[1:]
-                    if len(ids) >= 2 and int(ids[-1]) == local and int(ids[0]) > 0:
-                        return int(ids[0])
-                    return None
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    return None
-
-
 def _own_level() -> int:
     """Depth of this process's PID namespace (0: the host's), the index into a child's NSpid.
     (Not cached: a CRIU restore may put the same process, same pid, at another depth.)"""
@@ -1284,7 +1259,7 @@ def host_pid_of_child(local: int) -> int | None:
     level = _own_level()
     if level == 0:
         return local
-    found = _pid_via_pidfd(local)
+    found = exits.pid_via_pidfd(local)
     if found is not None:
         return found
     for pid in _children("self"):
