@@ -81,16 +81,19 @@ def collect(signum: int | None = None, frame: object = None) -> None:
     """A frozen snapshot's ``SIGCHLD`` handler: collect every child that has ended."""
     if os.getpid() != _collector:
         return  # (a copy that inherited a pending signal: see in_copy)
-    while True:
-        try:
-            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return
-        except InterruptedError:
-            continue
-        if ended is None:
-            return
-        _settle(ended)
+    try:
+        while True:
+            try:
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            except InterruptedError:
+                continue
+            if ended is None:
+                return
+            _settle(ended)
+    except Exception:  # noqa: BLE001 - raised in a handler, it would end the frozen snapshot
+        pass
 
 
 def reap_until_none_left() -> None:

@@ -74,14 +74,15 @@ REAPER = (
     f"# {resources.REAPER_MARK.decode()}\n"
     "import ctypes, os\n"
     "ctypes.CDLL(None).prctl(15, b'gym_fork-fork', 0, 0, 0)\n"
-    "try:\n"
-    "    from gym_fork.worker.exits import reap_until_none_left\n"  # (writes down how they end)
+    "try:\n"  # (writes down how they end: gym_fork.worker.exits)
+    "    from gym_fork.worker.exits import reap_until_none_left\n"
     "    reap_until_none_left()\n"
-    "except ImportError:\n"
-    "    while True:\n"
-    "        try: os.wait()\n"
-    "        except ChildProcessError: break\n"
-    "        except InterruptedError: pass\n"
+    "except BaseException:\n"  # (never ends the namespace early: collects on without writing)
+    "    pass\n"
+    "while True:\n"
+    "    try: os.wait()\n"
+    "    except ChildProcessError: break\n"
+    "    except InterruptedError: pass\n"
 )
 
 
@@ -687,8 +688,9 @@ def _fork_copy_process(fd: int, frozen_chan: Channel, want_host: bool = True) ->
         # Nor what they leave: a copy's processes orphaned when it ends (a frozen snapshot of it
         # that explore() cloned its branches from, released while they ran) come to this frozen
         # process, which collects them at once (its SIGCHLD handler: gym_fork.worker.exits), not
-        # to the worker, which would keep them as zombies until its next scan. Set before the first copy, not when
-        # the frozen process starts: then it costs the snapshot's next step nothing.
+        # to the worker, which would keep them as zombies until its next scan. Set before the
+        # first copy, not when the frozen process starts: then it costs the snapshot's next step
+        # nothing.
         if resources.prctl is not None:  # (looked up once: a dlopen here cost ~0.3 ms at the first copy)
             resources.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _subreaper = True
