@@ -127,7 +127,7 @@ def test_a_childs_host_pid_comes_from_its_pidfd_and_matches_the_status_scan():
     import pytest
     from conftest import run_in_child
 
-    from gym_fork.worker import resources
+    from gym_fork.worker import exits, resources
 
     if os.geteuid() != 0:
         pytest.skip("a PID namespace needs root here")
@@ -152,7 +152,7 @@ def test_a_childs_host_pid_comes_from_its_pidfd_and_matches_the_status_scan():
             st = resources._status(p, level)
             if st is not None:
                 by_scan[st[2]] = p
-        res = {"level": level, "kids": kids, "pidfd": [resources._pid_via_pidfd(k) for k in kids],
+        res = {"level": level, "kids": kids, "pidfd": [exits.pid_via_pidfd(k) for k in kids],
                "host": [resources.host_pid_of_child(k) for k in kids], "scan": [by_scan.get(k) for k in kids]}
         for k in kids:
             os.kill(k, 9)
