@@ -82,16 +82,7 @@ def collect(signum: int | None = None, frame: object = None) -> None:
     if os.getpid() != _collector:
         return  # (a copy that inherited a pending signal: see in_copy)
     try:
-        while True:
-            try:
-                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                return
-            except InterruptedError:
-                continue
-            if ended is None:
-                return
-            _settle(ended)
+        _collect_all(os.WNOHANG)
     except Exception:  # noqa: BLE001 - raised in a handler, it would end the frozen snapshot
         pass
 
@@ -99,13 +90,21 @@ def collect(signum: int | None = None, frame: object = None) -> None:
 def reap_until_none_left() -> None:
     """A retired namespace init's life: collect children, writing down how they ended, until
     none is left (the namespace then ends)."""
+    _collect_all(0)
+
+
+def _collect_all(nohang: int) -> None:
+    """Collect ended children until none is left (``nohang`` ``os.WNOHANG``: until none has
+    ended yet), each written down by :func:`_settle`."""
     while True:
         try:
-            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | nohang)
         except ChildProcessError:
             return
         except InterruptedError:
             continue
+        if ended is None:  # (WNOHANG: none has ended yet)
+            return
         _settle(ended)
 
 
