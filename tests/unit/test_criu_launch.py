@@ -63,10 +63,10 @@ def test_a_criu_that_cannot_be_executed_fails_at_once_and_leaves_no_copy(tmp_pat
     assert not t.is_alive(), "pycriu waited for a criu that was never executed"
     assert errors
     for _ in range(100):  # the child is gone (exec'd or _exit-ed) ...
-        if _children() == before:
+        if _children() <= before:  # (no new one: a child of an earlier test may end meanwhile)
             break
         time.sleep(0.05)
-    assert _children() == before
+    assert _children() <= before
     assert not ran_on.exists(), "the forked child ran the caller's code after its exec failed"
 
 
